@@ -1,0 +1,85 @@
+"""Configuration: frozen dataclasses, and the only place environment variables are read."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+# The built-in default model ships inside the package (see cluster/model/weights/).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "weights" / "stdlib-coder"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def default_model_dir() -> Path:
+    """`SPLITSERVE_MODEL` overrides the shipped default model."""
+    return Path(os.environ.get("SPLITSERVE_MODEL", str(DEFAULT_MODEL_DIR)))
+
+
+def default_num_threads() -> int | None:
+    value = os.environ.get("SPLITSERVE_NUM_THREADS")
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. `num_blocks` fixes the pool size; otherwise it is planned from
+    `memory_budget_bytes` (weights, activations and headroom subtracted first)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_budget_bytes: int | None = None  # None: a share of the machine's available memory
+    memory_fraction: float = 0.4            # share used when no budget is given
+    headroom_fraction: float = 0.05
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget that
+    chunked prefill shares with running decodes."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Path = field(default_factory=default_model_dir)
+    dtype: str = "auto"              # "auto": the checkpoint's own dtype from config.json
+    device: str = "cpu"
+    attention_backend: str = "auto"  # "auto": triton on CUDA when available, else torch
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = field(default_factory=default_num_threads)
+    seed: int = 0                    # for requests that sample without a seed of their own
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", Path(self.model))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def with_overrides(self, **kwargs) -> "EngineConfig":
+        return replace(self, **kwargs)

@@ -1,0 +1,210 @@
+"""The engine: add a request, step, abort; `generate` on top.
+
+One step is `plan = scheduler.schedule(); logits = runner.execute(plan); scheduler.update(...)`,
+followed by detokenization, which may end a request on a stop string.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Iterable, Iterator, Sequence as Seq
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.runner import ModelRunner
+from cluster.engine.sampler import sample
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.paged_cache import PagedKVCache, plan_memory
+from cluster.model.attention import make_attention_backend
+from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
+from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model_config, self.model = load_model(config.model, dtype=dtype, device=self.device,
+                                                   max_positions=config.max_model_len)
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.tokenizer = load_tokenizer(config.model)
+        self.generation = load_generation_defaults(config.model)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        cc = config.cache
+        self.layout = KVLayout(model_id=mc.model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                               head_dim=mc.head_dim, block_size=cc.block_size,
+                               dtype=str(self.dtype).removeprefix("torch."))
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
+                                       self.max_model_len, self.device)
+        log.info("%s", self.memory_plan.describe())
+        self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks, self.device)
+        self.pool = BlockPool(self.memory_plan.num_blocks, cc.enable_prefix_caching)
+        self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                              mc.head_dim, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, self.max_model_len,
+                                   self.generation.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache.arena, self.backend, cc.block_size, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[TokenDelta] = []
+        self._arrivals = itertools.count()
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
+                 mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
+                 self.pool.num_blocks, cc.block_size)
+
+    @classmethod
+    def from_model_dir(cls, model_dir, **overrides) -> "LLMEngine":
+        return cls(EngineConfig(model=model_dir, **overrides))
+
+    # --- requests ------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def validate_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
+                             "tokens (one must be left to generate)")
+        blocks = -(-(len(ids) + 1) // self.layout.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(f"prompt needs {blocks} KV blocks but the cache has {self.pool.num_blocks}; "
+                             "give the KV cache more memory")
+        return ids
+
+    def add_request(self, prompt: str | Seq[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError("sampling must be a SamplingParams")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.validate_prompt(prompt)
+        if sampling.seed is not None:
+            generator = torch.Generator().manual_seed(sampling.seed)
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            generator = torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), generator)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its blocks are freed at once and its last delta comes from `step`."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._pending.append(self._finish_delta(seq, (), ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # --- the step ------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        out, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        # A request the scheduler had to end (the pool cannot hold it) still owes its caller a delta.
+        for seq in list(self._seqs.values()):
+            if seq.is_finished and seq.request_id in self._detok:
+                out.append(self._finish_delta(seq, (), self._detok[seq.request_id].add((), final=True)))
+        if plan.empty:
+            return out
+        logits, sampled_seqs = self.runner.execute(plan)
+        tokens = sample(logits, sampled_seqs) if sampled_seqs else []
+        self.scheduler.update(plan, dict(zip(sampled_seqs, tokens)))
+        for seq, token in zip(sampled_seqs, tokens):
+            out.append(self._delta(seq, token))
+        return out
+
+    def _delta(self, seq: Sequence, token: int) -> TokenDelta:
+        detok = self._detok[seq.request_id]
+        finished = seq.is_finished
+        text = detok.add((token,), final=finished)
+        if detok.stopped and not finished:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            finished = True
+        logprobs = (seq.logprobs[-1],) if seq.sampling.logprobs is not None and seq.logprobs else ()
+        if finished:
+            return self._finish_delta(seq, (token,), text, logprobs)
+        return TokenDelta(seq.request_id, (token,), text, None, logprobs, seq.num_prompt_tokens,
+                          seq.num_output_tokens, seq.num_cached_tokens)
+
+    def _finish_delta(self, seq: Sequence, token_ids, text: str, logprobs=()) -> TokenDelta:
+        self._seqs.pop(seq.request_id, None)
+        self._detok.pop(seq.request_id, None)
+        return TokenDelta(seq.request_id, tuple(token_ids), text, seq.finish_reason, tuple(logprobs),
+                          seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    # --- helpers on top ------------------------------------------------------------------
+    def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[TokenDelta]:
+        """Run one request to the end (others already added keep running) and yield its deltas."""
+        rid = self.add_request(prompt, sampling)
+        try:
+            while True:
+                for delta in self.step():
+                    if delta.request_id == rid:
+                        yield delta
+                        if delta.finished:
+                            return
+        finally:
+            if rid in self._seqs:
+                self.abort(rid)
+
+    def generate(self, prompts: Iterable[str | Seq[int]],
+                 sampling: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
+        prompts = list(prompts)
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
+        seqs = {rid: self._seqs[rid] for rid in ids}
+        texts = {rid: [] for rid in ids}
+        done: dict[str, TokenDelta] = {}
+        try:
+            while len(done) < len(ids):
+                for d in self.step():
+                    if d.request_id in texts:
+                        texts[d.request_id].append(d.text)
+                        if d.finished:
+                            done[d.request_id] = d
+        finally:
+            for rid in ids:
+                if rid not in done and rid in self._seqs:
+                    self.abort(rid)
+        return [Completion(rid, seqs[rid].prompt_token_ids, tuple(seqs[rid].output_token_ids),
+                           "".join(texts[rid]), done[rid].finish_reason, tuple(seqs[rid].logprobs),
+                           seqs[rid].num_cached_tokens) for rid in ids]

@@ -1,0 +1,57 @@
+"""Turns a step plan into tensors, runs the model over the paged cache, returns logits."""
+from __future__ import annotations
+
+import torch
+
+from cluster.engine.scheduler import StepPlan
+from cluster.engine.sequence import Sequence
+from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
+from cluster.model.llama import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
+                 block_size: int, device: torch.device):
+        self.model = model
+        self.kv_arena = kv_arena
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
+        """Returns fp32 logits, one row per sequence whose chunk reaches its end, and those sequences."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        prefills: list[PrefillSpan] = []
+        for chunk in plan.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            offset = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            blocks = seq.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n > 1:
+                prefills.append(PrefillSpan(offset, n, start + n, tuple(blocks)))
+            if chunk.samples:
+                logits_rows.append(offset + n - 1)
+                sampled.append(seq)
+        batch = AttentionBatch(
+            num_decode=len(plan.decodes),
+            decode_context_lens=tuple(c.start + 1 for c in plan.decodes),
+            decode_block_tables=tuple(tuple(c.seq.block_ids) for c in plan.decodes),
+            prefills=tuple(prefills),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_size=bs,
+        )
+        meta = self.backend.prepare(batch)
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_arena, self.backend, meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        return logits, sampled

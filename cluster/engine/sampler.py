@@ -1,0 +1,73 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, logprobs.
+
+Each sampled row draws its randomness from its request's own generator, so a seeded request
+produces the same tokens whatever else shares its batch. The draw is an exponential race
+(argmax of p / E with E ~ Exp(1)), which samples exactly from p with one vector of noise.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from cluster.engine.sequence import Sequence
+from cluster.types import SamplingParams, TokenLogprob
+
+
+def apply_repetition_penalty(row: torch.Tensor, token_ids: Seq[int], penalty: float) -> torch.Tensor:
+    """transformers' rule: divide positive logits of seen tokens by the penalty, multiply negative ones."""
+    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
+    seen = row.index_select(0, ids)
+    row = row.clone()
+    row.index_copy_(0, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+    return row
+
+
+def warp_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to one row of fp32 logits; returns probabilities."""
+    row = row / sp.temperature
+    if sp.top_k and sp.top_k < row.shape[-1]:
+        kth = torch.topk(row, sp.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (torch.cumsum(sorted_p, 0) - sorted_p) >= sp.top_p
+        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+    if sp.min_p > 0.0:
+        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def _logprob_entry(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n:
+        values, ids = torch.topk(logprobs_row, top_n)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(logprobs_row[token]), top=top)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Pick one token per row of `logits` [len(seqs), vocab]; records logprobs on the sequences."""
+    plain = all(s.sampling.greedy and s.sampling.repetition_penalty == 1.0 and s.sampling.logprobs is None
+                for s in seqs)
+    if plain:
+        return torch.argmax(logits, dim=-1).tolist()
+    tokens = []
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling
+        row = logits[i]
+        if sp.repetition_penalty != 1.0:
+            row = apply_repetition_penalty(row, seq.token_ids, sp.repetition_penalty)
+        token = int(torch.argmax(row)) if sp.greedy else sample_row(warp_probs(row, sp), seq.generator)
+        if sp.logprobs is not None:
+            # Logprobs of the model's own distribution (before penalties and warping), as vLLM reports.
+            seq.logprobs.append(_logprob_entry(torch.log_softmax(logits[i], dim=-1), token, sp.logprobs))
+        tokens.append(token)
+    return tokens

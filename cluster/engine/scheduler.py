@@ -1,0 +1,211 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Every step shares one token budget. Running requests go first, in admission order: a decode
+takes one token, a request still in prefill takes the next chunk of its prompt. Waiting requests
+are then admitted while budget, sequence slots and blocks last; a new request first takes every
+cached full block of its prompt and computes only the rest. When a running request needs a block
+and none is free, the most recently admitted request is preempted (its blocks freed, its tokens
+recomputed later), so the oldest request always progresses and the engine cannot deadlock.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from cluster.engine.sequence import Sequence, SequenceStatus
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.hashing import hash_prefix_blocks
+from cluster.types import FinishReason
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int        # first token position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence: its last logits are sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    decodes: list[ScheduledChunk] = field(default_factory=list)   # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of several tokens
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.pool = pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # --- queue -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request wherever it is and give back its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # --- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue   # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + n, plan):
+                continue
+            self._add_chunk(plan, seq, n)
+            budget -= n
+        if plan.preempted:
+            return plan   # memory is tight: admit nobody new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_chunk(plan, seq, n)
+            budget -= n
+        return plan
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
+        (plan.decodes if n == 1 else plan.prefills).append(chunk)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Make `seq` hold blocks for `num_tokens`, preempting younger requests if needed.
+        False when `seq` itself had to give way."""
+        need = self._blocks_for(num_tokens) - len(seq.block_ids)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                # Alone and still out of blocks: the pool cannot hold this request any longer.
+                self.finish(seq, FinishReason.LENGTH)
+                return False
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
+        bs = self.block_size
+        usable = 0
+        if self.pool.enable_prefix_caching:
+            seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
+            # Never reuse the block holding the last token: its logits must be computed.
+            usable = (seq.num_tokens - 1) // bs
+            hits = self.pool.match_prefix(seq.block_hashes[:usable])
+            self.pool.touch(hits)
+            seq.block_ids = list(hits)
+            seq.num_computed_tokens = len(hits) * bs
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        if (n < remaining and not self.config.enable_chunked_prefill) or need > self.pool.num_free:
+            self._release(seq)
+            return 0
+        seq.block_ids.extend(self.pool.allocate(need))
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.pool.queries += usable
+            self.pool.hits += seq.num_computed_tokens // bs
+        return n
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+
+    # --- after the forward pass ------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[Sequence, int]) -> None:
+        """Advance computed counts, publish newly full blocks, append sampled tokens and apply
+        the token-level stop rules (stop strings are the engine's, after detokenization)."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            self._cache_full_blocks(seq)
+            token = sampled.get(seq)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_published_blocks:
+            return
+        if len(seq.block_hashes) < full:
+            seq.block_hashes = hash_prefix_blocks(seq.token_ids[: full * self.block_size], self.block_size,
+                                                  seq.sampling.cache_salt, seq.block_hashes)
+        for i in range(seq.num_published_blocks, full):
+            self.pool.cache_block(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_published_blocks = full
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        sp = seq.sampling
+        if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,59 @@
+"""A request inside the engine: a small mutable record, and its life-cycle states."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.kv.hashing import BlockHash
+from cluster.types import FinishReason, SamplingParams, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued, holds no blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"      # in the batch, holds blocks
+    FINISHED = "finished"    # done; its blocks are back in the pool
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival: int
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)     # prompt + output
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0                           # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # keys of full blocks, by position
+    num_published_blocks: int = 0                          # leading blocks offered to the prefix cache
+    num_cached_tokens: int = 0                             # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

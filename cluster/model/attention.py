@@ -1,0 +1,206 @@
+"""Attention over the paged KV cache behind a small backend interface.
+
+A step's batch is laid out as one flat run of tokens: first the decode sequences (one query
+token each), then the prefill chunks (several query tokens each, possibly after a cached
+prefix). `AttentionBatch` describes that layout once per step; each backend turns it into
+whatever metadata it needs (`prepare`) and then runs every layer with it (`forward`).
+
+The torch reference here is what runs on CPU; Triton kernels plug in behind the same protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    query_start: int     # offset of the chunk's first token in the flat batch
+    query_len: int
+    context_len: int     # tokens in the cache after this chunk (cached prefix + chunk)
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    num_decode: int
+    decode_context_lens: tuple[int, ...]
+    decode_block_tables: tuple[tuple[int, ...], ...]
+    prefills: tuple[PrefillSpan, ...]
+    slot_mapping: torch.Tensor   # [num_tokens] flat cache slot of every token (long)
+    block_size: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """Build per-step metadata shared by all layers."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
+                meta: Any) -> torch.Tensor:
+        """Store k/v at the batch's slots, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D];
+        caches: [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]."""
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+    allowed = valid & (key_pos <= query_pos)
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+@dataclass
+class _TorchDecodeMeta:
+    gather: torch.Tensor          # [B, L] flat slots
+    key_pos: torch.Tensor         # [1, L]
+    query_pos: torch.Tensor       # [B, 1]
+    valid: torch.Tensor           # [B, L]
+    masks: dict                   # window -> [B, 1, 1, L] bool
+
+
+@dataclass
+class _TorchPrefillMeta:
+    span: PrefillSpan
+    gather: torch.Tensor | None   # [context_len] flat slots; None when there is no cached prefix
+    masks: dict                   # window -> [q, ctx] bool (None entry: plain causal)
+
+
+@dataclass
+class _TorchMeta:
+    slot_mapping: torch.Tensor
+    decode: _TorchDecodeMeta | None
+    prefills: list
+
+
+class TorchAttentionBackend:
+    """Reference attention: gathers each sequence's blocks and calls SDPA."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.device = device
+
+    def prepare(self, batch: AttentionBatch) -> _TorchMeta:
+        decode = self._prepare_decode(batch) if batch.num_decode else None
+        prefills = [self._prepare_prefill(span, batch.block_size) for span in batch.prefills]
+        return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills)
+
+    def _slots(self, block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
+        blocks = torch.tensor(block_table, dtype=torch.long)
+        offsets = torch.arange(block_size, dtype=torch.long)
+        return (blocks[:, None] * block_size + offsets).reshape(-1)[:length]
+
+    def _prepare_decode(self, batch: AttentionBatch) -> _TorchDecodeMeta:
+        bs = batch.block_size
+        lens = batch.decode_context_lens
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        table = torch.zeros((len(lens), max_blocks), dtype=torch.long)
+        for i, row in enumerate(batch.decode_block_tables):
+            n = -(-lens[i] // bs)
+            table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
+        offsets = torch.arange(bs, dtype=torch.long)
+        gather = (table[:, :, None] * bs + offsets).reshape(len(lens), -1)[:, :max_len]
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        key_pos = torch.arange(max_len, dtype=torch.long)[None, :]
+        return _TorchDecodeMeta(
+            gather=gather.to(self.device), key_pos=key_pos.to(self.device),
+            query_pos=(lens_t - 1)[:, None].to(self.device),
+            valid=(key_pos < lens_t[:, None]).to(self.device), masks={})
+
+    def _prepare_prefill(self, span: PrefillSpan, block_size: int) -> _TorchPrefillMeta:
+        cached = span.context_len - span.query_len
+        gather = None
+        if cached:
+            gather = self._slots(span.block_table, span.context_len, block_size).to(self.device)
+        return _TorchPrefillMeta(span=span, gather=gather, masks={})
+
+    def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        if meta.decode is not None:
+            n = meta.decode.gather.shape[0]
+            out[:n] = self._decode(q[:n], k_flat, v_flat, window, meta.decode)
+        for pm in meta.prefills:
+            s = pm.span
+            sl = slice(s.query_start, s.query_start + s.query_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_flat, v_flat, window, pm)
+        return out.view(num_tokens, -1)
+
+    def _decode(self, q, k_flat, v_flat, window, dm: _TorchDecodeMeta) -> torch.Tensor:
+        b, length = dm.gather.shape
+        mask = dm.masks.get(window)
+        if mask is None:
+            mask = _window_mask(dm.query_pos, dm.key_pos, dm.valid, window)[:, None, None, :]
+            dm.masks[window] = mask
+        idx = dm.gather.reshape(-1)
+        keys = k_flat.index_select(0, idx).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vals = v_flat.index_select(0, idx).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # All query heads of a KV group sit at the same position, so the group can ride in the
+        # query-length dimension: no KV repeat, and one mask row serves every head.
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.scale)
+        return o.reshape(b, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
+        s = pm.span
+        if pm.gather is not None:
+            k = k_flat.index_select(0, pm.gather)
+            v = v_flat.index_select(0, pm.gather)
+        qh = q.transpose(0, 1)[None]        # [1, Hq, q, D]
+        kh = k.transpose(0, 1)[None]        # [1, Hkv, ctx, D]
+        vh = v.transpose(0, 1)[None]
+        if pm.gather is None and (window is None or window >= s.query_len):
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            mask = pm.masks.get(window)
+            if mask is None:
+                qpos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device)[:, None]
+                kpos = torch.arange(s.context_len, device=q.device)[None, :]
+                mask = _window_mask(qpos, kpos, torch.ones_like(kpos, dtype=torch.bool), window)
+                pm.masks[window] = mask
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        return o[0].transpose(0, 1)
+
+
+def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                           device: torch.device) -> AttentionBackend:
+    """Registry with lazy imports: optional backends load only when chosen."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device)
+    if name == "triton":
+        try:
+            from kernels.backend import TritonAttentionBackend  # noqa: PLC0415
+        except ImportError as exc:
+            raise ValueError(
+                "attention backend 'triton' is not available in this build "
+                f"({exc}); use --attention-backend torch") from exc
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device)
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+
+
+def _triton_available() -> bool:
+    try:
+        import kernels.backend  # noqa: F401, PLC0415
+        return True
+    except ImportError:
+        return False

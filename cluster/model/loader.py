@@ -1,0 +1,129 @@
+"""Load a local Hugging Face model directory: config, safetensors weights, tokenizer, eos ids."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from cluster.model.llama import CausalLM, RotaryTable
+from cluster.model.model_config import ModelConfig, load_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+
+def load_generation_defaults(model_dir: Path) -> GenerationDefaults:
+    """eos ids from generation_config.json, as transformers' generate uses them; config.json's
+    eos_token_id is the fallback (transformers derives its generation config from it too)."""
+    model_dir = Path(model_dir)
+    gen_path = model_dir / "generation_config.json"
+    raw_cfg = json.loads((model_dir / "config.json").read_text())
+    raw = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    if not gen_path.is_file():
+        log.warning("%s has no generation_config.json; using eos_token_id from config.json", model_dir)
+    eos = raw.get("eos_token_id", raw_cfg.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return GenerationDefaults(eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id", raw_cfg.get("bos_token_id")))
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a Hugging Face fast tokenizer is required)")
+    return Tokenizer.from_file(str(path))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shards named in the index are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{model_dir} has no model.safetensors nor model.safetensors.index.json")
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(model_dir)):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def _our_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map transformers' parameter names onto ours, fusing q/k/v and gate/up."""
+    missing: list[str] = []
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            missing.append(name)
+            return torch.empty(0)
+        return hf[name]
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+        if cfg.qkv_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+        out[f"layers.{i}.self_attn.o_proj.weight"] = take(a + "o_proj.weight")
+        if cfg.o_bias:
+            out[f"layers.{i}.self_attn.o_proj.bias"] = take(a + "o_proj.bias")
+        m = p + "mlp."
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[f"layers.{i}.mlp.down_proj.weight"] = take(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            out[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            out[f"layers.{i}.mlp.down_proj.bias"] = take(m + "down_proj.bias")
+        out[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing tensors: {shown}")
+    return out
+
+
+def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               max_positions: int | None = None) -> tuple[ModelConfig, CausalLM]:
+    """Build the model and load its weights. `dtype` None keeps the checkpoint's own dtype."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    cfg = load_model_config(model_dir)
+    dtype = dtype or cfg.dtype
+    state = _our_state_dict(cfg, read_checkpoint(model_dir))
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    model = model.to_empty(device=device)
+    # Built on the meta device to skip random init; the rotary table is computed, not loaded.
+    model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(device)
+    converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    result = model.load_state_dict(converted, strict=False, assign=True)
+    unexpected = [k for k in result.missing_keys if not k.startswith("rotary.") and k != "lm_head.weight"]
+    if unexpected:
+        raise ValueError(f"weights not loaded: {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.eval()
+    return cfg, model

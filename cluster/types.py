@@ -1,0 +1,138 @@
+"""Types that cross component boundaries: sampling parameters, finish reasons, token deltas.
+
+All are frozen dataclasses; each validates itself on construction so that a bad field is
+reported (as a ValueError naming the field) before anything is scheduled.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # an eos id, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the model's context reached
+    ABORT = "abort"      # aborted by the caller
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler. Defaults are greedy decoding of 16 tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob and the top N
+    cache_salt: str | None = None  # isolates prefix-cache entries per tenant
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples so the object stays hashable/frozen.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
+               f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be a non-negative 63-bit integer, got {self.seed!r}")
+        _check(all(t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One step's new output of one request, as the engine streams it."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] = field(default=())
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two KV caches must agree on to exchange blocks. Its hash is checked at handshake
+    and on every handle, so a mismatch is refused instead of silently corrupting output."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    version: int = 1
+
+    def layout_hash(self) -> str:
+        import hashlib  # noqa: PLC0415
+        text = "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def bytes_per_block(self) -> int:
+        import torch  # noqa: PLC0415
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize

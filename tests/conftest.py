@@ -1,0 +1,22 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: a tiny checkpoint of the given kind, built once per session."""
+    cache = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = make_model(tmp_path_factory.mktemp(kind), kind)
+        return cache[kind]
+    return get

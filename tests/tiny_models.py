@@ -1,0 +1,70 @@
+"""Tiny random-weight Hugging Face checkpoints, made locally for tests (nothing is downloaded)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)  # squares\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "Grüße, naïve café — ünïcödé text ✓ 日本語\n",
+]
+
+VOCAB = 384
+
+
+def make_tokenizer(out_dir: Path, bos: bool) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "add_bos_token": bos}))
+
+
+def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """kind: llama (GQA 4/2, untied), qwen2 (q/k/v bias, tied, MQA), mistral (sliding window 8, GQA)."""
+    import transformers
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                  initializer_range=0.08)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                       rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                       **common)
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                       **common)
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                         tie_word_embeddings=False, head_dim=16, **common)
+        cls = transformers.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():   # make norms and biases non-trivial so every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.bos_token_id = 0
+    model.save_pretrained(out_dir)
+    make_tokenizer(out_dir, bos=kind != "qwen2")
+    return out_dir
