@@ -40,7 +40,7 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
     out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
-                  initializer_range=0.08)
+                  initializer_range=0.2)
     if kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
