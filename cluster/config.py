@@ -67,6 +67,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on CUDA when available, else torch
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = field(default_factory=default_num_threads)
+    pack_weights: bool = True         # oneDNN-packed bf16/fp16 linears on CPU
     seed: int = 0                    # for requests that sample without a seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

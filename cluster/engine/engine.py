@@ -21,6 +21,7 @@ from cluster.engine.sequence import Sequence
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache, plan_memory
 from cluster.model.attention import make_attention_backend
+from cluster.model.cpu_linear import pack_linears, packing_available
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
 from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
 
@@ -39,6 +40,8 @@ class LLMEngine:
         self.model_config, self.model = load_model(config.model, dtype=dtype, device=self.device,
                                                    max_positions=config.max_model_len)
         self.dtype = self.model.embed_tokens.weight.dtype
+        if config.pack_weights and packing_available(self.dtype, self.device):
+            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         self.tokenizer = load_tokenizer(config.model)
         self.generation = load_generation_defaults(config.model)
         mc = self.model_config
@@ -50,7 +53,7 @@ class LLMEngine:
         self.layout = KVLayout(model_id=mc.model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                                head_dim=mc.head_dim, block_size=cc.block_size,
                                dtype=str(self.dtype).removeprefix("torch."))
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
                                        self.max_model_len, self.device)
         log.info("%s", self.memory_plan.describe())
