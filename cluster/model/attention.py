@@ -57,18 +57,18 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Te
 
 @dataclass
 class _TorchDecodeMeta:
-    gather: torch.Tensor          # [B, L] flat slots
-    key_pos: torch.Tensor         # [1, L]
+    block_table: torch.Tensor     # [B * max_blocks] block ids, padded with block 0
+    key_pos: torch.Tensor         # [1, L] with L = max_blocks * block_size
     query_pos: torch.Tensor       # [B, 1]
     valid: torch.Tensor           # [B, L]
-    masks: dict                   # window -> [B, 1, 1, L] bool
+    masks: dict                   # (window, dtype) -> additive [B, 1, 1, L]
 
 
 @dataclass
 class _TorchPrefillMeta:
     span: PrefillSpan
     gather: torch.Tensor | None   # [context_len] flat slots; None when there is no cached prefix
-    masks: dict                   # window -> [q, ctx] bool (None entry: plain causal)
+    masks: dict                   # (window, dtype) -> additive [q, ctx]
 
 
 @dataclass
@@ -104,18 +104,15 @@ class TorchAttentionBackend:
     def _prepare_decode(self, batch: AttentionBatch) -> _TorchDecodeMeta:
         bs = batch.block_size
         lens = batch.decode_context_lens
-        max_len = max(lens)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-max(lens) // bs)
         table = torch.zeros((len(lens), max_blocks), dtype=torch.long)
         for i, row in enumerate(batch.decode_block_tables):
             n = -(-lens[i] // bs)
             table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
-        offsets = torch.arange(bs, dtype=torch.long)
-        gather = (table[:, :, None] * bs + offsets).reshape(len(lens), -1)[:, :max_len]
         lens_t = torch.tensor(lens, dtype=torch.long)
-        key_pos = torch.arange(max_len, dtype=torch.long)[None, :]
+        key_pos = torch.arange(max_blocks * bs, dtype=torch.long)[None, :]
         return _TorchDecodeMeta(
-            gather=gather.to(self.device), key_pos=key_pos.to(self.device),
+            block_table=table.view(-1).to(self.device), key_pos=key_pos.to(self.device),
             query_pos=(lens_t - 1)[:, None].to(self.device),
             valid=(key_pos < lens_t[:, None]).to(self.device), masks={})
 
@@ -134,27 +131,31 @@ class TorchAttentionBackend:
         v_flat.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.decode is not None:
-            n = meta.decode.gather.shape[0]
-            out[:n] = self._decode(q[:n], k_flat, v_flat, window, meta.decode)
+            n = meta.decode.query_pos.shape[0]
+            out[:n] = self._decode(q[:n], k_cache, v_cache, window, meta.decode)
         for pm in meta.prefills:
             s = pm.span
             sl = slice(s.query_start, s.query_start + s.query_len)
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_flat, v_flat, window, pm)
         return out.view(num_tokens, -1)
 
-    def _decode(self, q, k_flat, v_flat, window, dm: _TorchDecodeMeta) -> torch.Tensor:
-        b, length = dm.gather.shape
-        mask = dm.masks.get(window)
+    def _decode(self, q, k_cache, v_cache, window, dm: _TorchDecodeMeta) -> torch.Tensor:
+        b = dm.query_pos.shape[0]
+        length = dm.key_pos.shape[1]
+        mask = dm.masks.get((window, q.dtype))
         if mask is None:
-            mask = _window_mask(dm.query_pos, dm.key_pos, dm.valid, window)[:, None, None, :]
-            dm.masks[window] = mask
-        idx = dm.gather.reshape(-1)
-        keys = k_flat.index_select(0, idx).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        vals = v_flat.index_select(0, idx).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            # An additive mask in the query's dtype: SDPA on CPU runs ~2x slower with a bool mask.
+            allowed = _window_mask(dm.query_pos, dm.key_pos, dm.valid, window)[:, None, None, :]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+            dm.masks[(window, q.dtype)] = mask
+        # Gather whole blocks (contiguous rows), not single slots.
+        keys = k_cache.index_select(0, dm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
+        vals = v_cache.index_select(0, dm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
         # All query heads of a KV group sit at the same position, so the group can ride in the
         # query-length dimension: no KV repeat, and one mask row serves every head.
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                           scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
@@ -169,12 +170,13 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
         else:
-            mask = pm.masks.get(window)
+            mask = pm.masks.get((window, q.dtype))
             if mask is None:
                 qpos = torch.arange(s.context_len - s.query_len, s.context_len, device=q.device)[:, None]
                 kpos = torch.arange(s.context_len, device=q.device)[None, :]
-                mask = _window_mask(qpos, kpos, torch.ones_like(kpos, dtype=torch.bool), window)
-                pm.masks[window] = mask
+                allowed = _window_mask(qpos, kpos, torch.ones_like(kpos, dtype=torch.bool), window)
+                mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+                pm.masks[(window, q.dtype)] = mask
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o[0].transpose(0, 1)
