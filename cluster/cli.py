@@ -34,7 +34,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated prefill/decode LLM serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO", help="log level of splitserve's own logs (stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion with the engine in-process")
     _add_engine_args(gen)
@@ -86,8 +86,10 @@ def cmd_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for ours in ("cluster", "prefill", "decode", "router"):
+        logging.getLogger(ours).setLevel(args.log_level.upper())
     try:
         return cmd_generate(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -182,3 +182,19 @@ def test_cli_reports_missing_model_dir(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and proc.stdout == ""
+
+
+def test_bfloat16_engine_tracks_transformers_bfloat16(tiny_model_dir):
+    """bf16 (with oneDNN-packed linears) is not bit-exact, but its distribution must match."""
+    import transformers
+    model_dir = tiny_model_dir("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", cache=CacheConfig(num_blocks=32)))
+    assert type(engine.model.lm_head).__name__ == "PackedLinear"
+    prompt = _ids(20, 6)
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    for token, logprob in out.logprobs[0].top:
+        assert logprob == pytest.approx(float(ref[token]), abs=0.1)
+    engine.pool.check_idle()
