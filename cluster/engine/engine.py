@@ -104,7 +104,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | Seq[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, hold_kv: bool = False) -> str:
+        """Queue a request. With `hold_kv` its blocks outlive it (see `take_held_kv`): the
+        prefill side of a P/D handoff keeps them pinned until the consumer has read them."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
@@ -112,16 +114,47 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt)
-        if sampling.seed is not None:
-            generator = torch.Generator().manual_seed(sampling.seed)
-        else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), generator)
+        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), self._generator(sampling),
+                       hold_kv=hold_kv)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
         self.scheduler.add(seq)
         return request_id
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        if sampling.seed is not None:
+            return torch.Generator().manual_seed(sampling.seed)
+        return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
+
+    def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
+                      sampling: SamplingParams, block_ids: Seq[int]) -> None:
+        """Join a sequence whose prompt KV already sits in `block_ids` (taken from this engine's
+        pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
+        from its second token on; if it is ever preempted it is recomputed here."""
+        ids = self.validate_prompt(list(prompt_ids))
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if len(block_ids) != -(-len(ids) // self.layout.block_size):
+            raise ValueError(f"{len(ids)} prompt tokens need {-(-len(ids) // self.layout.block_size)} blocks, "
+                             f"got {len(block_ids)}")
+        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), self._generator(sampling),
+                       token_ids=[*ids, int(first_token)], num_computed_tokens=len(ids),
+                       block_ids=list(block_ids))
+        if not sampling.greedy and seq.generator is not None:
+            # The producer drew the first token from the same seed: skip that draw so a seeded
+            # request samples the same tokens as it would in one engine.
+            torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, [*ids, int(first_token)], sampling.stop)
+        self.scheduler.add(seq)
+
+    def take_held_kv(self, request_id: str) -> tuple[list[int], int]:
+        """Blocks and token count of a finished `hold_kv` request; they stay referenced until
+        `release_held_kv`."""
+        return self.scheduler.held[request_id]
+
+    def release_held_kv(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
 
     def abort(self, request_id: str) -> bool:
         """End a request now; its blocks are freed at once and its last delta comes from `step`."""

@@ -60,10 +60,16 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Blocks of finished `hold_kv` requests, kept for a KV handoff: request id -> (blocks, tokens).
+        self.held: dict[str, tuple[list[int], int]] = {}
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def release_held(self, request_id: str) -> None:
+        blocks, _ = self.held.pop(request_id)
+        self.pool.free(reversed(blocks))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,7 +82,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        if seq.hold_kv and reason is not FinishReason.ABORT and seq.block_ids:
+            self.held[seq.request_id] = (seq.block_ids, seq.num_computed_tokens)
+            seq.block_ids = []
+        else:
+            self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -136,7 +146,9 @@ class Scheduler:
         """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
         bs = self.block_size
         usable = 0
-        if self.pool.enable_prefix_caching:
+        if seq.num_computed_tokens and seq.block_ids:
+            pass   # arrived with its KV already in our blocks (a P/D handoff)
+        elif self.pool.enable_prefix_caching:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
             # Never reuse the block holding the last token: its logits must be computed.
             usable = (seq.num_tokens - 1) // bs

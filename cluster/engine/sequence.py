@@ -31,6 +31,7 @@ class Sequence:
     num_published_blocks: int = 0                          # leading blocks offered to the prefix cache
     num_cached_tokens: int = 0                             # prompt tokens served by the prefix cache
     num_preemptions: int = 0
+    hold_kv: bool = False                                  # keep the blocks after finishing (P/D producer)
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
