@@ -17,6 +17,21 @@ def default_model_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_MODEL", str(DEFAULT_MODEL_DIR)))
 
 
+def apply_ucx_defaults() -> None:
+    """UCX reads its settings from the environment. On CPU-only hosts (no RDMA to find) keep
+    traffic on the loopback device over tcp + cma; GPU nodes keep UCX's own device selection, and
+    a site's own UCX_* settings always win. `SPLITSERVE_UCX_LOCAL=0/1` forces either choice."""
+    forced = os.environ.get("SPLITSERVE_UCX_LOCAL")
+    if forced is None:
+        import torch  # noqa: PLC0415
+        local = not torch.cuda.is_available()
+    else:
+        local = forced == "1"
+    if local:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        os.environ.setdefault("UCX_TLS", "tcp,cma,sm,self")
+
+
 def default_num_threads() -> int | None:
     value = os.environ.get("SPLITSERVE_NUM_THREADS")
     return int(value) if value else None

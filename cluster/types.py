@@ -136,3 +136,34 @@ class KVLayout:
         import torch  # noqa: PLC0415
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """The one object that crosses from prefill to decode: where a request's prompt KV lies, how
+    to check it, and the lease that keeps it pinned. Encoded as msgpack when it crosses processes."""
+
+    request_id: str
+    producer: str                   # the producer's transport agent name
+    lease_id: str
+    block_ids: tuple[int, ...]      # producer's blocks, in token order
+    num_tokens: int                 # prompt tokens whose KV the blocks hold
+    first_token: int
+    layout_hash: str
+    checksums: tuple[int, ...] = ()  # one per block; empty when integrity checks are off
+    lease_seconds: float = 30.0
+    version: int = 1
+
+    def encode(self) -> bytes:
+        import msgpack  # noqa: PLC0415
+        return msgpack.packb({k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "KVHandle":
+        import msgpack  # noqa: PLC0415
+        raw = msgpack.unpackb(data)
+        if not isinstance(raw, dict) or raw.get("version") != 1:
+            raise ValueError("not a version-1 KVHandle")
+        raw["block_ids"] = tuple(int(b) for b in raw["block_ids"])
+        raw["checksums"] = tuple(int(c) for c in raw.get("checksums", ()))
+        return cls(**raw)

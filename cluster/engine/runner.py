@@ -17,6 +17,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        self.layer_hook = None   # called with each layer index once its KV is stored (KV push)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits, one row per sequence whose chunk reaches its end, and those sequences."""
@@ -53,5 +54,6 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_arena, self.backend, meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            layer_hook=self.layer_hook,
         )
         return logits, sampled

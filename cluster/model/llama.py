@@ -124,12 +124,16 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                backend: AttentionBackend, meta, logits_indices: torch.Tensor) -> torch.Tensor:
+                backend: AttentionBackend, meta, logits_indices: torch.Tensor,
+                layer_hook=None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, Hkv, D].
-        Returns fp32 logits for the rows in `logits_indices`."""
+        Returns fp32 logits for the rows in `logits_indices`. `layer_hook(i)` runs once layer i's
+        KV is in the cache (layer-wise KV push overlaps the transfer with the rest of the pass)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend, meta)
+            if layer_hook is not None:
+                layer_hook(i)
         x = self.norm(x.index_select(0, logits_indices))
         return self.lm_head(x).float()

@@ -1,0 +1,144 @@
+"""The transport interface and what every transport shares: peer metadata, the handshake check,
+and the addressing of KV segments inside the arena.
+
+A KV block is not one contiguous range: the arena is [layers, 2 (k, v), blocks, block_size,
+kv_heads, head_dim], so block b is 2 * layers segments of `segment_bytes` each, one per (layer,
+k/v). A transfer of blocks B over layers Ls moves, in canonical order, for each b in B, for each
+l in Ls, k then v. Every transport moves the same segments in the same order.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import msgpack
+import torch
+
+from cluster.types import KVLayout
+
+PROTOCOL_VERSION = 1
+
+
+class TransferStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class LayoutMismatch(TransferError):
+    """Two caches that cannot exchange blocks; the message names every differing field."""
+
+
+class TransportUnavailable(TransferError):
+    pass
+
+
+@dataclass(frozen=True)
+class PeerMetadata:
+    """What one agent tells another at handshake (msgpack on the wire, never pickle)."""
+
+    name: str
+    transport: str
+    protocol_version: int
+    layout: KVLayout
+    num_blocks: int
+    base_address: int
+    payload: bytes           # transport specific (NIXL agent metadata, a TCP address, ...)
+
+    def encode(self) -> bytes:
+        return msgpack.packb({
+            "name": self.name, "transport": self.transport, "protocol_version": self.protocol_version,
+            "layout": {f.name: getattr(self.layout, f.name) for f in fields(KVLayout)},
+            "num_blocks": self.num_blocks, "base_address": self.base_address, "payload": self.payload,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes) -> "PeerMetadata":
+        try:
+            raw = msgpack.unpackb(data)
+            return cls(name=str(raw["name"]), transport=str(raw["transport"]),
+                       protocol_version=int(raw["protocol_version"]), layout=KVLayout(**raw["layout"]),
+                       num_blocks=int(raw["num_blocks"]), base_address=int(raw["base_address"]),
+                       payload=bytes(raw["payload"]))
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            raise TransferError(f"malformed peer metadata: {exc}") from exc
+
+
+def check_compatible(local: KVLayout, local_transport: str, peer: PeerMetadata) -> None:
+    """Refuse a peer whose blocks would be misread. Names every field that differs."""
+    problems = []
+    if peer.protocol_version != PROTOCOL_VERSION:
+        problems.append(f"protocol_version: local {PROTOCOL_VERSION}, peer {peer.protocol_version}")
+    if peer.transport != local_transport:
+        problems.append(f"transport: local {local_transport}, peer {peer.transport}")
+    for f in fields(KVLayout):
+        mine, theirs = getattr(local, f.name), getattr(peer.layout, f.name)
+        if mine != theirs:
+            problems.append(f"{f.name}: local {mine!r}, peer {theirs!r}")
+    if problems:
+        raise LayoutMismatch(f"peer {peer.name!r} has an incompatible KV layout: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class ArenaGeometry:
+    num_layers: int
+    num_blocks: int
+    segment_bytes: int
+
+    @classmethod
+    def of(cls, arena: torch.Tensor) -> "ArenaGeometry":
+        layers, two, blocks = arena.shape[:3]
+        assert two == 2 and arena.is_contiguous()
+        return cls(layers, blocks, arena[0, 0, 0].numel() * arena.element_size())
+
+    def segment_index(self, layer: int, kv: int, block: int) -> int:
+        return (layer * 2 + kv) * self.num_blocks + block
+
+    def segment_indices(self, blocks, layers=None) -> list[int]:
+        """Flat segment indices of `blocks` over `layers`, in canonical order."""
+        layers = range(self.num_layers) if layers is None else layers
+        nb = self.num_blocks
+        return [(l * 2 + kv) * nb + b for b in blocks for l in layers for kv in (0, 1)]
+
+
+class Transfer(Protocol):
+    """A posted transfer; the transport's `poll` reports its status."""
+
+
+class Transport(Protocol):
+    name: str
+    agent_name: str
+
+    def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
+        """Register the whole KV arena once; transfers then address blocks in it."""
+
+    def metadata(self) -> bytes:
+        """This agent's handshake bytes (a `PeerMetadata`)."""
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Check and load a peer's metadata; returns its name. Raises LayoutMismatch."""
+
+    def remove_peer(self, name: str) -> None: ...
+
+    def read(self, peer: str, remote_blocks, local_blocks, layers=None) -> Transfer:
+        """Pull the peer's `remote_blocks` into our `local_blocks` (same length, any order)."""
+
+    def write(self, peer: str, local_blocks, remote_blocks, layers=None) -> Transfer:
+        """Push our `local_blocks` into the peer's `remote_blocks`, optionally only some layers."""
+
+    def poll(self, transfer: Transfer) -> TransferStatus: ...
+
+    def release(self, transfer: Transfer) -> None: ...
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a small message to a peer (delivered after transfers posted before it)."""
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Messages received since the last call, as (peer name, bytes)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,192 @@
+"""The decode side of a KV handoff.
+
+Pull: `start_pull(handle, local_blocks)` reads the producer's blocks into blocks the caller took
+from its own pool, verifies the checksums, sends DONE and waits for the producer's ACK; only then
+is the pull DONE and may the sequence join the batch. Push: `expect_push` registers blocks the
+producer will write; PUSHED brings the checksums; the rest is the same.
+
+Every state has a deadline: a dead or silent producer turns a pull into FAILED within
+`timeout_s`. A pull is never reported finished while a read may still land in its blocks, so the
+caller can free them (FAILED) or hand them to the engine (DONE) at once.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.transfer.base import LayoutMismatch, Transfer, TransferStatus, Transport
+from cluster.transfer.checksum import block_checksums
+from cluster.transfer.messages import Kind, Mailbox, Message
+from cluster.types import KVHandle, KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class PullState(enum.Enum):
+    READING = "reading"          # pull: read posted
+    AWAITING_PUSH = "awaiting"   # push: waiting for the producer's PUSHED
+    CONFIRMING = "confirming"    # verified, DONE sent, waiting for ACK
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class KVPull:
+    lease_id: str
+    producer: str
+    local_blocks: list[int]
+    checksums: tuple[int, ...]
+    deadline: float
+    state: PullState
+    handle: KVHandle | None = None
+    first_token: int = -1
+    transfer: Transfer | None = None
+    error: str = ""
+    aborted: bool = False
+    next_renew: float = 0.0
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (PullState.DONE, PullState.FAILED)
+
+
+class KVConsumer:
+    def __init__(self, transport: Transport, layout: KVLayout, arena: torch.Tensor, timeout_s: float = 10.0,
+                 verify: bool = True, clock: Callable[[], float] = time.monotonic,
+                 mailbox: Mailbox | None = None):
+        self.transport = transport
+        self.layout_hash = layout.layout_hash()
+        self.arena = arena
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.clock = clock
+        self.pulls: dict[str, KVPull] = {}
+        self.mailbox = mailbox or Mailbox(transport)
+
+    def _wants(self, msg: Message) -> bool:
+        return msg.kind in (Kind.ACK, Kind.PUSHED, Kind.ABORT, Kind.FAIL) and msg.lease_id in self.pulls
+
+    def start_pull(self, handle: KVHandle, local_blocks) -> KVPull:
+        if handle.layout_hash != self.layout_hash:
+            raise LayoutMismatch(f"handle {handle.lease_id} has layout {handle.layout_hash}, ours is "
+                                 f"{self.layout_hash}: the producer's KV cannot be read here")
+        if len(local_blocks) != len(handle.block_ids):
+            raise ValueError(f"need {len(handle.block_ids)} local blocks, got {len(local_blocks)}")
+        now = self.clock()
+        pull = KVPull(handle.lease_id, handle.producer, list(local_blocks), handle.checksums,
+                      now + self.timeout_s, PullState.READING, handle=handle, first_token=handle.first_token,
+                      next_renew=now + handle.lease_seconds / 3)
+        pull.timings["start"] = time.perf_counter()
+        pull.transfer = self.transport.read(handle.producer, handle.block_ids, pull.local_blocks)
+        self.pulls[pull.lease_id] = pull
+        return pull
+
+    def expect_push(self, lease_id: str, producer: str, local_blocks) -> KVPull:
+        pull = KVPull(lease_id, producer, list(local_blocks), (), self.clock() + self.timeout_s,
+                      PullState.AWAITING_PUSH)
+        pull.timings["start"] = time.perf_counter()
+        self.pulls[lease_id] = pull
+        return pull
+
+    def abort(self, lease_id: str) -> None:
+        """Abort from the decode side: the producer releases; our blocks are freed by the caller
+        once the pull is reported FAILED (after any read in flight has stopped)."""
+        pull = self.pulls.get(lease_id)
+        if pull is None or pull.finished:
+            return
+        pull.aborted = True
+        self.transport.notify(pull.producer, Message(Kind.ABORT, lease_id).encode())
+        self._fail(pull, "aborted")
+
+    def poll(self) -> list[KVPull]:
+        """Advance every pull; returns those that finished in this call."""
+        for peer, msg in self.mailbox.take(self._wants):
+            pull = self.pulls.get(msg.lease_id)
+            if pull is None or pull.finished or peer != pull.producer:
+                continue
+            self._on_message(pull, msg)
+        now = self.clock()
+        for pull in list(self.pulls.values()):
+            if pull.state is PullState.READING:
+                self._progress_read(pull)
+            if not pull.finished and now > pull.deadline:
+                self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False,
+                                                             reason="timeout").encode())
+                self._fail(pull, f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
+            elif not pull.finished and now >= pull.next_renew:
+                pull.next_renew = now + (pull.handle.lease_seconds / 3 if pull.handle else 1.0)
+                self.transport.notify(pull.producer, Message(Kind.RENEW, pull.lease_id).encode())
+        done = [p for p in self.pulls.values() if p.finished]
+        for p in done:
+            del self.pulls[p.lease_id]
+        return done
+
+    def wait(self, pull: KVPull, timeout_s: float | None = None) -> KVPull:
+        """Blocking helper: poll until `pull` finishes (its own deadline bounds the wait)."""
+        limit = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s + 1)
+        while not pull.finished and time.monotonic() < limit:
+            self.poll()
+            if not pull.finished:
+                time.sleep(0.0005)
+        if not pull.finished:
+            self._fail(pull, "wait timed out")
+            self.pulls.pop(pull.lease_id, None)
+        return pull
+
+    def _progress_read(self, pull: KVPull) -> None:
+        status = self.transport.poll(pull.transfer)
+        if status is TransferStatus.PENDING:
+            return
+        self.transport.release(pull.transfer)
+        pull.transfer = None
+        pull.timings["read"] = time.perf_counter()
+        if status is TransferStatus.FAILED:
+            self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False, reason="read").encode())
+            self._fail(pull, "read failed")
+            return
+        self._verify_and_confirm(pull)
+
+    def _verify_and_confirm(self, pull: KVPull) -> None:
+        if self.verify and pull.checksums:
+            got = block_checksums(self.arena, pull.local_blocks)
+            pull.timings["verified"] = time.perf_counter()
+            bad = [i for i, (a, b) in enumerate(zip(got, pull.checksums)) if a != b]
+            if bad:
+                self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False,
+                                                             reason="checksum").encode())
+                self._fail(pull, f"checksum mismatch in {len(bad)} of {len(got)} blocks (first: block {bad[0]})")
+                return
+        pull.state = PullState.CONFIRMING
+        self.transport.notify(pull.producer, Message(Kind.DONE, pull.lease_id).encode())
+
+    def _on_message(self, pull: KVPull, msg: Message) -> None:
+        if msg.kind is Kind.ACK and pull.state is PullState.CONFIRMING:
+            if msg.ok:
+                pull.state = PullState.DONE
+                pull.timings["acked"] = time.perf_counter()
+            else:
+                self._fail(pull, f"producer says the lease had ended ({msg.reason}); the copy is void")
+        elif msg.kind is Kind.PUSHED and pull.state is PullState.AWAITING_PUSH:
+            pull.checksums, pull.first_token = msg.checksums, msg.first_token
+            pull.timings["read"] = time.perf_counter()
+            self._verify_and_confirm(pull)
+        elif msg.kind in (Kind.ABORT, Kind.FAIL):
+            self._fail(pull, f"producer ended the handoff ({msg.kind.value}{': ' + msg.reason if msg.reason else ''})")
+
+    def _fail(self, pull: KVPull, reason: str) -> None:
+        if pull.transfer is not None:
+            # Never hand blocks back while a read may still land in them.
+            limit = time.monotonic() + 2.0
+            while self.transport.poll(pull.transfer) is TransferStatus.PENDING and time.monotonic() < limit:
+                time.sleep(0.001)
+            self.transport.release(pull.transfer)
+            pull.transfer = None
+        pull.state = PullState.FAILED
+        pull.error = reason
+        log.warning("KV handoff %s failed: %s", pull.lease_id, reason)

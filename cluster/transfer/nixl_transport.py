@@ -1,0 +1,165 @@
+"""NIXL transport (UCX backend): the arena is registered once; a transfer is one prepped request
+over per-(layer, k/v, block) descriptors, so any set of non-contiguous blocks moves in one post.
+On GPU nodes the same code moves VRAM over RDMA/NVLink; on CPU hosts UCX moves DRAM between
+processes (cma). Agent metadata crosses as bytes inside our msgpack handshake; NIXL's own
+pickle-based descriptor serialisation is never used.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster.config import apply_ucx_defaults
+from cluster.transfer.base import (PROTOCOL_VERSION, ArenaGeometry, PeerMetadata, TransferError,
+                                   TransferStatus, TransportUnavailable, check_compatible)
+from cluster.types import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+def _import_nixl():
+    apply_ucx_defaults()
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+    except ImportError as exc:
+        raise TransportUnavailable(
+            f"the 'nixl' transport needs NIXL: pip install 'splitserve[nixl]' ({exc})") from exc
+    return nixl_agent, nixl_agent_config
+
+
+@dataclass
+class NixlTransfer:
+    handle: object | None
+    failed: bool = False
+
+
+@dataclass
+class _Peer:
+    meta: PeerMetadata
+    geometry: ArenaGeometry
+    dlist: object
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)):
+        nixl_agent, nixl_agent_config = _import_nixl()
+        self.agent_name = agent_name
+        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
+        self.peers: dict[str, _Peer] = {}
+        self.arena: torch.Tensor | None = None
+        self.layout: KVLayout | None = None
+        self._reg = None
+        self._local = None
+
+    def _mem_type(self) -> str:
+        return "VRAM" if self.arena.is_cuda else "DRAM"
+
+    def _descs(self, base: int, geo: ArenaGeometry, device_id: int) -> np.ndarray:
+        n = geo.num_layers * 2 * geo.num_blocks
+        arr = np.empty((n, 3), dtype=np.int64)
+        arr[:, 0] = base + np.arange(n, dtype=np.int64) * geo.segment_bytes
+        arr[:, 1] = geo.segment_bytes
+        arr[:, 2] = device_id
+        return arr
+
+    def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
+        self.arena, self.layout = arena, layout
+        self.geometry = ArenaGeometry.of(arena)
+        self._reg = self.agent.register_memory([arena])
+        dev = arena.device.index or 0
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._descs(arena.data_ptr(), self.geometry, dev),
+                                                 self._mem_type())
+
+    def metadata(self) -> bytes:
+        return PeerMetadata(self.agent_name, self.name, PROTOCOL_VERSION, self.layout, self.geometry.num_blocks,
+                            self.arena.data_ptr(), self.agent.get_agent_metadata()).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        peer = PeerMetadata.decode(metadata)
+        check_compatible(self.layout, self.name, peer)
+        if peer.name in self.peers:
+            self.remove_peer(peer.name)
+        name = self.agent.add_remote_agent(peer.payload)
+        name = name.decode() if isinstance(name, bytes) else name
+        geo = ArenaGeometry(self.geometry.num_layers, peer.num_blocks, self.geometry.segment_bytes)
+        dlist = self.agent.prep_xfer_dlist(name, self._descs(peer.base_address, geo, 0), self._mem_type())
+        self.peers[name] = _Peer(peer, geo, dlist)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        peer = self.peers.pop(name, None)
+        if peer is None:
+            return
+        try:
+            self.agent.release_dlist_handle(peer.dlist)
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # noqa: BLE001 - a dead peer may already be gone in UCX
+            log.warning("removing NIXL peer %s: %s", name, exc)
+
+    def _post(self, op: str, peer_name: str, local_blocks, remote_blocks, layers) -> NixlTransfer:
+        peer = self.peers.get(peer_name)
+        if peer is None:
+            raise TransferError(f"unknown peer {peer_name!r}: add its metadata first")
+        local_idx = np.asarray(self.geometry.segment_indices(local_blocks, layers), dtype=np.int32)
+        remote_idx = np.asarray(peer.geometry.segment_indices(remote_blocks, layers), dtype=np.int32)
+        try:
+            handle = self.agent.make_prepped_xfer(op, self._local, local_idx, peer.dlist, remote_idx)
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+            log.warning("NIXL %s to %s failed to post: %s", op, peer_name, exc)
+            return NixlTransfer(None, failed=True)
+        return NixlTransfer(handle, failed=state == "ERR")
+
+    def read(self, peer, remote_blocks, local_blocks, layers=None) -> NixlTransfer:
+        return self._post("READ", peer, local_blocks, remote_blocks, layers)
+
+    def write(self, peer, local_blocks, remote_blocks, layers=None) -> NixlTransfer:
+        return self._post("WRITE", peer, local_blocks, remote_blocks, layers)
+
+    def poll(self, transfer: NixlTransfer) -> TransferStatus:
+        if transfer.failed or transfer.handle is None:
+            return TransferStatus.FAILED
+        try:
+            state = self.agent.check_xfer_state(transfer.handle)
+        except Exception:  # noqa: BLE001
+            state = "ERR"
+        if state == "ERR":
+            transfer.failed = True
+            return TransferStatus.FAILED
+        return TransferStatus.DONE if state == "DONE" else TransferStatus.PENDING
+
+    def release(self, transfer: NixlTransfer) -> None:
+        if transfer.handle is not None:
+            try:
+                self.agent.release_xfer_handle(transfer.handle)
+            except Exception as exc:  # noqa: BLE001 - releasing a transfer still in flight may fail
+                log.warning("releasing NIXL transfer: %s", exc)
+            transfer.handle = None
+
+    def notify(self, peer: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, bytes(message))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("NIXL notification to %s failed: %s", peer, exc)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        out = []
+        for peer, messages in self.agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else peer
+            out.extend((name, bytes(m)) for m in messages)
+        return out
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            self.remove_peer(name)
+        if self._local is not None:
+            self.agent.release_dlist_handle(self._local)
+            self._local = None
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None

@@ -1,0 +1,198 @@
+"""The prefill side of a KV handoff: pins a request's blocks under a lease and releases them on
+every path — the consumer is done, either side aborts, the consumer fails, or the lease expires.
+
+Pull (default): `publish` returns a KVHandle; the consumer reads the blocks, verifies them and
+sends DONE; the producer answers ACK(ok) only if the lease was still active, and releases. A
+consumer that read from an expired lease is told ACK(ok=False) and discards what it read, so an
+expired or aborted handle can never be read into a live sequence.
+
+Push: `push` writes blocks into blocks the consumer reserved, layer by layer as the prefill
+computes them (`push_layer`), then sends PUSHED with the checksums and waits for DONE/FAIL.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.transfer.base import Transfer, TransferStatus, Transport
+from cluster.transfer.checksum import block_checksums
+from cluster.transfer.messages import Kind, Mailbox, Message
+from cluster.types import KVHandle, KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class LeaseState(enum.Enum):
+    ACTIVE = "active"
+    PUSHING = "pushing"      # push mode: layers still being written
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    deadline: float
+    state: LeaseState = LeaseState.ACTIVE
+    consumer: str | None = None
+    remote_blocks: list[int] = field(default_factory=list)   # push mode
+    writes: list[Transfer] = field(default_factory=list)      # push mode, in flight
+
+
+class KVProducer:
+    def __init__(self, transport: Transport, layout: KVLayout, arena: torch.Tensor,
+                 release_blocks: Callable[[str], None], lease_seconds: float = 30.0,
+                 checksums: bool = True, clock: Callable[[], float] = time.monotonic,
+                 mailbox: Mailbox | None = None):
+        self.transport = transport
+        self.layout = layout
+        self.layout_hash = layout.layout_hash()
+        self.arena = arena
+        self.release_blocks = release_blocks      # called once per lease with its request id
+        self.lease_seconds = lease_seconds
+        self.checksums = checksums
+        self.clock = clock
+        self.leases: dict[str, Lease] = {}
+        self.ended: dict[str, LeaseState] = {}    # lease id -> final state (for late messages)
+        self.checksum_seconds = 0.0
+        self.mailbox = mailbox or Mailbox(transport)
+
+    def _wants(self, msg: Message) -> bool:
+        if msg.kind in (Kind.ACK, Kind.PUSHED):
+            return False
+        return msg.lease_id in self.leases or msg.lease_id in self.ended
+
+    def _new_lease(self, request_id, block_ids, num_tokens, first_token, consumer=None) -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), num_tokens, int(first_token),
+                      self.clock() + self.lease_seconds, consumer=consumer)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def _checksums(self, blocks) -> tuple[int, ...]:
+        if not self.checksums:
+            return ()
+        t0 = time.perf_counter()
+        out = tuple(block_checksums(self.arena, blocks))
+        self.checksum_seconds += time.perf_counter() - t0
+        return out
+
+    # --- pull ----------------------------------------------------------------------------
+    def publish(self, request_id: str, block_ids, num_tokens: int, first_token: int) -> KVHandle:
+        lease = self._new_lease(request_id, block_ids, num_tokens, first_token)
+        return KVHandle(request_id=request_id, producer=self.transport.agent_name, lease_id=lease.lease_id,
+                        block_ids=tuple(lease.block_ids), num_tokens=num_tokens, first_token=int(first_token),
+                        layout_hash=self.layout_hash, checksums=self._checksums(lease.block_ids),
+                        lease_seconds=self.lease_seconds)
+
+    # --- push ----------------------------------------------------------------------------
+    def begin_push(self, request_id: str, consumer: str, remote_blocks, block_ids, num_tokens: int) -> str:
+        """Register a push target before the prefill runs; returns the lease id."""
+        lease = self._new_lease(request_id, block_ids, num_tokens, -1, consumer=consumer)
+        lease.state = LeaseState.PUSHING
+        lease.remote_blocks = list(remote_blocks)
+        return lease.lease_id
+
+    def push_layer(self, lease_id: str, layer: int) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.PUSHING:
+            return
+        lease.writes.append(self.transport.write(lease.consumer, lease.block_ids, lease.remote_blocks, [layer]))
+
+    def finish_push(self, lease_id: str, first_token: int) -> None:
+        """All layers are posted; PUSHED is sent from `poll` once every write has landed."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.first_token = int(first_token)
+
+    # --- the loop ------------------------------------------------------------------------
+    def poll(self) -> None:
+        for peer, msg in self.mailbox.take(self._wants):
+            self._on_message(peer, msg)
+        now = self.clock()
+        for lease in list(self.leases.values()):
+            if lease.state is LeaseState.PUSHING:
+                self._progress_push(lease)
+            if lease.lease_id in self.leases and now > lease.deadline:
+                log.warning("lease %s of request %s expired; releasing %d blocks",
+                            lease.lease_id, lease.request_id, len(lease.block_ids))
+                self._end(lease, LeaseState.EXPIRED)
+
+    def _progress_push(self, lease: Lease) -> None:
+        if lease.first_token < 0 or len(lease.writes) < self.layout.num_layers:
+            return
+        states = [self.transport.poll(w) for w in lease.writes]
+        if TransferStatus.FAILED in states:
+            self.transport.notify(lease.consumer, Message(Kind.FAIL, lease.lease_id, ok=False,
+                                                          reason="write failed").encode())
+            self._end(lease, LeaseState.FAILED)
+        elif all(s is TransferStatus.DONE for s in states):
+            for w in lease.writes:
+                self.transport.release(w)
+            lease.writes.clear()
+            lease.state = LeaseState.ACTIVE
+            lease.deadline = self.clock() + self.lease_seconds
+            self.transport.notify(lease.consumer, Message(
+                Kind.PUSHED, lease.lease_id, checksums=self._checksums(lease.block_ids),
+                first_token=lease.first_token).encode())
+
+    def _on_message(self, peer: str, msg: Message) -> None:
+        lease = self.leases.get(msg.lease_id)
+        if lease is None:
+            if msg.kind is Kind.DONE:   # too late: tell the consumer its copy is void
+                state = self.ended.get(msg.lease_id, LeaseState.EXPIRED)
+                self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason=state.value).encode())
+            return
+        if lease.consumer is None:
+            lease.consumer = peer
+        elif lease.consumer != peer:
+            log.warning("ignoring %s for lease %s from %s (bound to %s)", msg.kind.value, msg.lease_id, peer,
+                        lease.consumer)
+            return
+        if msg.kind is Kind.RENEW:
+            lease.deadline = self.clock() + self.lease_seconds
+        elif msg.kind is Kind.DONE and lease.state is LeaseState.ACTIVE:
+            self._end(lease, LeaseState.DONE)
+            self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=True).encode())
+        elif msg.kind in (Kind.FAIL, Kind.ABORT):
+            self._end(lease, LeaseState.ABORTED if msg.kind is Kind.ABORT else LeaseState.FAILED)
+
+    def abort(self, request_id: str) -> bool:
+        """The prefill side aborts: release at once and tell a known consumer."""
+        found = False
+        for lease in list(self.leases.values()):
+            if lease.request_id == request_id:
+                found = True
+                if lease.consumer:
+                    self.transport.notify(lease.consumer, Message(Kind.ABORT, lease.lease_id).encode())
+                self._end(lease, LeaseState.ABORTED)
+        return found
+
+    def _end(self, lease: Lease, state: LeaseState) -> None:
+        for w in lease.writes:
+            # A write still in flight keeps reading our blocks: wait for it before releasing them.
+            deadline = time.monotonic() + 5.0
+            while self.transport.poll(w) is TransferStatus.PENDING and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.transport.release(w)
+        lease.writes.clear()
+        lease.state = state
+        del self.leases[lease.lease_id]
+        self.ended[lease.lease_id] = state
+        if len(self.ended) > 10000:
+            self.ended.pop(next(iter(self.ended)))
+        self.release_blocks(lease.request_id)
+
+    def num_active(self) -> int:
+        return len(self.leases)

@@ -1,0 +1,153 @@
+"""A worker process for transfer tests: a real engine, a real transport, a producer and a consumer.
+
+The parent drives it over a pipe with msgpack messages (no pickle of our own). Between commands
+the worker keeps polling its producer, as a prefill worker's loop would.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import msgpack
+
+
+def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int = 4, num_blocks: int = 96,
+          lease_seconds: float = 30.0, timeout_s: float = 10.0, dtype: str = "float32") -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    torch.set_num_threads(1)
+    from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+    from cluster.engine.engine import LLMEngine
+    from cluster.transfer.consumer import KVConsumer, PullState
+    from cluster.transfer.messages import Mailbox
+    from cluster.transfer.producer import KVProducer
+    from cluster.transfer.registry import make_transport
+    from cluster.types import KVHandle, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
+                                                                                    num_blocks=num_blocks),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    transport = make_transport(transport_kind, name)
+    transport.register(engine.kv_cache.arena, engine.layout)
+    mailbox = Mailbox(transport)
+    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, engine.release_held_kv,
+                          lease_seconds=lease_seconds, mailbox=mailbox)
+    consumer = KVConsumer(transport, engine.layout, engine.kv_cache.arena, timeout_s=timeout_s, mailbox=mailbox)
+    push_targets: dict[str, str] = {}   # request id -> lease id
+
+    def run_to_end(rid: str) -> list[int]:
+        out = []
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.request_id == rid:
+                    out.extend(d.token_ids)
+        return out
+
+    def layer_hook(layer: int) -> None:
+        for lease_id in push_targets.values():
+            producer.push_layer(lease_id, layer)
+
+    def handle(cmd: dict):
+        op = cmd["op"]
+        if op == "meta":
+            return transport.metadata()
+        if op == "add_peer":
+            try:
+                return {"peer": transport.add_peer(cmd["meta"])}
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                return {"error": f"{type(exc).__name__}: {exc}"}
+        if op == "prefill":
+            sp = SamplingParams(max_tokens=1, temperature=cmd.get("temperature", 0.0), seed=cmd.get("seed"))
+            rid = engine.add_request(cmd["prompt"], sp, request_id=cmd["rid"], hold_kv=True)
+            first = None
+            while engine.has_unfinished():
+                for d in engine.step():
+                    first = d.token_ids[0]
+            blocks, n = engine.take_held_kv(rid)
+            return producer.publish(rid, blocks, n, first).encode()
+        if op == "push_prefill":
+            # Push mode: the consumer reserved `remote_blocks`; write each layer as it is computed.
+            sp = SamplingParams(max_tokens=1)
+            rid = cmd["rid"]
+            ids = engine.validate_prompt(cmd["prompt"])
+            engine.add_request(ids, sp, request_id=rid, hold_kv=True)
+            # Blocks are allocated at scheduling time; push needs them first, so schedule, then bind.
+            plan = engine.scheduler.schedule()
+            seq = plan.chunks[0].seq
+            assert plan.chunks[0].samples, "push test prompts fit one chunk"
+            lease_id = producer.begin_push(rid, cmd["consumer"], cmd["remote_blocks"], seq.block_ids, len(ids))
+            push_targets[rid] = lease_id
+            engine.runner.layer_hook = layer_hook
+            logits, sampled = engine.runner.execute(plan)
+            engine.runner.layer_hook = None
+            del push_targets[rid]
+            from cluster.engine.sampler import sample
+            tokens = sample(logits, sampled)
+            engine.scheduler.update(plan, dict(zip(sampled, tokens)))
+            producer.finish_push(lease_id, tokens[0])
+            return {"lease": lease_id, "first": tokens[0]}
+        if op == "reserve":
+            return {"blocks": engine.pool.allocate(cmd["n"])}
+        if op == "expect":
+            consumer.expect_push(cmd["lease"], cmd["producer"], cmd["blocks"])
+            return {}
+        if op in ("pull", "pull_pushed"):
+            if op == "pull":
+                h = KVHandle.decode(cmd["handle"])
+                local = engine.pool.allocate(len(h.block_ids))
+                pull = consumer.start_pull(h, local)
+                prompt, first = cmd["prompt"], h.first_token
+            else:
+                pull = consumer.pulls[cmd["lease"]]
+                prompt = cmd["prompt"]
+            if cmd.get("abort_after_start"):
+                consumer.abort(pull.lease_id)
+            consumer.wait(pull)
+            if pull.state is not PullState.DONE:
+                engine.pool.free(reversed(pull.local_blocks))
+                return {"state": pull.state.value, "error": pull.error}
+            first = pull.first_token
+            if cmd.get("bytes_only"):
+                data = engine.kv_cache.arena[:, :, pull.local_blocks].contiguous().view(torch.uint8).numpy().tobytes()
+                engine.pool.free(reversed(pull.local_blocks))
+                return {"state": "done", "bytes": data}
+            engine.add_prefilled(cmd["rid"], prompt, first, SamplingParams(max_tokens=cmd["max_tokens"]),
+                                 pull.local_blocks)
+            return {"state": "done", "tokens": [first] + run_to_end(cmd["rid"]), "timings": pull.timings}
+        if op == "pull_and_hang":
+            h = KVHandle.decode(cmd["handle"])
+            consumer.start_pull(h, engine.pool.allocate(len(h.block_ids)))
+            time.sleep(3600)
+        if op == "source_bytes":
+            h = KVHandle.decode(cmd["handle"])
+            return engine.kv_cache.arena[:, :, list(h.block_ids)].contiguous().view(torch.uint8).numpy().tobytes()
+        if op == "corrupt":
+            h = KVHandle.decode(cmd["handle"])
+            seg = engine.kv_cache.arena[cmd.get("layer", 0), 0, h.block_ids[cmd.get("index", 0)]]
+            seg.view(torch.uint8).view(-1)[7] ^= 0x10
+            return {}
+        if op == "abort_producer":
+            return {"found": producer.abort(cmd["rid"])}
+        if op == "pool":
+            producer.poll()
+            return {"used": engine.pool.num_used, "held": len(engine.scheduler.held),
+                    "leases": producer.num_active()}
+        raise ValueError(f"unknown op {op}")
+
+    conn.send_bytes(msgpack.packb({"ready": True}))
+    while True:
+        if conn.poll(0.002):
+            cmd = msgpack.unpackb(conn.recv_bytes())
+            if cmd["op"] == "exit":
+                transport.close()
+                conn.send_bytes(msgpack.packb({"bye": True}))
+                return
+            try:
+                result = handle(cmd)
+                conn.send_bytes(msgpack.packb({"ok": True, "result": result}))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                conn.send_bytes(msgpack.packb({"ok": False, "error": f"{exc}\n{traceback.format_exc()}"}))
+        producer.poll()
+        if consumer.pulls:
+            consumer.poll()

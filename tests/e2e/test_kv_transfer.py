@@ -1,0 +1,136 @@
+"""KV handoff between two real processes over real transports (NIXL/UCX, TCP)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import connect
+from cluster.config import CacheConfig, EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.types import KVHandle, SamplingParams
+
+TRANSPORTS = ["nixl", "tcp"]
+# Non-contiguous on purpose: the producer holds other requests' blocks between this one's.
+PROMPT = torch.randint(3, 384, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32",
+                                    cache=CacheConfig(block_size=4, num_blocks=96)))
+    return list(engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids)
+
+
+def _idle(worker, timeout=10.0):
+    limit = time.monotonic() + timeout
+    while True:
+        state = worker.call("pool")
+        if state == {"used": 0, "held": 0, "leases": 0} or time.monotonic() > limit:
+            return state
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pull_moves_noncontiguous_blocks_and_decode_matches_single_engine(transport, spawn_worker, reference):
+    p = spawn_worker(transport, f"p-{transport}")
+    d = spawn_worker(transport, f"d-{transport}")
+    connect(p, d)
+    p.call("prefill", rid="pad", prompt=PROMPT[:9])   # blocks 0, 1 (full, cached) and 2 (partial)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)   # reuses 0 and 1, skips 2: non-contiguous
+    p.call("abort_producer", rid="pad")
+    raw2 = p.call("prefill", rid="r2", prompt=PROMPT)
+    ids = KVHandle.decode(raw).block_ids
+    assert list(ids) != list(range(ids[0], ids[0] + len(ids))), ids
+    src = p.call("source_bytes", handle=raw)
+    got = d.call("pull", handle=raw, prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS, bytes_only=True)
+    assert got["state"] == "done" and got["bytes"] == src
+    # Again, now continuing the decode from the transferred KV.
+    out = d.call("pull", handle=raw2, prompt=PROMPT, rid="r2", max_tokens=MAX_TOKENS)
+    assert out["state"] == "done"
+    assert out["tokens"] == reference
+    assert _idle(p) == {"used": 0, "held": 0, "leases": 0}
+    assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_layerwise_matches_single_engine(transport, spawn_worker, reference):
+    p = spawn_worker(transport, f"pp-{transport}")
+    d = spawn_worker(transport, f"pd-{transport}")
+    connect(p, d)
+    blocks = d.call("reserve", n=-(-len(PROMPT) // 4))["blocks"]
+    started = p.call("push_prefill", rid="r1", prompt=PROMPT, consumer=d.name, remote_blocks=blocks)
+    d.call("expect", lease=started["lease"], producer=p.name, blocks=blocks)
+    out = d.call("pull_pushed", lease=started["lease"], prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS)
+    assert out["state"] == "done", out
+    assert out["tokens"] == reference
+    assert _idle(p)["used"] == 0
+    assert _idle(d)["used"] == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layout_mismatch_is_refused_naming_the_field(transport, spawn_worker):
+    p = spawn_worker(transport, f"lp-{transport}")
+    d = spawn_worker(transport, f"ld-{transport}", block_size=8)
+    reply = d.call("add_peer", meta=p.call("meta"))
+    assert "LayoutMismatch" in reply["error"] and "block_size: local 8, peer 4" in reply["error"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_corrupted_source_is_detected_and_both_pools_recover(transport, spawn_worker):
+    p = spawn_worker(transport, f"cp-{transport}")
+    d = spawn_worker(transport, f"cd-{transport}")
+    connect(p, d)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)
+    p.call("corrupt", handle=raw, index=3, layer=1)
+    out = d.call("pull", handle=raw, prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS)
+    assert out["state"] == "failed" and "checksum mismatch in 1 of" in out["error"]
+    assert _idle(p) == {"used": 0, "held": 0, "leases": 0}
+    assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_on_either_side_frees_both_pools(transport, spawn_worker):
+    p = spawn_worker(transport, f"ap-{transport}")
+    d = spawn_worker(transport, f"ad-{transport}")
+    connect(p, d)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)          # producer-side abort before any read
+    assert p.call("abort_producer", rid="r1")["found"]
+    out = d.call("pull", handle=raw, prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS)
+    assert out["state"] == "failed"                             # the lease had ended: the copy is void
+    raw = p.call("prefill", rid="r2", prompt=PROMPT)          # consumer-side abort mid-pull
+    out = d.call("pull", handle=raw, prompt=PROMPT, rid="r2", max_tokens=MAX_TOKENS, abort_after_start=True)
+    assert out["state"] == "failed" and "aborted" in out["error"]
+    assert _idle(p) == {"used": 0, "held": 0, "leases": 0}
+    assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_consumer_killed_mid_transfer_producer_releases_after_lease(transport, spawn_worker):
+    p = spawn_worker(transport, f"kp-{transport}", lease_seconds=2.0)
+    d = spawn_worker(transport, f"kd-{transport}")
+    connect(p, d)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)
+    assert p.call("pool")["leases"] == 1
+    d.send("pull_and_hang", handle=raw)
+    time.sleep(0.3)
+    d.kill()
+    t0 = time.monotonic()
+    assert _idle(p, timeout=10) == {"used": 0, "held": 0, "leases": 0}
+    assert time.monotonic() - t0 < 8
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_producer_killed_consumer_fails_within_timeout(transport, spawn_worker):
+    p = spawn_worker(transport, f"xp-{transport}")
+    d = spawn_worker(transport, f"xd-{transport}", timeout_s=3.0)
+    connect(p, d)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)
+    p.kill()
+    t0 = time.monotonic()
+    out = d.call("pull", handle=raw, prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS, timeout=30)
+    assert out["state"] == "failed"
+    assert time.monotonic() - t0 < 3.0 + 4.0
+    assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
