@@ -11,7 +11,7 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import KVHandle, SamplingParams
 
-TRANSPORTS = ["nixl", "tcp"]
+TRANSPORTS = ["nixl", "ucx", "tcp"]
 # Non-contiguous on purpose: the producer holds other requests' blocks between this one's.
 PROMPT = torch.randint(3, 384, (37,), generator=torch.Generator().manual_seed(11)).tolist()
 MAX_TOKENS = 12
