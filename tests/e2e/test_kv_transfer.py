@@ -11,7 +11,16 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import KVHandle, SamplingParams
 
-TRANSPORTS = ["nixl", "ucx", "tcp"]
+def _available(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+TRANSPORTS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not _available("nixl"), reason="nixl not installed")),
+    pytest.param("ucx", marks=pytest.mark.skipif(not _available("ucxx"), reason="ucxx not installed")),
+    "tcp",
+]
 # Non-contiguous on purpose: the producer holds other requests' blocks between this one's.
 PROMPT = torch.randint(3, 384, (37,), generator=torch.Generator().manual_seed(11)).tolist()
 MAX_TOKENS = 12

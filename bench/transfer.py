@@ -1,0 +1,141 @@
+"""KV transfer throughput between two processes, per transport, beside an in-process memcpy.
+
+    python bench/transfer.py [--sizes-mib 1 4 16 64 256] [--transports nixl ucx tcp] [--layout default|llama8b]
+
+A server process registers a KV arena filled with random bytes; this process pulls blocks from it
+(non-contiguous: every other block) and times each read. The memcpy column copies the same
+segments between two arenas inside one process (torch index_copy), the limit on this machine.
+The checksum column is the cost of verifying the payload (xxh3 per block), as a share of the
+transfer time. The layout sets the segment size: `default` is the shipped model's (6 layers,
+2 KV heads, head dim 64, bf16: 4 KiB segments), `llama8b` a Llama-3-8B's (32 layers, 8 KV heads,
+head dim 128: 32 KiB segments).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+
+LAYOUTS = {"default": (6, 2, 64), "llama8b": (32, 8, 128)}
+
+
+def _arena(layout_name: str, num_blocks: int):
+    import torch
+    from cluster.types import KVLayout
+    layers, heads, dim = LAYOUTS[layout_name]
+    layout = KVLayout(model_id=f"bench-{layout_name}", num_layers=layers, num_kv_heads=heads, head_dim=dim,
+                      block_size=16, dtype="bfloat16")
+    arena = torch.empty((layers, 2, num_blocks, 16, heads, dim), dtype=torch.bfloat16)
+    return layout, arena
+
+
+def server(conn, transport: str, layout_name: str, num_blocks: int) -> None:
+    import torch
+    torch.set_num_threads(1)
+    from cluster.transfer.registry import make_transport
+    layout, arena = _arena(layout_name, num_blocks)
+    arena.view(torch.int16).random_()
+    t = make_transport(transport, f"bench-server-{transport}")
+    t.register(arena, layout)
+    conn.send_bytes(t.metadata())
+    peer_meta = conn.recv_bytes()
+    t.add_peer(peer_meta)
+    conn.send_bytes(b"ready")
+    conn.recv_bytes()     # wait until the client is done
+    t.close()
+
+
+def run_transport(transport: str, layout_name: str, sizes_mib: list[int], repeats: int) -> dict[int, float]:
+    import torch
+    from cluster.transfer.base import TransferStatus
+    from cluster.transfer.registry import make_transport
+    layout, _ = _arena(layout_name, 1)
+    per_block = layout.bytes_per_block()
+    max_blocks = max(sizes_mib) * (1 << 20) // per_block
+    num_blocks = 2 * max_blocks + 2
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=server, args=(child, transport, layout_name, num_blocks), daemon=True)
+    proc.start()
+    _, arena = _arena(layout_name, num_blocks)
+    arena.zero_()
+    t = make_transport(transport, f"bench-client-{transport}")
+    t.register(arena, layout)
+    peer = t.add_peer(parent.recv_bytes())
+    parent.send_bytes(t.metadata())
+    parent.recv_bytes()
+    out = {}
+    for mib in sizes_mib:
+        n = max(1, mib * (1 << 20) // per_block)
+        remote = list(range(0, 2 * n, 2))          # every other block: non-contiguous
+        local = list(range(1, 2 * n, 2))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            x = t.read(peer, remote, local)
+            while (s := t.poll(x)) is TransferStatus.PENDING:
+                pass
+            times.append(time.perf_counter() - t0)
+            t.release(x)
+            assert s is TransferStatus.DONE, f"{transport} read failed"
+        out[mib] = n * per_block / statistics.median(times[1:]) / 1e9
+    parent.send_bytes(b"done")
+    proc.join(10)
+    t.close()
+    return out
+
+
+def memcpy_and_checksum(layout_name: str, sizes_mib: list[int], repeats: int):
+    import torch
+    from cluster.transfer.checksum import block_checksums
+    layout, _ = _arena(layout_name, 1)
+    per_block = layout.bytes_per_block()
+    max_blocks = max(sizes_mib) * (1 << 20) // per_block
+    _, src = _arena(layout_name, 2 * max_blocks + 2)
+    _, dst = _arena(layout_name, 2 * max_blocks + 2)
+    src.view(torch.int16).random_()
+    copy, check = {}, {}
+    for mib in sizes_mib:
+        n = max(1, mib * (1 << 20) // per_block)
+        s = torch.arange(0, 2 * n, 2)
+        d = torch.arange(1, 2 * n, 2)
+        times, ctimes = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for layer in range(src.shape[0]):
+                dst[layer].index_copy_(1, d, src[layer].index_select(1, s))
+            times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            block_checksums(src, s.tolist())
+            ctimes.append(time.perf_counter() - t0)
+        copy[mib] = n * per_block / statistics.median(times[1:]) / 1e9
+        check[mib] = n * per_block / statistics.median(ctimes[1:]) / 1e9
+    return copy, check
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--transports", nargs="+", default=["nixl", "ucx", "tcp"])
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="default")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    import torch
+    torch.set_num_threads(1)
+    copy, check = memcpy_and_checksum(args.layout, args.sizes_mib, args.repeats)
+    results = {tr: run_transport(tr, args.layout, args.sizes_mib, args.repeats) for tr in args.transports}
+    print(f"# KV pull between two processes, layout {args.layout}, GB/s (ratio to memcpy)")
+    head = f"{'MiB':>5} | {'memcpy':>7} | " + " | ".join(f"{tr:>14}" for tr in args.transports)
+    print(head + f" | {'checksum GB/s':>13} | {'checksum / nixl time':>20}")
+    for mib in args.sizes_mib:
+        cells = " | ".join(f"{results[tr][mib]:>6.2f} ({results[tr][mib] / copy[mib]:>4.0%})" for tr in args.transports)
+        ref = results.get("nixl", next(iter(results.values())))[mib]
+        print(f"{mib:>5} | {copy[mib]:>7.2f} | {cells} | {check[mib]:>13.2f} | {ref / check[mib]:>20.0%}")
+
+
+if __name__ == "__main__":
+    main()
