@@ -31,6 +31,7 @@ class PullState(enum.Enum):
     READING = "reading"          # pull: read posted
     AWAITING_PUSH = "awaiting"   # push: waiting for the producer's PUSHED
     CONFIRMING = "confirming"    # verified, DONE sent, waiting for ACK
+    FENCING = "fencing"          # push given up: waiting until the producer has stopped writing
     DONE = "done"
     FAILED = "failed"
 
@@ -96,13 +97,23 @@ class KVConsumer:
 
     def abort(self, lease_id: str) -> None:
         """Abort from the decode side: the producer releases; our blocks are freed by the caller
-        once the pull is reported FAILED (after any read in flight has stopped)."""
+        once the pull is reported FAILED (after any read or push in flight has stopped)."""
         pull = self.pulls.get(lease_id)
         if pull is None or pull.finished:
             return
         pull.aborted = True
-        self.transport.notify(pull.producer, Message(Kind.ABORT, lease_id).encode())
-        self._fail(pull, "aborted")
+        self._give_up(pull, Message(Kind.ABORT, lease_id), "aborted")
+
+    def _give_up(self, pull: KVPull, msg: Message, reason: str) -> None:
+        """End a handoff from our side. A producer that may still be pushing into our blocks is
+        fenced first: FAILED only once it ACKs (its writes have stopped) or the fence times out."""
+        self.transport.notify(pull.producer, msg.encode())
+        if pull.handle is None and pull.state is PullState.AWAITING_PUSH:
+            pull.state = PullState.FENCING
+            pull.error = reason
+            pull.deadline = self.clock() + self.timeout_s
+            return
+        self._fail(pull, reason)
 
     def poll(self) -> list[KVPull]:
         """Advance every pull; returns those that finished in this call."""
@@ -116,10 +127,12 @@ class KVConsumer:
             if pull.state is PullState.READING:
                 self._progress_read(pull)
             if not pull.finished and now > pull.deadline:
-                self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False,
-                                                             reason="timeout").encode())
-                self._fail(pull, f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
-            elif not pull.finished and now >= pull.next_renew:
+                if pull.state is PullState.FENCING:
+                    self._fail(pull, pull.error + " (producer never confirmed the fence)")
+                else:
+                    self._give_up(pull, Message(Kind.FAIL, pull.lease_id, ok=False, reason="timeout"),
+                                  f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
+            elif not pull.finished and pull.state is not PullState.FENCING and now >= pull.next_renew:
                 pull.next_renew = now + (pull.handle.lease_seconds / 3 if pull.handle else 1.0)
                 self.transport.notify(pull.producer, Message(Kind.RENEW, pull.lease_id).encode())
         done = [p for p in self.pulls.values() if p.finished]
@@ -166,6 +179,10 @@ class KVConsumer:
         self.transport.notify(pull.producer, Message(Kind.DONE, pull.lease_id).encode())
 
     def _on_message(self, pull: KVPull, msg: Message) -> None:
+        if pull.state is PullState.FENCING:
+            if msg.kind in (Kind.ACK, Kind.FAIL, Kind.ABORT):
+                self._fail(pull, pull.error)     # the producer has ended the lease: no write is left
+            return
         if msg.kind is Kind.ACK and pull.state is PullState.CONFIRMING:
             if msg.ok:
                 pull.state = PullState.DONE

@@ -166,7 +166,10 @@ class KVProducer:
             self._end(lease, LeaseState.DONE)
             self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=True).encode())
         elif msg.kind in (Kind.FAIL, Kind.ABORT):
+            pushed = bool(lease.remote_blocks)
             self._end(lease, LeaseState.ABORTED if msg.kind is Kind.ABORT else LeaseState.FAILED)
+            if pushed:   # our writes into the consumer's blocks have stopped: it may free them
+                self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason="fenced").encode())
 
     def abort(self, request_id: str) -> bool:
         """The prefill side aborts: release at once and tell a known consumer."""
