@@ -69,6 +69,9 @@ class LLMEngine:
         self._pending: list[TokenDelta] = []
         self._arrivals = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
+        # Called with each step's plan before it runs (the KV push binds its blocks here and
+        # sets `runner.layer_hook` to stream each layer as it is computed).
+        self.plan_hooks: list = []
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
@@ -178,6 +181,8 @@ class LLMEngine:
                 out.append(self._finish_delta(seq, (), self._detok[seq.request_id].add((), final=True)))
         if plan.empty:
             return out
+        for hook in self.plan_hooks:
+            hook(plan)
         logits, sampled_seqs = self.runner.execute(plan)
         tokens = sample(logits, sampled_seqs) if sampled_seqs else []
         self.scheduler.update(plan, dict(zip(sampled_seqs, tokens)))

@@ -13,7 +13,8 @@ import msgpack
 
 
 def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int = 4, num_blocks: int = 96,
-          lease_seconds: float = 30.0, timeout_s: float = 10.0, dtype: str = "float32") -> None:
+          lease_seconds: float = 30.0, timeout_s: float = 10.0, dtype: str = "float32",
+          max_batched_tokens: int = 64) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
@@ -27,7 +28,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
                                                                                     num_blocks=num_blocks),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
     transport = make_transport(transport_kind, name)
     transport.register(engine.kv_cache.arena, engine.layout)
     mailbox = Mailbox(transport)
@@ -57,6 +58,14 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 return {"peer": transport.add_peer(cmd["meta"])}
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 return {"error": f"{type(exc).__name__}: {exc}"}
+        if op == "timed_prefill":
+            t0 = time.perf_counter()
+            raw = handle({**cmd, "op": "prefill"})
+            return {"handle": raw, "prefill_s": time.perf_counter() - t0,
+                    "checksum_s": producer.checksum_seconds}
+        if op == "set_verify":
+            consumer.verify = producer.checksums = bool(cmd["on"])
+            return {}
         if op == "prefill":
             sp = SamplingParams(max_tokens=1, temperature=cmd.get("temperature", 0.0), seed=cmd.get("seed"))
             rid = engine.add_request(cmd["prompt"], sp, request_id=cmd["rid"], hold_kv=True)
@@ -67,26 +76,33 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             blocks, n = engine.take_held_kv(rid)
             return producer.publish(rid, blocks, n, first).encode()
         if op == "push_prefill":
-            # Push mode: the consumer reserved `remote_blocks`; write each layer as it is computed.
-            sp = SamplingParams(max_tokens=1)
+            # Push mode: the consumer reserved `remote_blocks`; once the final chunk of the prompt is
+            # scheduled, bind our blocks to them and write each layer as soon as it is computed.
             rid = cmd["rid"]
-            ids = engine.validate_prompt(cmd["prompt"])
-            engine.add_request(ids, sp, request_id=rid, hold_kv=True)
-            # Blocks are allocated at scheduling time; push needs them first, so schedule, then bind.
-            plan = engine.scheduler.schedule()
-            seq = plan.chunks[0].seq
-            assert plan.chunks[0].samples, "push test prompts fit one chunk"
-            lease_id = producer.begin_push(rid, cmd["consumer"], cmd["remote_blocks"], seq.block_ids, len(ids))
-            push_targets[rid] = lease_id
-            engine.runner.layer_hook = layer_hook
-            logits, sampled = engine.runner.execute(plan)
-            engine.runner.layer_hook = None
-            del push_targets[rid]
-            from cluster.engine.sampler import sample
-            tokens = sample(logits, sampled)
-            engine.scheduler.update(plan, dict(zip(sampled, tokens)))
-            producer.finish_push(lease_id, tokens[0])
-            return {"lease": lease_id, "first": tokens[0]}
+            state = {}
+
+            def bind(plan):
+                for chunk in plan.chunks:
+                    if chunk.seq.request_id == rid and chunk.samples and "lease" not in state:
+                        state["lease"] = producer.begin_push(rid, cmd["consumer"], cmd["remote_blocks"],
+                                                             chunk.seq.block_ids, chunk.seq.num_prompt_tokens)
+                        push_targets[rid] = state["lease"]
+                        engine.runner.layer_hook = layer_hook
+                        state["t0"] = time.perf_counter()
+            engine.plan_hooks.append(bind)
+            engine.add_request(cmd["prompt"], SamplingParams(max_tokens=1), request_id=rid, hold_kv=True)
+            first = None
+            try:
+                while engine.has_unfinished():
+                    for d in engine.step():
+                        first = d.token_ids[0]
+            finally:
+                engine.plan_hooks.remove(bind)
+                engine.runner.layer_hook = None
+                push_targets.pop(rid, None)
+            producer.finish_push(state["lease"], first)
+            end = time.perf_counter()
+            return {"lease": state["lease"], "first": first, "prefill_s": end - state["t0"], "prefill_end": end}
         if op == "reserve":
             return {"blocks": engine.pool.allocate(cmd["n"])}
         if op == "expect":
@@ -97,7 +113,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 h = KVHandle.decode(cmd["handle"])
                 local = engine.pool.allocate(len(h.block_ids))
                 pull = consumer.start_pull(h, local)
-                prompt, first = cmd["prompt"], h.first_token
+                prompt = cmd["prompt"]
             else:
                 pull = consumer.pulls[cmd["lease"]]
                 prompt = cmd["prompt"]
@@ -108,6 +124,11 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 engine.pool.free(reversed(pull.local_blocks))
                 return {"state": pull.state.value, "error": pull.error}
             first = pull.first_token
+            if cmd.get("ready_only"):
+                engine.pool.free(reversed(pull.local_blocks))
+                t = pull.timings
+                return {"state": "done", "ready_s": t["acked"] - t["start"], "read_s": t["read"] - t["start"],
+                        "verify_s": t.get("verified", t["read"]) - t["read"], "acked_at": t["acked"]}
             if cmd.get("bytes_only"):
                 data = engine.kv_cache.arena[:, :, pull.local_blocks].contiguous().view(torch.uint8).numpy().tobytes()
                 engine.pool.free(reversed(pull.local_blocks))
