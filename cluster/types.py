@@ -167,3 +167,13 @@ class KVHandle:
         raw["block_ids"] = tuple(int(b) for b in raw["block_ids"])
         raw["checksums"] = tuple(int(c) for c in raw.get("checksums", ()))
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated request, as the router hands it on: tokenized, limits checked."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    model: str = ""

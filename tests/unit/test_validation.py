@@ -1,0 +1,48 @@
+import pytest
+
+from proto.splitserve.v1 import inference_pb2 as pb
+from router.validation import Limits, ValidationError, validate
+
+LIMITS = Limits(model_id="m", vocab_size=100, max_model_len=32, max_tokens_limit=64, default_max_tokens=16)
+
+
+def _tok(text):
+    return [ord(c) % 100 for c in text]
+
+
+def _req(**kw):
+    sampling = kw.pop("sampling", {})
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **kw)
+
+
+def test_valid_text_and_ids():
+    r = validate(_req(text="hello"), LIMITS, _tok)
+    assert r.prompt_token_ids == tuple(_tok("hello")) and r.sampling.max_tokens == 16 and r.request_id
+    r = validate(_req(request_id="abc", token_ids=pb.TokenIds(ids=[1, 2]),
+                      sampling={"top_p": 0.5, "seed": 4, "max_tokens": 64}), LIMITS, _tok)
+    assert r.request_id == "abc" and r.sampling.top_p == 0.5 and r.sampling.seed == 4
+
+
+@pytest.mark.parametrize("kwargs, field, text", [
+    ({}, "prompt", "set either text or token_ids"),
+    ({"text": ""}, "prompt.text", "is empty"),
+    ({"token_ids": pb.TokenIds(ids=[])}, "prompt.token_ids", "is empty"),
+    ({"token_ids": pb.TokenIds(ids=[1, 100])}, "prompt.token_ids", "[0, 100)"),
+    ({"text": "x" * 40}, "prompt", "has 40 tokens but the model's context is 32"),
+    ({"text": "x", "model": "other"}, "model", "serves 'm'"),
+    ({"text": "x", "request_id": "a" * 200}, "request_id", "at most 128"),
+    ({"text": "x", "sampling": {"max_tokens": 65}}, "sampling.max_tokens", "limit of 64"),
+    ({"text": "x", "sampling": {"max_tokens": 0}}, "sampling.max_tokens", "positive"),
+    ({"text": "x", "sampling": {"temperature": -1}}, "sampling.temperature", ">= 0"),
+    ({"text": "x", "sampling": {"top_p": 0.0}}, "sampling.top_p", "(0, 1]"),
+    ({"text": "x", "sampling": {"top_k": -5}}, "sampling.top_k", ">= 0"),
+    ({"text": "x", "sampling": {"min_p": 2}}, "sampling.min_p", "[0, 1]"),
+    ({"text": "x", "sampling": {"repetition_penalty": 0}}, "sampling.repetition_penalty", "> 0"),
+    ({"text": "x", "sampling": {"stop": [""]}}, "sampling.stop", "non-empty"),
+    ({"text": "x", "sampling": {"logprobs": 99}}, "sampling.logprobs", "between 0 and 20"),
+])
+def test_every_bad_field_is_named(kwargs, field, text):
+    with pytest.raises(ValidationError) as info:
+        validate(_req(**kwargs), LIMITS, _tok)
+    assert info.value.field == field
+    assert text in str(info.value)
