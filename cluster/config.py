@@ -99,3 +99,14 @@ class EngineConfig:
 
     def with_overrides(self, **kwargs) -> "EngineConfig":
         return replace(self, **kwargs)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker: its engine and its side of the KV transfer plane."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str = "nixl"
+    lease_seconds: float = 30.0
+    transfer_timeout_s: float = 10.0
+    checksums: bool = True

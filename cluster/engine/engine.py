@@ -148,7 +148,9 @@ class LLMEngine:
             # request samples the same tokens as it would in one engine.
             torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
         self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, [*ids, int(first_token)], sampling.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        detok.add([int(first_token)])   # replays the producer's text state; its text was streamed there
+        self._detok[request_id] = detok
         self.scheduler.add(seq)
 
     def take_held_kv(self, request_id: str) -> tuple[list[int], int]:
@@ -193,7 +195,9 @@ class LLMEngine:
     def _delta(self, seq: Sequence, token: int) -> TokenDelta:
         detok = self._detok[seq.request_id]
         finished = seq.is_finished
-        text = detok.add((token,), final=finished)
+        # A P/D producer's request ends after its first token but the text goes on elsewhere: no
+        # flush, so it emits exactly what a single engine would for that token.
+        text = detok.add((token,), final=finished and not seq.hold_kv)
         if detok.stopped and not finished:
             self.scheduler.finish(seq, FinishReason.STOP)
             finished = True

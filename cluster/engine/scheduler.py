@@ -146,8 +146,9 @@ class Scheduler:
         """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
         bs = self.block_size
         usable = 0
-        if seq.num_computed_tokens and seq.block_ids:
-            pass   # arrived with its KV already in our blocks (a P/D handoff)
+        handed_off = bool(seq.num_computed_tokens and seq.block_ids)   # KV already in our blocks (P/D)
+        if handed_off:
+            pass
         elif self.pool.enable_prefix_caching:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
             # Never reuse the block holding the last token: its logits must be computed.
@@ -163,7 +164,7 @@ class Scheduler:
             self._release(seq)
             return 0
         seq.block_ids.extend(self.pool.allocate(need))
-        if seq.num_preemptions == 0:
+        if seq.num_preemptions == 0 and not handed_off:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.pool.queries += usable
             self.pool.hits += seq.num_computed_tokens // bs

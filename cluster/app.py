@@ -1,0 +1,152 @@
+"""Assembles the cluster: a local or existing Ray, prefill and decode workers as actors, the
+router and its gRPC server. The one module (with cli.py) allowed to import every role."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+
+from cluster.config import EngineConfig, WorkerConfig
+from cluster.model.loader import load_tokenizer
+from cluster.model.model_config import load_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    transport: str = "nixl"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: str = "prefix_aware"
+    ray_address: str | None = None
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+    max_in_flight: int = 256
+    local_prefill_max_tokens: int = 32
+    api_keys: tuple[str, ...] = ()
+    worker_cpus: float = 1.0
+    prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
+    decode_resources: dict = field(default_factory=dict)
+
+
+def ray_environment() -> None:
+    """Ray settings that keep a local cluster on loopback (see docs: Ray rewrites 127.0.0.1 otherwise)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+class RayWorkerClient:
+    """The router's view of one worker actor."""
+
+    def __init__(self, name: str, handle):
+        self.name = name
+        self.handle = handle
+
+    async def prefill(self, request_id, prompt_ids, sampling):
+        return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
+
+    async def stream(self, method: str, *args):
+        gen = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
+        async for ref in gen:
+            yield await ref
+
+    async def abort(self, request_id):
+        await self.handle.abort.remote(request_id)
+
+    async def stats(self):
+        return await self.handle.stats.remote()
+
+
+@dataclass
+class RunningCluster:
+    config: ClusterConfig
+    router: object
+    server: object
+    port: int
+    workers: dict
+    started_ray: bool
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=1.0)
+        import ray  # noqa: PLC0415
+        for client in self.workers.values():
+            try:
+                ray.kill(client.handle)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.started_ray:
+            ray.shutdown()
+
+
+async def _poll_stats(router, workers: dict, period_s: float = 0.25) -> None:
+    while True:
+        for name, client in workers.items():
+            try:
+                router.update_stats(await client.stats())
+                router.views[name].healthy = True
+            except Exception:  # noqa: BLE001 - a dead or restarting worker
+                router.views[name].healthy = False
+        await asyncio.sleep(period_s)
+
+
+async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
+    ray_environment()
+    import ray  # noqa: PLC0415
+    from decode.worker import DecodeWorker  # noqa: PLC0415
+    from prefill.worker import PrefillWorker  # noqa: PLC0415
+    from router.policy import make_policy  # noqa: PLC0415
+    from router.router import Router, RouterConfig  # noqa: PLC0415
+    from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
+    from router.validation import Limits  # noqa: PLC0415
+
+    started = False
+    if not ray.is_initialized():
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, log_to_driver=False)
+        else:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                     num_cpus=max(2, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
+        started = True
+    wcfg = WorkerConfig(engine=cfg.engine, transport=cfg.transport)
+    env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.engine.num_threads or 1)}}
+    prefill, decode = {}, {}
+    if not cfg.colocated:
+        for i in range(cfg.num_prefill):
+            name = f"prefill-{i}"
+            h = ray.remote(PrefillWorker).options(name=name, num_cpus=cfg.worker_cpus, max_concurrency=256,
+                                                  resources=cfg.prefill_resources, runtime_env=env).remote(name, wcfg)
+            prefill[name] = RayWorkerClient(name, h)
+    for i in range(cfg.num_decode):
+        name = f"decode-{i}" if not cfg.colocated else f"colocated-{i}"
+        h = ray.remote(DecodeWorker).options(name=name, num_cpus=cfg.worker_cpus, max_concurrency=256,
+                                             resources=cfg.decode_resources, runtime_env=env).remote(name, wcfg)
+        decode[name] = RayWorkerClient(name, h)
+    metas = {n: await c.handle.metadata.remote() for n, c in {**prefill, **decode}.items()}
+    for p in prefill:
+        for d in decode:
+            await prefill[p].handle.add_peer.remote(metas[d])
+            await decode[d].handle.add_peer.remote(metas[p])
+    mc = load_model_config(cfg.engine.model)
+    tokenizer = load_tokenizer(cfg.engine.model)
+    max_len = cfg.engine.max_model_len or mc.max_position_embeddings
+    router = Router(RouterConfig(block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
+                                 local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+                                 max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode)
+    limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
+                    max_tokens_limit=cfg.max_tokens_limit, default_max_tokens=cfg.default_max_tokens)
+    info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
+            "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
+            "max_tokens_limit": cfg.max_tokens_limit}
+    service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
+                               cfg.api_keys)
+    server, port = await start_grpc_server(service, cfg.host, cfg.port)
+    workers = {**prefill, **decode}
+    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers))
+    return RunningCluster(cfg, router, server, port, workers, started)

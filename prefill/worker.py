@@ -1,0 +1,92 @@
+"""The prefill worker: computes a prompt's KV (chunked, prefix cache first), samples the first
+token and publishes the blocks under a lease for a decode worker to pull.
+
+A plain class; `cluster/app.py` runs it as a Ray actor in its own process.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from cluster.config import WorkerConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.engine_loop import EngineLoop
+from cluster.transfer.messages import Mailbox
+from cluster.transfer.producer import KVProducer
+from cluster.transfer.registry import make_transport
+from cluster.types import FinishReason, SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    text: str
+    finish_reason: FinishReason | None     # set when the request ends with its first token
+    handle: bytes | None                   # KVHandle (msgpack) when a decode worker must continue
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class PrefillWorker:
+    def __init__(self, name: str, config: WorkerConfig):
+        self.name = name
+        self.engine = LLMEngine(config.engine)
+        self.transport = make_transport(config.transport, name)
+        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
+        mailbox = Mailbox(self.transport)
+        self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
+                                   self.engine.release_held_kv, lease_seconds=config.lease_seconds,
+                                   checksums=config.checksums, mailbox=mailbox)
+        self.loop = EngineLoop(self.engine, pollers=[self.producer.poll])
+
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.loop.call(lambda e: self.transport.add_peer(metadata)).result(timeout=30)
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> PrefillResult:
+        first_only = replace(sampling, max_tokens=1)
+        last = None
+        async for delta in self.loop.stream(
+                request_id, lambda e: e.add_request(prompt_ids, first_only, request_id, hold_kv=True)):
+            last = delta
+        if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
+            reason = last.finish_reason
+        elif sampling.max_tokens == 1 or len(prompt_ids) + 1 >= self.engine.max_model_len:
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
+        ends_here = reason is not None
+
+        def publish(e: LLMEngine):
+            if request_id not in e.scheduler.held:
+                return None
+            if ends_here:
+                e.release_held_kv(request_id)
+                return None
+            blocks, n = e.take_held_kv(request_id)
+            return self.producer.publish(request_id, blocks, n, last.token_ids[0]).encode()
+        handle = await self.loop.acall(publish)
+        return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, reason, handle,
+                             last.num_prompt_tokens, last.num_cached_tokens, last.logprobs)
+
+    async def abort(self, request_id: str) -> None:
+        def go(e: LLMEngine):
+            e.abort(request_id)
+            self.producer.abort(request_id)
+        await self.loop.acall(go)
+
+    def stats(self) -> dict:
+        pool = self.engine.pool
+        return {"name": self.name, "role": "prefill", "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
+                "waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running),
+                "leases": self.producer.num_active(), "prefix_queries": pool.queries, "prefix_hits": pool.hits}
+
+    def close(self) -> None:
+        self.loop.close()
+        self.transport.close()

@@ -1,0 +1,130 @@
+"""The gRPC front door: splitserve.v1.Inference, grpc.health.v1 and server reflection.
+
+Each RPC validates first (INVALID_ARGUMENT naming the field), refuses work past the in-flight limit
+(RESOURCE_EXHAUSTED), honours the client's deadline (DEADLINE_EXCEEDED, and the request stops on
+every worker) and aborts everywhere when the client cancels.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.types import FinishReason, TokenDelta
+from proto.splitserve.v1 import inference_pb2 as pb
+from proto.splitserve.v1 import inference_pb2_grpc as pb_grpc
+from router.router import Router
+from router.validation import Limits, ValidationError, validate
+
+log = logging.getLogger(__name__)
+
+_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+            FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+SERVICE_NAME = "splitserve.v1.Inference"
+
+
+def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=delta.request_id, token_ids=list(delta.token_ids), text=delta.text)
+    for lp in delta.logprobs:
+        msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    if delta.finish_reason is not None:
+        msg.finish_reason = _REASONS[delta.finish_reason]
+        msg.usage.prompt_tokens = delta.num_prompt_tokens
+        msg.usage.completion_tokens = usage_tokens
+        msg.usage.cached_prompt_tokens = delta.num_cached_tokens
+    return msg
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple[str, ...] = (),
+                 metrics=None):
+        self.router = router
+        self.limits = limits
+        self.tokenize = tokenize
+        self.info = info
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.metrics = metrics
+
+    async def _authorize(self, context) -> None:
+        if not self.api_keys:
+            return
+        value = dict(context.invocation_metadata()).get("authorization", "")
+        token = value[len("Bearer "):].encode() if value.startswith("Bearer ") else b""
+        if not any(hmac.compare_digest(token, k) for k in self.api_keys):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid 'authorization: Bearer <key>'")
+
+    async def Generate(self, request, context):
+        await self._authorize(context)
+        try:
+            req = validate(request, self.limits, self.tokenize)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.router.in_flight >= self.router.config.max_in_flight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server is at its limit of {self.router.config.max_in_flight} requests; retry later")
+        if req.request_id in self.router.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running")
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        stream = self.router.generate(req)
+        produced = 0
+        tracker = self.metrics.track(req) if self.metrics else None
+        try:
+            while True:
+                timeout = None if deadline is None else deadline - asyncio.get_running_loop().time()
+                try:
+                    delta = await asyncio.wait_for(anext(stream), timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    await stream.aclose()       # stops the request on every worker
+                    if tracker:
+                        tracker.finish("deadline")
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                produced += len(delta.token_ids)
+                if tracker:
+                    tracker.tokens(len(delta.token_ids), delta)
+                yield to_proto(delta, produced)
+        except (ValueError, RuntimeError) as exc:
+            if tracker:
+                tracker.finish("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            await stream.aclose()
+
+    async def Abort(self, request, context):
+        await self._authorize(context)
+        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def ListModels(self, request, context):
+        await self._authorize(context)
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.model_id, max_model_len=self.limits.max_model_len,
+                                                          vocab_size=self.limits.vocab_size)])
+
+    async def ServerInfo(self, request, context):
+        await self._authorize(context)
+        return pb.ServerInfoResponse(**self.info)
+
+
+async def start_grpc_server(service: InferenceService, host: str, port: int, max_message_bytes: int = 4 << 20,
+                            tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", max_message_bytes)])
+    pb_grpc.add_InferenceServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if tls:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+    else:
+        bound = server.add_insecure_port(address)
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
