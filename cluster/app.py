@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, WorkerConfig
@@ -69,6 +70,7 @@ class RunningCluster:
     config: ClusterConfig
     router: object
     server: object
+    service: object
     port: int
     workers: dict
     started_ray: bool
@@ -112,20 +114,21 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             ray.init(address=cfg.ray_address, log_to_driver=False)
         else:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                     num_cpus=max(2, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
+                     num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
         started = True
     wcfg = WorkerConfig(engine=cfg.engine, transport=cfg.transport)
+    suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
     env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.engine.num_threads or 1)}}
     prefill, decode = {}, {}
     if not cfg.colocated:
         for i in range(cfg.num_prefill):
             name = f"prefill-{i}"
-            h = ray.remote(PrefillWorker).options(name=name, num_cpus=cfg.worker_cpus, max_concurrency=256,
+            h = ray.remote(PrefillWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
                                                   resources=cfg.prefill_resources, runtime_env=env).remote(name, wcfg)
             prefill[name] = RayWorkerClient(name, h)
     for i in range(cfg.num_decode):
         name = f"decode-{i}" if not cfg.colocated else f"colocated-{i}"
-        h = ray.remote(DecodeWorker).options(name=name, num_cpus=cfg.worker_cpus, max_concurrency=256,
+        h = ray.remote(DecodeWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
                                              resources=cfg.decode_resources, runtime_env=env).remote(name, wcfg)
         decode[name] = RayWorkerClient(name, h)
     metas = {n: await c.handle.metadata.remote() for n, c in {**prefill, **decode}.items()}
@@ -140,7 +143,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                                  local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                                  max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode)
     limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
-                    max_tokens_limit=cfg.max_tokens_limit, default_max_tokens=cfg.default_max_tokens)
+                    max_tokens_limit=cfg.max_tokens_limit,
+                    default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit))
     info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
             "max_tokens_limit": cfg.max_tokens_limit}
@@ -149,4 +153,4 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     server, port = await start_grpc_server(service, cfg.host, cfg.port)
     workers = {**prefill, **decode}
     router.stats_task = asyncio.ensure_future(_poll_stats(router, workers))
-    return RunningCluster(cfg, router, server, port, workers, started)
+    return RunningCluster(cfg, router, server, service, port, workers, started)

@@ -41,7 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help='print one JSON object {"token_ids", "text", "finish_reason"} instead of streaming text')
+    gen.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="stream from a running `splitserve serve` instead of running the engine in-process")
+    gen.add_argument("--api-key", default=None, help="API key for --server (sent as 'authorization: Bearer')")
     gen.add_argument("prompt")
+    srv = sub.add_parser("serve", help="serve the gRPC API from a disaggregated prefill/decode cluster on Ray")
+    _add_engine_args(srv)
+    srv.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    srv.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    srv.add_argument("--colocated", action="store_true",
+                     help="serve from engines that run both phases (the aggregated baseline)")
+    srv.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport")
+    srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
+    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
+    srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    srv.add_argument("--max-tokens-limit", type=int, default=4096)
+    srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     return parser
 
 
@@ -63,7 +79,60 @@ def _sampling(args):
                           seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
+def cmd_generate_remote(args) -> int:
+    from router.client import Client  # noqa: PLC0415
+    client = Client(args.server, api_key=args.api_key)
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                    ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    ids, text, reason = [], [], None
+    names = {1: "stop", 2: "length", 3: "abort"}
+    for msg in client.stream(args.prompt, **sampling):
+        ids.extend(msg.token_ids)
+        text.append(msg.text)
+        if not args.json and msg.text:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+        if msg.finish_reason:
+            reason = names[msg.finish_reason]
+    if args.json:
+        print(json.dumps({"token_ids": ids, "text": "".join(text), "finish_reason": reason}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import asyncio  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    from cluster.app import ClusterConfig, start_cluster  # noqa: PLC0415
+
+    cfg = ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
+                        colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
+                        policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
+                        api_keys=tuple(args.api_key))
+
+    async def run() -> None:
+        cluster = await start_cluster(cfg)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        mode = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+        print(f"splitserve: serving {cfg.engine.model.name} ({mode}, KV over {args.transport}) on "
+              f"{args.host}:{cluster.port}", file=sys.stderr)
+        print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
+        await stop.wait()
+        print("splitserve: shutting down", file=sys.stderr)
+        await cluster.stop()
+    asyncio.run(run())
+    return 0
+
+
 def cmd_generate(args) -> int:
+    if args.server:
+        return cmd_generate_remote(args)
     from cluster.engine.engine import LLMEngine  # noqa: PLC0415 (torch import is slow; keep --help fast)
     sampling = _sampling(args)
     engine = LLMEngine(_engine_config(args))
@@ -91,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for ours in ("cluster", "prefill", "decode", "router"):
         logging.getLogger(ours).setLevel(args.log_level.upper())
     try:
-        return cmd_generate(args)
+        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2

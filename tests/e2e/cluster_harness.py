@@ -1,0 +1,40 @@
+"""Runs a real cluster (Ray actors, gRPC on 127.0.0.1) on a background event loop for tests."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+
+class ClusterThread:
+    def __init__(self, cfg):
+        from cluster.app import start_cluster
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.cluster = self.run(start_cluster(cfg), timeout=180)
+        self.target = f"127.0.0.1:{self.cluster.port}"
+
+    def run(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stats(self) -> list[dict]:
+        async def go():
+            return [await c.stats() for c in self.cluster.workers.values()]
+        return self.run(go())
+
+    def wait_idle(self, timeout=15.0) -> list[dict]:
+        """Every worker's pool back to empty: no block held, no lease, nothing queued."""
+        limit = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 and s["running"] == 0 and s["waiting"] == 0
+                       for s in stats)
+            if idle or time.monotonic() > limit:
+                return stats
+            time.sleep(0.1)
+
+    def stop(self):
+        self.run(self.cluster.stop(), timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

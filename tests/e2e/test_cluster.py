@@ -1,0 +1,170 @@
+"""The disaggregated cluster as users meet it: real Ray actors, real gRPC on 127.0.0.1, real NIXL."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from cluster.app import ClusterConfig
+from cluster.config import CacheConfig, EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.types import SamplingParams
+from cluster_harness import ClusterThread
+from proto.splitserve.v1 import inference_pb2 as pb
+from router.client import Client
+
+MAX_TOKENS = 16
+
+
+def _engine_config(model_dir):
+    return EngineConfig(model=model_dir, dtype="float32", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=256))
+
+
+def _prompts(n=16):
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 9, 17, 30, 45, 60, 12, 25, 33, 7, 51, 19, 40, 4, 28, 36]
+    return [torch.randint(3, 384, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    engine = LLMEngine(_engine_config(tiny_model_dir("llama")))
+
+    def run(prompts, sampling):
+        return [list(o.token_ids) for o in engine.generate(prompts, sampling)]
+    return run
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
+                                    local_prefill_max_tokens=4, max_tokens_limit=64))
+    yield c
+    c.stop()
+
+
+def _concurrent(client, prompts, **sampling):
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(p, **sampling), prompts))
+
+
+def test_16_concurrent_greedy_requests_equal_single_engine(cluster, reference):
+    client = Client(cluster.target)
+    prompts = _prompts()
+    outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
+    assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    stats = cluster.wait_idle()
+    assert all(s["blocks_used"] == 0 for s in stats), stats
+    decode = next(s for s in stats if s["role"] == "decode")
+    assert decode["handoff_done"] >= 14 and decode["handoff_failed"] == 0   # 2 prompts are short: local
+
+
+def test_seeded_sampling_reproduces_single_engine(cluster, reference):
+    client = Client(cluster.target)
+    prompts = _prompts(4)
+    outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=77)
+    ref = reference(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=77))
+    assert [list(o.token_ids) for o in outs] == ref
+    cluster.wait_idle()
+
+
+def test_text_prompt_and_server_info(cluster):
+    client = Client(cluster.target)
+    out = client.generate("def add(a, b):", max_tokens=5)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    info = client.server_info()
+    assert info.mode == "disaggregated" and info.prefill_workers == 1 and info.kv_transport == "nixl"
+    models = client.stub.ListModels(pb.ListModelsRequest())
+    assert models.models[0].id == "llama" or models.models[0].vocab_size == 384
+
+
+@pytest.mark.parametrize("request_kwargs, code, text", [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "prompt: set either text or token_ids"),
+    ({"token_ids": pb.TokenIds(ids=[1, 999])}, grpc.StatusCode.INVALID_ARGUMENT, "prompt.token_ids"),
+    ({"token_ids": pb.TokenIds(ids=list(range(3, 260)))}, grpc.StatusCode.INVALID_ARGUMENT,
+     "has 257 tokens but the model's context is 256"),
+    ({"text": "x", "sampling": pb.SamplingParams(max_tokens=65)}, grpc.StatusCode.INVALID_ARGUMENT, "limit of 64"),
+    ({"text": "x", "sampling": pb.SamplingParams(temperature=-2)}, grpc.StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    ({"text": "x", "model": "nope"}, grpc.StatusCode.INVALID_ARGUMENT, "model"),
+])
+def test_bad_input_gets_invalid_argument(cluster, request_kwargs, code, text):
+    client = Client(cluster.target)
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stub.Generate(pb.GenerateRequest(**request_kwargs)))
+    assert info.value.code() == code
+    assert text in info.value.details()
+    cluster.wait_idle()
+
+
+def test_cancel_mid_stream_frees_every_block(cluster):
+    client = Client(cluster.target)
+    call = client.stream(_prompts(1)[0] * 2, max_tokens=64, ignore_eos=True)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    stats = cluster.wait_idle()
+    assert all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 for s in stats), stats
+
+
+def test_deadline_exceeded_stops_the_request(cluster):
+    client = Client(cluster.target)
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stream(_prompts(1)[0], max_tokens=64, ignore_eos=True, timeout=0.05))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = cluster.wait_idle()
+    assert all(s["blocks_used"] == 0 for s in stats), stats
+
+
+def test_overload_answers_resource_exhausted(cluster):
+    router = cluster.cluster.router
+    old = router.config.max_in_flight
+    router.config.max_in_flight = 0
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            Client(cluster.target).generate("x", max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        router.config.max_in_flight = old
+
+
+def test_api_key_required_when_configured(cluster):
+    svc = cluster.cluster.service
+    svc.api_keys = (b"sekrit",)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            Client(cluster.target).generate("x", max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert Client(cluster.target, api_key="sekrit").generate("x", max_tokens=2).finish_reason == "length"
+        with pytest.raises(grpc.RpcError):
+            Client(cluster.target, api_key="wrong").generate("x", max_tokens=2)
+    finally:
+        svc.api_keys = ()
+
+
+def test_health_service_reports_serving(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(cluster.target))
+    resp = stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Inference"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
+                                    num_prefill=2, num_decode=2, local_prefill_max_tokens=4, policy="least_loaded"))
+    try:
+        client = Client(c.target)
+        prompts = _prompts()
+        outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
+        assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        stats = c.wait_idle()
+        assert all(s["blocks_used"] == 0 for s in stats)
+        used = [s for s in stats if s["role"] == "decode" and s["handoff_done"] > 0]
+        assert len(used) == 2, "both decode workers should have taken handoffs"
+    finally:
+        c.stop()
