@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from cluster.config import EngineConfig, WorkerConfig
+from cluster.metrics import ClusterMetrics
 from cluster.model.loader import load_tokenizer
 from cluster.model.model_config import load_model_config
 
@@ -31,6 +32,7 @@ class ClusterConfig:
     max_in_flight: int = 256
     local_prefill_max_tokens: int = 32
     api_keys: tuple[str, ...] = ()
+    metrics_port: int | None = None
     worker_cpus: float = 1.0
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
     decode_resources: dict = field(default_factory=dict)
@@ -74,9 +76,14 @@ class RunningCluster:
     port: int
     workers: dict
     started_ray: bool
+    metrics: object = None
+    metrics_server: object = None
 
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
+        self.router.stats_task.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server[0].shutdown()
         import ray  # noqa: PLC0415
         for client in self.workers.values():
             try:
@@ -87,11 +94,13 @@ class RunningCluster:
             ray.shutdown()
 
 
-async def _poll_stats(router, workers: dict, period_s: float = 0.25) -> None:
+async def _poll_stats(router, workers: dict, metrics, period_s: float = 0.25) -> None:
     while True:
         for name, client in workers.items():
             try:
-                router.update_stats(await client.stats())
+                stats = await client.stats()
+                router.update_stats(stats)
+                metrics.update_worker(stats)
                 router.views[name].healthy = True
             except Exception:  # noqa: BLE001 - a dead or restarting worker
                 router.views[name].healthy = False
@@ -139,9 +148,11 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     mc = load_model_config(cfg.engine.model)
     tokenizer = load_tokenizer(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
+    metrics = ClusterMetrics(cfg.transport)
     router = Router(RouterConfig(block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
                                  local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-                                 max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode)
+                                 max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode,
+                    metrics=metrics)
     limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
                     max_tokens_limit=cfg.max_tokens_limit,
                     default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit))
@@ -149,8 +160,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
             "max_tokens_limit": cfg.max_tokens_limit}
     service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
-                               cfg.api_keys)
+                               cfg.api_keys, metrics=metrics)
     server, port = await start_grpc_server(service, cfg.host, cfg.port)
     workers = {**prefill, **decode}
-    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers))
-    return RunningCluster(cfg, router, server, service, port, workers, started)
+    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, metrics))
+    metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
+    return RunningCluster(cfg, router, server, service, port, workers, started, metrics, metrics_server)

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     srv.add_argument("--max-tokens-limit", type=int, default=4096)
     srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    srv.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics of the whole cluster on http://HOST:PORT/metrics")
     return parser
 
 
@@ -112,7 +114,7 @@ def cmd_serve(args) -> int:
     cfg = ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
                         colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
                         policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
-                        api_keys=tuple(args.api_key))
+                        api_keys=tuple(args.api_key), metrics_port=args.metrics_port)
 
     async def run() -> None:
         cluster = await start_cluster(cfg)
@@ -122,6 +124,8 @@ def cmd_serve(args) -> int:
         mode = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(f"splitserve: serving {cfg.engine.model.name} ({mode}, KV over {args.transport}) on "
               f"{args.host}:{cluster.port}", file=sys.stderr)
+        if args.metrics_port is not None:
+            print(f"metrics: http://{args.host}:{args.metrics_port}/metrics", file=sys.stderr)
         print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
         await stop.wait()
         print("splitserve: shutting down", file=sys.stderr)

@@ -96,6 +96,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
             await stream.aclose()
+            if tracker and not tracker.done:
+                tracker.finish("abort")
 
     async def Abort(self, request, context):
         await self._authorize(context)

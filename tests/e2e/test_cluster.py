@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -22,8 +24,8 @@ def _engine_config(model_dir):
     return EngineConfig(model=model_dir, dtype="float32", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=256))
 
 
-def _prompts(n=16):
-    g = torch.Generator().manual_seed(3)
+def _prompts(n=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
     lengths = [3, 9, 17, 30, 45, 60, 12, 25, 33, 7, 51, 19, 40, 4, 28, 36]
     return [torch.randint(3, 384, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
@@ -40,7 +42,7 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
-                                    local_prefill_max_tokens=4, max_tokens_limit=64))
+                                    local_prefill_max_tokens=4, max_tokens_limit=64, metrics_port=0))
     yield c
     c.stop()
 
@@ -168,3 +170,40 @@ def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
         assert len(used) == 2, "both decode workers should have taken handoffs"
     finally:
         c.stop()
+
+
+def _scrape(cluster) -> dict[str, float]:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    port = cluster.cluster.metrics_server[0].server_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                continue
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_metrics_count_what_was_sent(cluster):
+    before = _scrape(cluster)
+    client = Client(cluster.target)
+    prompts = _prompts(6, seed=99)                    # unseen prompts: no local prefill for cache hits
+    outs = _concurrent(client, prompts, max_tokens=5, ignore_eos=True)
+    cluster.wait_idle()
+    time.sleep(0.6)                                   # one stats poll after the requests
+    after = _scrape(cluster)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    assert delta("splitserve_requests_finished_total{reason=length}") == 6
+    assert delta("splitserve_time_to_first_token_seconds_count{}") == 6
+    assert delta("splitserve_generation_tokens_total{}") == sum(len(o.token_ids) for o in outs) == 30
+    assert delta("splitserve_inter_token_latency_seconds_count{}") == 24
+    assert delta("splitserve_kv_transfers_total{transport=nixl,worker=decode-0}") == 5   # one prompt is short
+    assert delta("splitserve_kv_transfer_bytes_total{transport=nixl,worker=decode-0}") > 0
+    assert after["splitserve_kv_cache_blocks_in_use{role=decode,worker=decode-0}"] == 0
+    assert after["splitserve_kv_cache_blocks_in_use{role=prefill,worker=prefill-0}"] == 0
+    assert "splitserve_prefix_cache_hits_total{role=prefill,worker=prefill-0}" in after

@@ -1,0 +1,122 @@
+"""Every metric of the cluster, one prefix (`splitserve_`), Prometheus naming conventions.
+
+The router process owns the registry and serves it (`--metrics-port`). Request-level series
+(latencies, tokens, finish reasons) are recorded by the router as it streams; worker-level series
+(KV blocks, queues, prefix cache, KV transfer) come from the workers' periodic stats snapshots
+through a collector, each labelled by worker, so one scrape target covers the whole cluster.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "splitserve_"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class _WorkerCollector:
+    def __init__(self, metrics: "ClusterMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.worker_stats
+        g_blocks = GaugeMetricFamily(PREFIX + "kv_cache_blocks_in_use",
+                                     "KV blocks held by requests (cached but unreferenced blocks count as free)",
+                                     labels=["worker", "role"])
+        g_total = GaugeMetricFamily(PREFIX + "kv_cache_blocks", "KV blocks in the pool", labels=["worker", "role"])
+        g_running = GaugeMetricFamily(PREFIX + "num_requests_running", "requests in the running batch",
+                                      labels=["worker", "role"])
+        g_waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "requests queued", labels=["worker", "role"])
+        c_queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "prompt blocks looked up in the prefix cache",
+                                        labels=["worker", "role"])
+        c_hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "prompt blocks found in the prefix cache",
+                                     labels=["worker", "role"])
+        c_bytes = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV bytes received by handoff",
+                                      labels=["worker", "transport"])
+        c_secs = CounterMetricFamily(PREFIX + "kv_transfer_seconds", "time spent in KV handoffs (read, verify, ack)",
+                                     labels=["worker", "transport"])
+        c_done = CounterMetricFamily(PREFIX + "kv_transfers", "KV handoffs completed",
+                                     labels=["worker", "transport"])
+        c_fail = CounterMetricFamily(PREFIX + "kv_transfer_failures", "KV handoffs that failed (recomputed locally)",
+                                     labels=["worker", "transport"])
+        transport = self.metrics.transport
+        for s in stats.values():
+            w, r = s["name"], s["role"]
+            g_blocks.add_metric([w, r], s["blocks_used"])
+            g_total.add_metric([w, r], s["blocks_total"])
+            g_running.add_metric([w, r], s["running"])
+            g_waiting.add_metric([w, r], s["waiting"])
+            c_queries.add_metric([w, r], s["prefix_queries"])
+            c_hits.add_metric([w, r], s["prefix_hits"])
+            if r == "decode":
+                c_bytes.add_metric([w, transport], s["handoff_bytes"])
+                c_secs.add_metric([w, transport], s["handoff_seconds"])
+                c_done.add_metric([w, transport], s["handoff_done"])
+                c_fail.add_metric([w, transport], s["handoff_failed"])
+        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, c_bytes, c_secs, c_done, c_fail)
+
+
+class RequestTracker:
+    def __init__(self, metrics: "ClusterMetrics"):
+        self.m = metrics
+        self.start = time.perf_counter()
+        self.last = None
+        self.done = False
+
+    def tokens(self, n: int, delta) -> None:
+        now = time.perf_counter()
+        if n:
+            if self.last is None:
+                self.m.ttft.observe(now - self.start)
+            else:
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    self.m.itl.observe(gap)
+            self.m.tokens.inc(n)
+            self.last = now
+        if delta.finish_reason is not None:
+            self.finish(delta.finish_reason.value, delta.num_prompt_tokens)
+
+    def finish(self, reason: str, prompt_tokens: int = 0) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.m.e2e.observe(time.perf_counter() - self.start)
+        self.m.finished.labels(reason=reason).inc()
+        if prompt_tokens:
+            self.m.prompt_tokens.inc(prompt_tokens)
+
+
+class ClusterMetrics:
+    def __init__(self, transport: str):
+        self.registry = CollectorRegistry()
+        self.transport = transport
+        self.worker_stats: dict[str, dict] = {}
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between output tokens", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "request latency, first byte in to last out",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "prefill phase time (remote prefill)",
+                                      registry=r, buckets=_LATENCY_BUCKETS)
+        self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason", ["reason"], registry=r)
+        r.register(_WorkerCollector(self))
+
+    def track(self, request) -> RequestTracker:
+        return RequestTracker(self)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_time.observe(seconds)
+
+    def update_worker(self, stats: dict) -> None:
+        self.worker_stats[stats["name"]] = stats
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        return start_http_server(port, addr=host, registry=self.registry)
