@@ -94,16 +94,36 @@ class RunningCluster:
             ray.shutdown()
 
 
-async def _poll_stats(router, workers: dict, metrics, period_s: float = 0.25) -> None:
+async def _handshake(name: str, workers: dict, roles: dict) -> None:
+    """(Re)connect one worker with every worker of the other role: NIXL/UCX/TCP metadata both ways.
+    A worker restarted by Ray comes back with a new agent, so this runs again when it rejoins."""
+    me = workers[name]
+    mine = await me.handle.metadata.remote()
+    for other, client in workers.items():
+        if roles[other] == roles[name]:
+            continue
+        theirs = await client.handle.metadata.remote()
+        await me.handle.add_peer.remote(theirs)
+        await client.handle.add_peer.remote(mine)
+
+
+async def _poll_stats(router, workers: dict, roles: dict, metrics, period_s: float = 0.25) -> None:
     while True:
         for name, client in workers.items():
+            view = router.views[name]
             try:
-                stats = await client.stats()
+                stats = await asyncio.wait_for(client.stats(), timeout=5)
+                if not view.healthy:
+                    log.warning("worker %s is back; reconnecting its peers", name)
+                    await _handshake(name, workers, roles)
+                    view.cached.clear()            # a restarted worker has an empty prefix cache
                 router.update_stats(stats)
                 metrics.update_worker(stats)
-                router.views[name].healthy = True
-            except Exception:  # noqa: BLE001 - a dead or restarting worker
-                router.views[name].healthy = False
+                view.healthy = True
+            except Exception as exc:  # noqa: BLE001 - a dead or restarting worker
+                if view.healthy:
+                    log.warning("worker %s is unreachable (%s); routing around it", name, exc)
+                view.healthy = False
         await asyncio.sleep(period_s)
 
 
@@ -133,18 +153,19 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         for i in range(cfg.num_prefill):
             name = f"prefill-{i}"
             h = ray.remote(PrefillWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
+                                                  max_restarts=-1,
                                                   resources=cfg.prefill_resources, runtime_env=env).remote(name, wcfg)
             prefill[name] = RayWorkerClient(name, h)
     for i in range(cfg.num_decode):
         name = f"decode-{i}" if not cfg.colocated else f"colocated-{i}"
         h = ray.remote(DecodeWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
+                                             max_restarts=-1,
                                              resources=cfg.decode_resources, runtime_env=env).remote(name, wcfg)
         decode[name] = RayWorkerClient(name, h)
-    metas = {n: await c.handle.metadata.remote() for n, c in {**prefill, **decode}.items()}
+    roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
+    workers = {**prefill, **decode}
     for p in prefill:
-        for d in decode:
-            await prefill[p].handle.add_peer.remote(metas[d])
-            await decode[d].handle.add_peer.remote(metas[p])
+        await _handshake(p, workers, roles)
     mc = load_model_config(cfg.engine.model)
     tokenizer = load_tokenizer(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
@@ -162,7 +183,6 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
                                cfg.api_keys, metrics=metrics)
     server, port = await start_grpc_server(service, cfg.host, cfg.port)
-    workers = {**prefill, **decode}
-    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, metrics))
+    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, roles, metrics))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
     return RunningCluster(cfg, router, server, service, port, workers, started, metrics, metrics_server)

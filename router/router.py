@@ -39,6 +39,7 @@ class Router:
         self.in_flight = 0
         self.metrics = metrics
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
+        self.recoveries = 0                      # streams continued on another worker after a failure
 
     def _healthy(self, role: str) -> list[WorkerView]:
         return [v for v in self.views.values() if v.role == role and v.healthy]
@@ -154,6 +155,7 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - a dead worker: continue elsewhere
                 log.warning("decode worker %s failed (%s)", dec.name, exc)
                 dec.healthy = False
+                self.recoveries += 1
                 others = self._healthy("decode")
                 if not others or attempt > 3:
                     raise

@@ -207,3 +207,47 @@ def test_metrics_count_what_was_sent(cluster):
     assert after["splitserve_kv_cache_blocks_in_use{role=decode,worker=decode-0}"] == 0
     assert after["splitserve_kv_cache_blocks_in_use{role=prefill,worker=prefill-0}"] == 0
     assert "splitserve_prefix_cache_hits_total{role=prefill,worker=prefill-0}" in after
+
+
+def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0))
+    try:
+        client = Client(c.target)
+        assert client.server_info().mode == "colocated"
+        prompts = _prompts(8, seed=5)
+        outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
+        assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        assert all(s["blocks_used"] == 0 for s in c.wait_idle())
+    finally:
+        c.stop()
+
+
+def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, reference):
+    import ray
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
+                                    num_prefill=1, num_decode=2, local_prefill_max_tokens=4, max_tokens_limit=240))
+    try:
+        client = Client(c.target)
+        prompt = _prompts(1, seed=8)[0]
+        ref = reference([prompt], SamplingParams(max_tokens=200, ignore_eos=True))[0]
+        tokens, killed = [], None
+        for msg in client.stream(prompt, max_tokens=200, ignore_eos=True):
+            tokens.extend(msg.token_ids)
+            if killed is None and len(tokens) >= 5:
+                busy = [n for n, v in c.cluster.router.views.items() if v.role == "decode" and v.in_flight]
+                killed = busy[0]
+                ray.kill(c.cluster.workers[killed].handle, no_restart=False)
+        assert killed is not None
+        assert c.cluster.router.recoveries == 1                # the stream really moved to the other worker
+        assert tokens == ref                                   # nothing lost, nothing repeated
+        # The killed worker is restarted by Ray, reconnected, and takes handoffs again.
+        limit = time.monotonic() + 60
+        while not c.cluster.router.views[killed].healthy and time.monotonic() < limit:
+            time.sleep(0.2)
+        assert c.cluster.router.views[killed].healthy
+        outs = _concurrent(client, _prompts(8, seed=9), max_tokens=4)
+        assert all(o.finish_reason in ("length", "stop") for o in outs)
+        stats = c.wait_idle()
+        assert all(s["blocks_used"] == 0 for s in stats), stats
+    finally:
+        c.stop()
