@@ -33,6 +33,7 @@ class ClusterConfig:
     local_prefill_max_tokens: int = 32
     api_keys: tuple[str, ...] = ()
     metrics_port: int | None = None
+    tls: tuple[bytes, bytes] | None = None   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
     decode_resources: dict = field(default_factory=dict)
@@ -182,7 +183,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             "max_tokens_limit": cfg.max_tokens_limit}
     service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
                                cfg.api_keys, metrics=metrics)
-    server, port = await start_grpc_server(service, cfg.host, cfg.port)
+    server, port = await start_grpc_server(service, cfg.host, cfg.port, tls=cfg.tls)
     router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, roles, metrics))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
     return RunningCluster(cfg, router, server, service, port, workers, started, metrics, metrics_server)

@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     srv.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus metrics of the whole cluster on http://HOST:PORT/metrics")
+    srv.add_argument("--local-prefill-max-tokens", type=int, default=32,
+                     help="prompts this short are prefilled on the decode worker (conditional disaggregation)")
+    srv.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    srv.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    srv.add_argument("--request", default=None, metavar="PROMPT",
+                     help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
+    srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
+    srv.add_argument("--config", default=None, metavar="YAML",
+                     help="YAML file of these options (keys as the flags, with underscores); flags given "
+                          "on the command line win")
     return parser
 
 
@@ -114,7 +124,9 @@ def cmd_serve(args) -> int:
     cfg = ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
                         colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
                         policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
-                        api_keys=tuple(args.api_key), metrics_port=args.metrics_port)
+                        api_keys=tuple(args.api_key), metrics_port=args.metrics_port,
+                        local_prefill_max_tokens=args.local_prefill_max_tokens,
+                        tls=_read_tls(args.tls_cert, args.tls_key))
 
     async def run() -> None:
         cluster = await start_cluster(cfg)
@@ -127,6 +139,15 @@ def cmd_serve(args) -> int:
         if args.metrics_port is not None:
             print(f"metrics: http://{args.host}:{args.metrics_port}/metrics", file=sys.stderr)
         print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
+        if args.request is not None:
+            from router.client import AsyncClient  # noqa: PLC0415
+            client = AsyncClient(f"{args.host}:{cluster.port}", api_key=args.api_key[0] if args.api_key else None)
+            async for msg in client.stream(args.request, max_tokens=args.max_tokens):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            await client.close()
+            stop.set()
         await stop.wait()
         print("splitserve: shutting down", file=sys.stderr)
         await cluster.stop()
@@ -157,8 +178,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _read_tls(cert: str | None, key: str | None):
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    from pathlib import Path  # noqa: PLC0415
+    return Path(key).read_bytes(), Path(cert).read_bytes()
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """`serve --config FILE`: the file's values become the serve options' defaults."""
+    args, _ = parser.parse_known_args(argv)
+    if getattr(args, "command", None) != "serve" or not args.config:
+        return
+    import yaml  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+    values = yaml.safe_load(Path(args.config).read_text()) or {}
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001 - argparse has no public way
+    known = {a.dest for a in serve._actions}  # noqa: SLF001
+    unknown = sorted(k for k in values if k.replace("-", "_") not in known)
+    if unknown:
+        raise ValueError(f"{args.config}: unknown option(s) {', '.join(unknown)}")
+    serve.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        _apply_config_file(parser, argv)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"splitserve: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for ours in ("cluster", "prefill", "decode", "router"):
