@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import sysconfig
 import time

@@ -49,7 +49,6 @@ def server(conn, transport: str, layout_name: str, num_blocks: int) -> None:
 
 
 def run_transport(transport: str, layout_name: str, sizes_mib: list[int], repeats: int) -> dict[int, float]:
-    import torch
     from cluster.transfer.base import TransferStatus
     from cluster.transfer.registry import make_transport
     layout, _ = _arena(layout_name, 1)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.transfer.base import (PROTOCOL_VERSION, ArenaGeometry, PeerMetadata, TransferError,
+from cluster.transfer.base import (PROTOCOL_VERSION, PeerMetadata, TransferError,
                                    TransferStatus, check_compatible)
 from cluster.types import KVLayout
 

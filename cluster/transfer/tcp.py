@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from cluster.transfer.base import (PROTOCOL_VERSION, ArenaGeometry, PeerMetadata, TransferError,
-                                   TransferStatus, check_compatible)
-from cluster.types import KVLayout
+from cluster.transfer.base import TransferError, TransferStatus
+from cluster.transfer.host_segments import HostSegmentTransport
 
 log = logging.getLogger(__name__)
 
@@ -63,27 +62,14 @@ class TcpTransfer:
     future: Future
 
 
-@dataclass
-class _Peer:
-    meta: PeerMetadata
-    host: str
-    port: int
-    token: str
-
-
-class TcpTransport:
+class TcpTransport(HostSegmentTransport):
     name = "tcp"
 
     def __init__(self, agent_name: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  workers: int = 2):
-        self.agent_name = agent_name
+        super().__init__(agent_name)
         self.timeout_s = timeout_s
         self.token = secrets.token_hex(16)
-        self.peers: dict[str, _Peer] = {}
-        self.arena: torch.Tensor | None = None
-        self.layout: KVLayout | None = None
-        self._inbox: list[tuple[str, bytes]] = []
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"tcp-{agent_name}")
         self._server = socket.create_server((host, port))
         self._server.settimeout(0.5)
@@ -92,48 +78,21 @@ class TcpTransport:
         self._thread = threading.Thread(target=self._serve, name=f"tcp-serve-{agent_name}", daemon=True)
         self._thread.start()
 
-    # --- registration and handshake --------------------------------------------------------
-    def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
-        if arena.device.type != "cpu":
-            raise TransferError("the tcp transport moves host memory only; use nixl for device memory")
-        self.arena, self.layout = arena, layout
-        self.geometry = ArenaGeometry.of(arena)
-        self._segments = arena.view(torch.uint8).view(-1, self.geometry.segment_bytes)
-
-    def metadata(self) -> bytes:
-        payload = msgpack.packb({"host": self.address[0], "port": self.address[1], "token": self.token})
-        return PeerMetadata(self.agent_name, self.name, PROTOCOL_VERSION, self.layout, self.geometry.num_blocks,
-                            0, payload).encode()
-
-    def add_peer(self, metadata: bytes) -> str:
-        peer = PeerMetadata.decode(metadata)
-        check_compatible(self.layout, self.name, peer)
-        info = msgpack.unpackb(peer.payload)
-        self.peers[peer.name] = _Peer(peer, str(info["host"]), int(info["port"]), str(info["token"]))
-        return peer.name
-
-    def remove_peer(self, name: str) -> None:
-        self.peers.pop(name, None)
+    def _payload(self) -> dict:
+        return {"host": self.address[0], "port": self.address[1], "token": self.token}
 
     # --- client side -------------------------------------------------------------------------
     def _connect(self, peer_name: str) -> socket.socket:
-        peer = self.peers.get(peer_name)
-        if peer is None:
-            raise TransferError(f"unknown peer {peer_name!r}: add its metadata first")
-        sock = socket.create_connection((peer.host, peer.port), timeout=self.timeout_s)
-        _send(sock, {"op": "hello", "name": self.agent_name, "token": peer.token})
+        peer = self._peer(peer_name)
+        sock = socket.create_connection((str(peer["host"]), int(peer["port"])), timeout=self.timeout_s)
+        _send(sock, {"op": "hello", "name": self.agent_name, "token": str(peer["token"])})
         if not _recv_header(sock).get("ok"):
             sock.close()
             raise TransferError(f"peer {peer_name!r} refused the connection")
         return sock
 
-    def _segment_ids(self, blocks, layers, num_blocks: int) -> list[int]:
-        geo = ArenaGeometry(self.geometry.num_layers, num_blocks, self.geometry.segment_bytes)
-        return geo.segment_indices(blocks, layers)
-
     def _do_read(self, peer: str, remote_blocks, local_blocks, layers) -> None:
-        remote = self._segment_ids(remote_blocks, layers, self.peers[peer].meta.num_blocks)
-        local = torch.tensor(self._segment_ids(local_blocks, layers, self.geometry.num_blocks), dtype=torch.long)
+        remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
         with self._connect(peer) as sock:
             _send(sock, {"op": "read", "segments": remote})
             reply = _recv_header(sock)
@@ -144,8 +103,7 @@ class TcpTransport:
         self._segments.index_copy_(0, local, buf)
 
     def _do_write(self, peer: str, local_blocks, remote_blocks, layers) -> None:
-        remote = self._segment_ids(remote_blocks, layers, self.peers[peer].meta.num_blocks)
-        local = torch.tensor(self._segment_ids(local_blocks, layers, self.geometry.num_blocks), dtype=torch.long)
+        remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
         data = self._segments.index_select(0, local)
         with self._connect(peer) as sock:
             _send(sock, {"op": "write", "segments": remote}, memoryview(data.numpy()).cast("B"))
@@ -179,11 +137,6 @@ class TcpTransport:
         except (OSError, TransferError) as exc:
             log.warning("tcp notification to %s failed: %s", peer, exc)
 
-    def notifications(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            out, self._inbox = self._inbox, []
-        return out
-
     # --- server side -------------------------------------------------------------------------
     def _serve(self) -> None:
         while not self._closed.is_set():
@@ -209,18 +162,10 @@ class TcpTransport:
             except (OSError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
                 log.debug("tcp connection dropped: %s", exc)
 
-    def _checked_segments(self, header: dict) -> torch.Tensor | None:
-        segs = header.get("segments")
-        total = self._segments.shape[0] if self.arena is not None else 0
-        if not isinstance(segs, list) or not all(isinstance(s, int) and 0 <= s < total for s in segs):
-            return None
-        return torch.tensor(segs, dtype=torch.long)
-
     def _serve_request(self, conn: socket.socket, peer: str, header: dict) -> None:
         op = header.get("op")
         if op == "notify":
-            with self._lock:
-                self._inbox.append((peer, bytes(header.get("msg", b""))))
+            self._deliver(peer, bytes(header.get("msg", b"")))
             _send(conn, {"ok": True})
         elif op == "read":
             idx = self._checked_segments(header)

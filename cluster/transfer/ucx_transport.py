@@ -23,9 +23,8 @@ import numpy as np
 import torch
 
 from cluster.config import apply_ucx_defaults
-from cluster.transfer.base import (PROTOCOL_VERSION, ArenaGeometry, PeerMetadata, TransferError,
-                                   TransferStatus, TransportUnavailable, check_compatible)
-from cluster.types import KVLayout
+from cluster.transfer.base import TransferError, TransferStatus, TransportUnavailable
+from cluster.transfer.host_segments import HostSegmentTransport
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ class UcxTransfer:
     future: Future
 
 
-class UcxTransport:
+class UcxTransport(HostSegmentTransport):
     name = "ucx"
 
     def __init__(self, agent_name: str, timeout_s: float = 30.0):
@@ -49,14 +48,11 @@ class UcxTransport:
             import ucxx  # noqa: PLC0415
         except ImportError as exc:
             raise TransportUnavailable(f"the 'ucx' transport needs ucxx: pip install ucxx-cu12 ({exc})") from exc
+        super().__init__(agent_name)
         self.ucxx = ucxx
-        self.agent_name = agent_name
         self.timeout_s = timeout_s
         self.token = secrets.token_hex(16)
-        self.peers: dict[str, dict] = {}
         self._endpoints: dict[str, object] = {}
-        self._inbox: list[tuple[str, bytes]] = []
-        self._lock = threading.Lock()
         self._tags = itertools.count(secrets.randbits(40) << 16)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"ucx-{agent_name}", daemon=True)
@@ -72,29 +68,16 @@ class UcxTransport:
         self._serving = asyncio.ensure_future(self._serve())
         return bytes(self.ucxx.get_worker_address().tobytes())
 
-    # --- registration and handshake --------------------------------------------------------
-    def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
-        if arena.device.type != "cpu":
-            raise TransferError("this build of the ucx transport moves host memory; use nixl for device memory")
-        self.arena, self.layout = arena, layout
-        self.geometry = ArenaGeometry.of(arena)
-        self._segments = arena.view(torch.uint8).view(-1, self.geometry.segment_bytes)
-
-    def metadata(self) -> bytes:
-        payload = msgpack.packb({"address": self._address, "token": self.token})
-        return PeerMetadata(self.agent_name, self.name, PROTOCOL_VERSION, self.layout, self.geometry.num_blocks,
-                            0, payload).encode()
+    def _payload(self) -> dict:
+        return {"address": self._address, "token": self.token}
 
     def add_peer(self, metadata: bytes) -> str:
-        peer = PeerMetadata.decode(metadata)
-        check_compatible(self.layout, self.name, peer)
-        info = msgpack.unpackb(peer.payload)
-        self.peers[peer.name] = {"meta": peer, "address": bytes(info["address"]), "token": str(info["token"])}
-        self._endpoints.pop(peer.name, None)
-        return peer.name
+        name = super().add_peer(metadata)
+        self._endpoints.pop(name, None)
+        return name
 
     def remove_peer(self, name: str) -> None:
-        self.peers.pop(name, None)
+        super().remove_peer(name)
         ep = self._endpoints.pop(name, None)
         if ep is not None:
             ep.abort()
@@ -103,10 +86,7 @@ class UcxTransport:
     async def _endpoint(self, peer: str):
         ep = self._endpoints.get(peer)
         if ep is None or ep.closed:
-            info = self.peers.get(peer)
-            if info is None:
-                raise TransferError(f"unknown peer {peer!r}: add its metadata first")
-            address = self.ucxx.get_ucx_address_from_buffer(info["address"])
+            address = self.ucxx.get_ucx_address_from_buffer(bytes(self._peer(peer)["address"]))
             ep = await self.ucxx.create_endpoint_from_worker_address(address)
             self._endpoints[peer] = ep
         return ep
@@ -140,13 +120,8 @@ class UcxTransport:
     def _submit(self, coro) -> UcxTransfer:
         return UcxTransfer(self._run(asyncio.wait_for(coro, self.timeout_s)))
 
-    def _segment_ids(self, blocks, layers, num_blocks) -> list[int]:
-        return ArenaGeometry(self.geometry.num_layers, num_blocks, self.geometry.segment_bytes).segment_indices(
-            blocks, layers)
-
     def read(self, peer, remote_blocks, local_blocks, layers=None) -> UcxTransfer:
-        remote = self._segment_ids(remote_blocks, layers, self.peers[peer]["meta"].num_blocks)
-        local = torch.tensor(self._segment_ids(local_blocks, layers, self.geometry.num_blocks), dtype=torch.long)
+        remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
 
         async def go():
             buf = await self._request(peer, {"op": "read", "segments": remote},
@@ -155,8 +130,7 @@ class UcxTransport:
         return self._submit(go())
 
     def write(self, peer, local_blocks, remote_blocks, layers=None) -> UcxTransfer:
-        remote = self._segment_ids(remote_blocks, layers, self.peers[peer]["meta"].num_blocks)
-        local = torch.tensor(self._segment_ids(local_blocks, layers, self.geometry.num_blocks), dtype=torch.long)
+        remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
         data = self._segments.index_select(0, local).view(-1).numpy()
         return self._submit(self._request(peer, {"op": "write", "segments": remote}, payload=data))
 
@@ -177,11 +151,6 @@ class UcxTransport:
                                        self.timeout_s)).result(self.timeout_s + 1)
         except Exception as exc:  # noqa: BLE001 - a dead peer: the handoff's own timeouts take over
             log.warning("ucx notification to %s failed: %s", peer, exc)
-
-    def notifications(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            out, self._inbox = self._inbox, []
-        return out
 
     # --- serving side --------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -208,21 +177,18 @@ class UcxTransport:
         try:
             op = h.get("op")
             if op == "notify":
-                with self._lock:
-                    self._inbox.append((peer, bytes(h.get("msg", b""))))
+                self._deliver(peer, bytes(h.get("msg", b"")))
                 await self._reply(peer, tag, {"ok": True})
                 return
-            segs = h.get("segments")
-            total = self._segments.shape[0]
-            if not isinstance(segs, list) or not all(isinstance(s, int) and 0 <= s < total for s in segs):
+            idx = self._checked_segments(h)
+            if idx is None:
                 await self._reply(peer, tag, {"ok": False, "error": "bad segment list"})
                 return
-            idx = torch.tensor(segs, dtype=torch.long)
             if op == "read":
                 data = self._segments.index_select(0, idx).view(-1).numpy()
                 await self._reply(peer, tag, {"ok": True}, payload=data)
             elif op == "write":
-                buf = torch.empty((len(segs), self.geometry.segment_bytes), dtype=torch.uint8)
+                buf = torch.empty((len(idx), self.geometry.segment_bytes), dtype=torch.uint8)
                 await self.ucxx.core._get_ctx().recv(buf.view(-1).numpy(), tag + 1)
                 self._segments.index_copy_(0, idx, buf)
                 await self._reply(peer, tag, {"ok": True})
