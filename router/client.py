@@ -29,6 +29,26 @@ def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling)
     return req
 
 
+class _Collector:
+    """Accumulates a stream's messages into one Completion."""
+
+    def __init__(self, request_id: str):
+        self.ids: list[int] = []
+        self.text: list[str] = []
+        self.reason = ""
+        self.request_id = request_id
+
+    def add(self, msg) -> None:
+        self.ids.extend(msg.token_ids)
+        self.text.append(msg.text)
+        self.request_id = msg.request_id
+        if msg.finish_reason:
+            self.reason = _REASONS[msg.finish_reason]
+
+    def result(self) -> Completion:
+        return Completion(self.request_id, tuple(self.ids), "".join(self.text), self.reason)
+
+
 def _metadata(api_key: str | None):
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
@@ -46,14 +66,10 @@ class Client:
                                   metadata=_metadata(self.api_key))
 
     def generate(self, prompt, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:
-        ids, text, reason, rid = [], [], "", request_id
+        acc = _Collector(request_id)
         for msg in self.stream(prompt, request_id, timeout, **sampling):
-            ids.extend(msg.token_ids)
-            text.append(msg.text)
-            rid = msg.request_id
-            if msg.finish_reason:
-                reason = _REASONS[msg.finish_reason]
-        return Completion(rid, tuple(ids), "".join(text), reason)
+            acc.add(msg)
+        return acc.result()
 
     def server_info(self):
         return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=_metadata(self.api_key))
@@ -76,14 +92,10 @@ class AsyncClient:
             yield msg
 
     async def generate(self, prompt, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:
-        ids, text, reason, rid = [], [], "", request_id
+        acc = _Collector(request_id)
         async for msg in self.stream(prompt, request_id, timeout, **sampling):
-            ids.extend(msg.token_ids)
-            text.append(msg.text)
-            rid = msg.request_id
-            if msg.finish_reason:
-                reason = _REASONS[msg.finish_reason]
-        return Completion(rid, tuple(ids), "".join(text), reason)
+            acc.add(msg)
+        return acc.result()
 
     async def close(self) -> None:
         await self.channel.close()
