@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 PREFIX = "splitserve_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -42,6 +42,8 @@ class _WorkerCollector:
                                      labels=["worker", "transport"])
         c_fail = CounterMetricFamily(PREFIX + "kv_transfer_failures", "KV handoffs that failed (recomputed locally)",
                                      labels=["worker", "transport"])
+        queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
+                                    "time requests waited for their first schedule", labels=["worker", "role"])
         transport = self.metrics.transport
         for s in stats.values():
             w, r = s["name"], s["role"]
@@ -51,12 +53,14 @@ class _WorkerCollector:
             g_waiting.add_metric([w, r], s["waiting"])
             c_queries.add_metric([w, r], s["prefix_queries"])
             c_hits.add_metric([w, r], s["prefix_hits"])
+            queue.add_metric([w, r], count_value=s.get("queue_count", 0), sum_value=s.get("queue_seconds", 0.0))
             if r == "decode":
                 c_bytes.add_metric([w, transport], s["handoff_bytes"])
                 c_secs.add_metric([w, transport], s["handoff_seconds"])
                 c_done.add_metric([w, transport], s["handoff_done"])
                 c_fail.add_metric([w, transport], s["handoff_failed"])
-        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, c_bytes, c_secs, c_done, c_fail)
+        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, queue, c_bytes, c_secs, c_done,
+                    c_fail)
 
 
 class RequestTracker:
@@ -64,6 +68,7 @@ class RequestTracker:
         self.m = metrics
         self.start = time.perf_counter()
         self.last = None
+        self.first = None
         self.done = False
 
     def tokens(self, n: int, delta) -> None:
@@ -71,6 +76,7 @@ class RequestTracker:
         if n:
             if self.last is None:
                 self.m.ttft.observe(now - self.start)
+                self.first = now
             else:
                 gap = (now - self.last) / n
                 for _ in range(n):
@@ -84,7 +90,10 @@ class RequestTracker:
         if self.done:
             return
         self.done = True
-        self.m.e2e.observe(time.perf_counter() - self.start)
+        now = time.perf_counter()
+        self.m.e2e.observe(now - self.start)
+        if self.last is not None:
+            self.m.decode_time.observe(self.last - (self.first or self.last))
         self.m.finished.labels(reason=reason).inc()
         if prompt_tokens:
             self.m.prompt_tokens.inc(prompt_tokens)
@@ -104,6 +113,8 @@ class ClusterMetrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "prefill phase time (remote prefill)",
                                       registry=r, buckets=_LATENCY_BUCKETS)
+        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "decode phase: first to last token",
+                                     registry=r, buckets=_LATENCY_BUCKETS)
         self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason", ["reason"], registry=r)

@@ -100,7 +100,8 @@ class DecodeWorker:
         return {"name": self.name, "role": "decode", "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
                 "blocks_free": pool.num_free, "waiting": len(self.engine.scheduler.waiting),
                 "running": len(self.engine.scheduler.running), "prefix_queries": pool.queries,
-                "prefix_hits": pool.hits, **{f"handoff_{k}": v for k, v in self.handoffs.items()}}
+                "prefix_hits": pool.hits, "queue_seconds": self.engine.scheduler.queue_seconds,
+                "queue_count": self.engine.scheduler.queue_count, **{f"handoff_{k}": v for k, v in self.handoffs.items()}}
 
     def close(self) -> None:
         self.loop.close()

@@ -85,7 +85,8 @@ class PrefillWorker:
         pool = self.engine.pool
         return {"name": self.name, "role": "prefill", "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
                 "waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running),
-                "leases": self.producer.num_active(), "prefix_queries": pool.queries, "prefix_hits": pool.hits}
+                "leases": self.producer.num_active(), "prefix_queries": pool.queries, "prefix_hits": pool.hits,
+                "queue_seconds": self.engine.scheduler.queue_seconds, "queue_count": self.engine.scheduler.queue_count}
 
     def close(self) -> None:
         self.loop.close()

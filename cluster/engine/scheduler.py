@@ -9,6 +9,7 @@ recomputed later), so the oldest request always progresses and the engine cannot
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Blocks of finished `hold_kv` requests, kept for a KV handoff: request id -> (blocks, tokens).
         self.held: dict[str, tuple[list[int], int]] = {}
+        self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
+        self.queue_count = 0
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -164,6 +167,9 @@ class Scheduler:
             self._release(seq)
             return 0
         seq.block_ids.extend(self.pool.allocate(need))
+        if seq.num_preemptions == 0:
+            self.queue_seconds += time.monotonic() - seq.queued_at
+            self.queue_count += 1
         if seq.num_preemptions == 0 and not handed_off:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.pool.queries += usable

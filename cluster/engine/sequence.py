@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class Sequence:
     num_cached_tokens: int = 0                             # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     hold_kv: bool = False                                  # keep the blocks after finishing (P/D producer)
+    queued_at: float = field(default_factory=time.monotonic)   # for the queue-time metric
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -207,6 +207,8 @@ def test_metrics_count_what_was_sent(cluster):
     assert after["splitserve_kv_cache_blocks_in_use{role=decode,worker=decode-0}"] == 0
     assert after["splitserve_kv_cache_blocks_in_use{role=prefill,worker=prefill-0}"] == 0
     assert "splitserve_prefix_cache_hits_total{role=prefill,worker=prefill-0}" in after
+    assert delta("splitserve_request_decode_time_seconds_count{}") == 6
+    assert delta("splitserve_request_queue_time_seconds_count{role=prefill,worker=prefill-0}") == 5
 
 
 def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
