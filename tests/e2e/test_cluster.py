@@ -253,3 +253,21 @@ def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, referenc
         assert all(s["blocks_used"] == 0 for s in stats), stats
     finally:
         c.stop()
+
+
+def test_tls_serving(tiny_model_dir, tmp_path):
+    import subprocess
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0,
+                                    tls=(key.read_bytes(), cert.read_bytes())))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        out = Client(c.target, credentials=creds).generate("def add(a, b):", max_tokens=3)
+        assert len(out.token_ids) == 3
+        with pytest.raises(grpc.RpcError):                  # plaintext is refused
+            Client(c.target).generate("x", max_tokens=1, timeout=5)
+    finally:
+        c.stop()
