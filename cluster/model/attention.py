@@ -129,6 +129,8 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.decode is not None and not meta.prefills:    # a pure decode step: no scratch copy
+            return self._decode(q, k_cache, v_cache, window, meta.decode).view(num_tokens, -1)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             n = meta.decode.query_pos.shape[0]

@@ -55,18 +55,20 @@ class RotaryTable(nn.Module):
         super().__init__()
         inv = rope_inv_freq(rope, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [P, D/2] fp32
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # Full-width tables, the sine signed for the rotated half: RoPE becomes 2 muls, 1 add, 1 cat.
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)    # [P, D] fp32
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Hugging Face layout) on [T, H, D]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face layout) on [T, H, D]: x*cos + rotate_half(x)*sin, with
+    rotate_half(x)*sin == cat(x2, x1) * cat(-sin, sin) bit for bit."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class Attention(nn.Module):
