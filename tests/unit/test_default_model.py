@@ -103,12 +103,13 @@ def test_greedy_generation_looks_like_python(models, tok):
     with torch.no_grad():
         out = models[TARGET].generate(ids, max_new_tokens=64, do_sample=False)
     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    # GENERATION_CHECK
-    assert "\n" in text
-    assert "return" in text or "if" in text, text
+    # The shipped target writes an indented method body, roughly:
+    #   "\n        # XXX ...\n        if isinstance(self.value):\n ... return self.get_name(..."
+    # It is not valid Python (a 12M model trained for 50 CPU-minutes), but a
+    # random-init model would not produce indented lines with keywords.
+    assert "\n    " in text, text  # at least one indented line
+    assert "return" in text or "if " in text, text
 
 
-# TODO(engine): add "our engine's loader matches transformers greedy token for
-# token" here -- load each checkpoint with cluster.model.loader, greedy-decode
-# "def fibonacci(n):" for 64 tokens and compare ids with the transformers
-# output above. (Left to the engine author; not imported here on purpose.)
+# Our loader and engine against transformers, token for token, on these checkpoints:
+# tests/integration/test_default_model_engine.py.
