@@ -67,7 +67,7 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _our_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map transformers' parameter names onto ours, fusing q/k/v and gate/up."""
+    """Map transformers' parameter names onto ours, fusing q, k and v into one projection."""
     missing: list[str] = []
 
     def take(name: str) -> torch.Tensor:
@@ -91,11 +91,10 @@ def _our_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, 
         if cfg.o_bias:
             out[f"layers.{i}.self_attn.o_proj.bias"] = take(a + "o_proj.bias")
         m = p + "mlp."
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        out[f"layers.{i}.mlp.down_proj.weight"] = take(m + "down_proj.weight")
-        if cfg.mlp_bias:
-            out[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
-            out[f"layers.{i}.mlp.down_proj.bias"] = take(m + "down_proj.bias")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"layers.{i}.mlp.{proj}.weight"] = take(m + proj + ".weight")
+            if cfg.mlp_bias:
+                out[f"layers.{i}.mlp.{proj}.bias"] = take(m + proj + ".bias")
         out[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
     if missing:
