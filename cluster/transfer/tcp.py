@@ -85,6 +85,7 @@ class TcpTransport(HostSegmentTransport):
     def _connect(self, peer_name: str) -> socket.socket:
         peer = self._peer(peer_name)
         sock = socket.create_connection((str(peer["host"]), int(peer["port"])), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # small request/reply frames: no Nagle wait
         _send(sock, {"op": "hello", "name": self.agent_name, "token": str(peer["token"])})
         if not _recv_header(sock).get("ok"):
             sock.close()
@@ -150,6 +151,7 @@ class TcpTransport(HostSegmentTransport):
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(self.timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with conn:
             try:
                 hello = _recv_header(conn)
