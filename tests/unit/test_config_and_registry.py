@@ -1,0 +1,35 @@
+import sys
+
+import pytest
+
+from cluster.cli import _apply_config_file, build_parser
+from cluster.transfer.base import TransportUnavailable
+from cluster.transfer.registry import make_transport
+
+
+def test_unknown_transport_is_named():
+    with pytest.raises(TransportUnavailable, match="unknown transport 'pigeon'; choose one of nixl, ucx, tcp"):
+        make_transport("pigeon", "a")
+
+
+def test_missing_nixl_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl._api", None)      # as if nixl were not installed
+    with pytest.raises(TransportUnavailable, match=r"pip install 'splitserve\[nixl\]'"):
+        make_transport("nixl", "a")
+
+
+def test_yaml_config_sets_serve_defaults_and_flags_win(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prefill: 2\ndecode: 3\ntransport: tcp\nmax-tokens-limit: 100\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(cfg), "--decode", "1"]
+    _apply_config_file(parser, argv)
+    args = parser.parse_args(argv)
+    assert (args.prefill, args.decode, args.transport, args.max_tokens_limit) == (2, 1, "tcp", 100)
+
+
+def test_yaml_config_rejects_unknown_keys(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prefil: 2\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        _apply_config_file(build_parser(), ["serve", "--config", str(cfg)])
