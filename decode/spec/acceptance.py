@@ -1,0 +1,46 @@
+"""Accepting proposed tokens after one target forward pass over k+1 positions.
+
+Greedy: accept the longest prefix of the proposal that equals the target's argmax, then add the
+target's own next token (so every step yields at least one token and greedy output is unchanged).
+
+Sampling (Leviathan et al., Chen et al.): accept proposed token x with probability
+min(1, p(x) / q(x)); at the first rejection, sample from the normalised residual max(0, p - q).
+If all k are accepted, sample the bonus token from p at position k. The output is distributed
+exactly as sampling from the target alone.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]:
+    """target_logits: [k+1, V] at the positions after each proposed prefix. Returns the tokens to
+    append (accepted prefix + one target token)."""
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    out = []
+    for i, tok in enumerate(proposal):
+        if best[i] != tok:
+            break
+        out.append(tok)
+    out.append(best[len(out)])
+    return out
+
+
+def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, proposal: list[int],
+                   generator: torch.Generator | None = None) -> list[int]:
+    """target_probs: [k+1, V] (already temperature/top-p warped), draft_probs: [k, V] (the
+    distributions the proposal was drawn from). Returns the tokens to append."""
+    out = []
+    for i, tok in enumerate(proposal):
+        p, q = float(target_probs[i, tok]), float(draft_probs[i, tok])
+        u = float(torch.rand((), generator=generator))
+        if q > 0 and u < min(1.0, p / q):
+            out.append(tok)
+            continue
+        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else target_probs[i]
+        out.append(int(torch.multinomial(dist, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return out
