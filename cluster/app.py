@@ -95,20 +95,21 @@ class RunningCluster:
             ray.shutdown()
 
 
-async def _handshake(name: str, workers: dict, roles: dict) -> None:
-    """(Re)connect one worker with every worker of the other role: NIXL/UCX/TCP metadata both ways.
-    A worker restarted by Ray comes back with a new agent, so this runs again when it rejoins."""
-    me = workers[name]
-    mine = await me.handle.metadata.remote()
+async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> None:
+    """(Re)connect one worker with every worker of the other role: transport metadata both ways.
+    `metas` caches each worker's metadata; a worker restarted by Ray comes back with a new agent,
+    so its entry is fetched again whenever this runs for it."""
+    metas[name] = await workers[name].handle.metadata.remote()
     for other, client in workers.items():
         if roles[other] == roles[name]:
             continue
-        theirs = await client.handle.metadata.remote()
-        await me.handle.add_peer.remote(theirs)
-        await client.handle.add_peer.remote(mine)
+        if other not in metas:
+            metas[other] = await client.handle.metadata.remote()
+        await workers[name].handle.add_peer.remote(metas[other])
+        await client.handle.add_peer.remote(metas[name])
 
 
-async def _poll_stats(router, workers: dict, roles: dict, metrics, period_s: float = 0.25) -> None:
+async def _poll_stats(router, workers: dict, roles: dict, metas: dict, metrics, period_s: float = 0.25) -> None:
     while True:
         for name, client in workers.items():
             view = router.views[name]
@@ -116,7 +117,7 @@ async def _poll_stats(router, workers: dict, roles: dict, metrics, period_s: flo
                 stats = await asyncio.wait_for(client.stats(), timeout=5)
                 if not view.healthy:
                     log.warning("worker %s is back; reconnecting its peers", name)
-                    await _handshake(name, workers, roles)
+                    await _handshake(name, workers, roles, metas)
                     view.cached.clear()            # a restarted worker has an empty prefix cache
                 router.update_stats(stats)
                 metrics.update_worker(stats)
@@ -165,8 +166,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         decode[name] = RayWorkerClient(name, h)
     roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
     workers = {**prefill, **decode}
+    metas: dict[str, bytes] = {}
     for p in prefill:
-        await _handshake(p, workers, roles)
+        await _handshake(p, workers, roles, metas)
     mc = load_model_config(cfg.engine.model)
     tokenizer = load_tokenizer(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
@@ -184,6 +186,6 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
                                cfg.api_keys, metrics=metrics)
     server, port = await start_grpc_server(service, cfg.host, cfg.port, tls=cfg.tls)
-    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, roles, metrics))
+    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, roles, metas, metrics))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
     return RunningCluster(cfg, router, server, service, port, workers, started, metrics, metrics_server)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The built-in default model ships inside the package (see cluster/model/weights/).
@@ -96,9 +96,6 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
-    def with_overrides(self, **kwargs) -> "EngineConfig":
-        return replace(self, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -15,33 +15,24 @@ from dataclasses import replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.engine_loop import EngineLoop
 from cluster.kv.block_pool import NoFreeBlocks
 from cluster.transfer.consumer import KVConsumer, PullState
-from cluster.transfer.messages import Mailbox
-from cluster.transfer.registry import make_transport
 from cluster.types import KVHandle, SamplingParams, TokenDelta
+from cluster.worker_base import EngineWorker
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
     def __init__(self, name: str, config: WorkerConfig):
-        self.name = name
-        self.engine = LLMEngine(config.engine)
-        self.transport = make_transport(config.transport, name)
-        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
+        super().__init__(name, config)
         self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    timeout_s=config.transfer_timeout_s, verify=config.checksums,
-                                   mailbox=Mailbox(self.transport))
-        self.loop = EngineLoop(self.engine, pollers=[self.consumer.poll])
+                                   mailbox=self.mailbox)
+        self._start_loop([self.consumer.poll])
         self.handoffs = {"done": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
-
-    def metadata(self) -> bytes:
-        return self.transport.metadata()
-
-    def add_peer(self, metadata: bytes) -> str:
-        return self.loop.call(lambda e: self.transport.add_peer(metadata)).result(timeout=30)
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams
                        ) -> AsyncIterator[TokenDelta]:
@@ -96,13 +87,4 @@ class DecodeWorker:
         await self.loop.acall(lambda e: e.abort(request_id))
 
     def stats(self) -> dict:
-        pool = self.engine.pool
-        return {"name": self.name, "role": "decode", "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
-                "blocks_free": pool.num_free, "waiting": len(self.engine.scheduler.waiting),
-                "running": len(self.engine.scheduler.running), "prefix_queries": pool.queries,
-                "prefix_hits": pool.hits, "queue_seconds": self.engine.scheduler.queue_seconds,
-                "queue_count": self.engine.scheduler.queue_count, **{f"handoff_{k}": v for k, v in self.handoffs.items()}}
-
-    def close(self) -> None:
-        self.loop.close()
-        self.transport.close()
+        return {**super().stats(), **{f"handoff_{k}": v for k, v in self.handoffs.items()}}

@@ -10,11 +10,9 @@ from dataclasses import dataclass, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.engine_loop import EngineLoop
-from cluster.transfer.messages import Mailbox
 from cluster.transfer.producer import KVProducer
-from cluster.transfer.registry import make_transport
 from cluster.types import FinishReason, SamplingParams, TokenLogprob
+from cluster.worker_base import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -31,23 +29,15 @@ class PrefillResult:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
     def __init__(self, name: str, config: WorkerConfig):
-        self.name = name
-        self.engine = LLMEngine(config.engine)
-        self.transport = make_transport(config.transport, name)
-        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
-        mailbox = Mailbox(self.transport)
+        super().__init__(name, config)
         self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    self.engine.release_held_kv, lease_seconds=config.lease_seconds,
-                                   checksums=config.checksums, mailbox=mailbox)
-        self.loop = EngineLoop(self.engine, pollers=[self.producer.poll])
-
-    def metadata(self) -> bytes:
-        return self.transport.metadata()
-
-    def add_peer(self, metadata: bytes) -> str:
-        return self.loop.call(lambda e: self.transport.add_peer(metadata)).result(timeout=30)
+                                   checksums=config.checksums, mailbox=self.mailbox)
+        self._start_loop([self.producer.poll])
 
     async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> PrefillResult:
         first_only = replace(sampling, max_tokens=1)
@@ -82,12 +72,4 @@ class PrefillWorker:
         await self.loop.acall(go)
 
     def stats(self) -> dict:
-        pool = self.engine.pool
-        return {"name": self.name, "role": "prefill", "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
-                "waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running),
-                "leases": self.producer.num_active(), "prefix_queries": pool.queries, "prefix_hits": pool.hits,
-                "queue_seconds": self.engine.scheduler.queue_seconds, "queue_count": self.engine.scheduler.queue_count}
-
-    def close(self) -> None:
-        self.loop.close()
-        self.transport.close()
+        return {**super().stats(), "leases": self.producer.num_active()}

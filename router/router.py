@@ -47,7 +47,7 @@ class Router:
     def update_stats(self, stats: dict) -> None:
         view = self.views.get(stats.get("name"))
         if view is not None:
-            view.blocks_free = stats.get("blocks_free", stats["blocks_total"] - stats["blocks_used"])
+            view.blocks_free = stats["blocks_free"]
             view.blocks_total = stats["blocks_total"]
             view.running = stats.get("running", 0)
 

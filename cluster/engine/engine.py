@@ -5,7 +5,6 @@ followed by detokenization, which may end a request on a stop string.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Sequence as Seq
@@ -23,12 +22,10 @@ from cluster.kv.paged_cache import PagedKVCache, plan_memory
 from cluster.model.attention import make_attention_backend
 from cluster.model.cpu_linear import pack_linears, packing_available
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
+from cluster.model.model_config import TORCH_DTYPES
 from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -36,7 +33,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        dtype = None if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         self.model_config, self.model = load_model(config.model, dtype=dtype, device=self.device,
                                                    max_positions=config.max_model_len)
         self.dtype = self.model.embed_tokens.weight.dtype
@@ -67,7 +64,6 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[TokenDelta] = []
-        self._arrivals = itertools.count()
         self._seed_source = torch.Generator().manual_seed(config.seed)
         # Called with each step's plan before it runs (the KV push binds its blocks here and
         # sets `runner.layer_hook` to stream each layer as it is computed).
@@ -117,8 +113,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt)
-        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), self._generator(sampling),
-                       hold_kv=hold_kv)
+        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), hold_kv=hold_kv)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
         self.scheduler.add(seq)
@@ -140,7 +135,7 @@ class LLMEngine:
         if len(block_ids) != -(-len(ids) // self.layout.block_size):
             raise ValueError(f"{len(ids)} prompt tokens need {-(-len(ids) // self.layout.block_size)} blocks, "
                              f"got {len(block_ids)}")
-        seq = Sequence(request_id, tuple(ids), sampling, next(self._arrivals), self._generator(sampling),
+        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling),
                        token_ids=[*ids, int(first_token)], num_computed_tokens=len(ids),
                        block_ids=list(block_ids))
         if not sampling.greedy and seq.generator is not None:
@@ -178,8 +173,8 @@ class LLMEngine:
         out, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         # A request the scheduler had to end (the pool cannot hold it) still owes its caller a delta.
-        for seq in list(self._seqs.values()):
-            if seq.is_finished and seq.request_id in self._detok:
+        for seq in self.scheduler.take_ended():
+            if seq.request_id in self._detok:
                 out.append(self._finish_delta(seq, (), self._detok[seq.request_id].add((), final=True)))
         if plan.empty:
             return out

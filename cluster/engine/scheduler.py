@@ -63,12 +63,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Blocks of finished `hold_kv` requests, kept for a KV handoff: request id -> (blocks, tokens).
         self.held: dict[str, tuple[list[int], int]] = {}
+        self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def take_ended(self) -> list[Sequence]:
+        out, self.ended = self.ended, []
+        return out
 
     def release_held(self, request_id: str) -> None:
         blocks, _ = self.held.pop(request_id)
@@ -137,6 +142,7 @@ class Scheduler:
             if victim is seq and len(self.running) == 1:
                 # Alone and still out of blocks: the pool cannot hold this request any longer.
                 self.finish(seq, FinishReason.LENGTH)
+                self.ended.append(seq)
                 return False
             self._preempt(victim, plan)
             if victim is seq:
@@ -150,9 +156,7 @@ class Scheduler:
         bs = self.block_size
         usable = 0
         handed_off = bool(seq.num_computed_tokens and seq.block_ids)   # KV already in our blocks (P/D)
-        if handed_off:
-            pass
-        elif self.pool.enable_prefix_caching:
+        if not handed_off and self.pool.enable_prefix_caching:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
             # Never reuse the block holding the last token: its logits must be computed.
             usable = (seq.num_tokens - 1) // bs

@@ -22,7 +22,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    arrival: int
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)     # prompt + output
     status: SequenceStatus = SequenceStatus.WAITING

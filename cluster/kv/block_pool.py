@@ -41,9 +41,6 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    def usage(self) -> float:
-        return self.num_used / self.num_blocks
-
     def match_prefix(self, hashes: Iterable[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes` (does not take them)."""
         if not self.enable_prefix_caching:

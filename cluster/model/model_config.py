@@ -9,7 +9,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
     is_qwen = arch == "Qwen2ForCausalLM"
     attention_bias = bool(raw.get("attention_bias", False))
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if dtype_name not in _DTYPES:
+    if dtype_name not in TORCH_DTYPES:
         raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
     return ModelConfig(
         architecture=arch,
@@ -108,7 +108,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         rope=_parse_rope(raw),
         layer_windows=_layer_windows(raw, arch, n_layers),
-        dtype=_DTYPES[dtype_name],
+        dtype=TORCH_DTYPES[dtype_name],
     )
 
 

@@ -48,7 +48,6 @@ class KVPull:
     first_token: int = -1
     transfer: Transfer | None = None
     error: str = ""
-    aborted: bool = False
     next_renew: float = 0.0
     timings: dict = field(default_factory=dict)
 
@@ -101,7 +100,6 @@ class KVConsumer:
         pull = self.pulls.get(lease_id)
         if pull is None or pull.finished:
             return
-        pull.aborted = True
         self._give_up(pull, Message(Kind.ABORT, lease_id), "aborted")
 
     def _give_up(self, pull: KVPull, msg: Message, reason: str) -> None:

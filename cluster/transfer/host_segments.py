@@ -3,14 +3,26 @@ segments, the handshake (a msgpack payload with the serving agent's address and 
 server-side bounds check of a request's segment list, and the notification inbox."""
 from __future__ import annotations
 
+import logging
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgpack
 import torch
 
 from cluster.transfer.base import (PROTOCOL_VERSION, ArenaGeometry, PeerMetadata, TransferError,
-                                   check_compatible)
+                                   TransferStatus, check_compatible)
 from cluster.types import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FutureTransfer:
+    """A transfer running on the transport's own thread or event loop."""
+
+    future: Future
 
 
 class HostSegmentTransport:
@@ -71,6 +83,18 @@ class HostSegmentTransport:
         if not isinstance(segs, list) or not all(isinstance(s, int) and 0 <= s < total for s in segs):
             return None
         return torch.tensor(segs, dtype=torch.long)
+
+    def poll(self, transfer: FutureTransfer) -> TransferStatus:
+        if not transfer.future.done():
+            return TransferStatus.PENDING
+        if transfer.future.cancelled() or transfer.future.exception() is not None:
+            log.warning("%s transfer failed: %s", self.name,
+                        "cancelled" if transfer.future.cancelled() else transfer.future.exception())
+            return TransferStatus.FAILED
+        return TransferStatus.DONE
+
+    def release(self, transfer: FutureTransfer) -> None:
+        transfer.future.cancel()
 
     def _deliver(self, peer: str, message: bytes) -> None:
         with self._inbox_lock:

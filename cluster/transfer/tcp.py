@@ -14,14 +14,13 @@ import secrets
 import socket
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import torch
 
-from cluster.transfer.base import TransferError, TransferStatus
-from cluster.transfer.host_segments import HostSegmentTransport
+from cluster.transfer.base import TransferError
+from cluster.transfer.host_segments import FutureTransfer, HostSegmentTransport
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +54,6 @@ def _recv_header(sock: socket.socket) -> dict:
     if not isinstance(header, dict):
         raise ConnectionError("malformed header")
     return header
-
-
-@dataclass
-class TcpTransfer:
-    future: Future
 
 
 class TcpTransport(HostSegmentTransport):
@@ -112,23 +106,11 @@ class TcpTransport(HostSegmentTransport):
             if not reply.get("ok"):
                 raise TransferError(f"write refused: {reply.get('error')}")
 
-    def read(self, peer, remote_blocks, local_blocks, layers=None) -> TcpTransfer:
-        return TcpTransfer(self._pool.submit(self._do_read, peer, list(remote_blocks), list(local_blocks), layers))
+    def read(self, peer, remote_blocks, local_blocks, layers=None) -> FutureTransfer:
+        return FutureTransfer(self._pool.submit(self._do_read, peer, list(remote_blocks), list(local_blocks), layers))
 
-    def write(self, peer, local_blocks, remote_blocks, layers=None) -> TcpTransfer:
-        return TcpTransfer(self._pool.submit(self._do_write, peer, list(local_blocks), list(remote_blocks), layers))
-
-    def poll(self, transfer: TcpTransfer) -> TransferStatus:
-        if not transfer.future.done():
-            return TransferStatus.PENDING
-        exc = transfer.future.exception()
-        if exc is not None:
-            log.warning("tcp transfer failed: %s", exc)
-            return TransferStatus.FAILED
-        return TransferStatus.DONE
-
-    def release(self, transfer: TcpTransfer) -> None:
-        transfer.future.cancel()
+    def write(self, peer, local_blocks, remote_blocks, layers=None) -> FutureTransfer:
+        return FutureTransfer(self._pool.submit(self._do_write, peer, list(local_blocks), list(remote_blocks), layers))
 
     def notify(self, peer: str, message: bytes) -> None:
         try:

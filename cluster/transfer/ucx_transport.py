@@ -16,25 +16,19 @@ import logging
 import secrets
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 import torch
 
 from cluster.config import apply_ucx_defaults
-from cluster.transfer.base import TransferError, TransferStatus, TransportUnavailable
-from cluster.transfer.host_segments import HostSegmentTransport
+from cluster.transfer.base import TransferError, TransportUnavailable
+from cluster.transfer.host_segments import FutureTransfer, HostSegmentTransport
 
 log = logging.getLogger(__name__)
 
 _REQUEST_TAG = 0x5350_4C49_5400_0001
 _IN_PROCESS: list[str] = []
-
-
-@dataclass
-class UcxTransfer:
-    future: Future
 
 
 class UcxTransport(HostSegmentTransport):
@@ -117,10 +111,10 @@ class UcxTransport(HostSegmentTransport):
             return buf
         return None
 
-    def _submit(self, coro) -> UcxTransfer:
-        return UcxTransfer(self._run(asyncio.wait_for(coro, self.timeout_s)))
+    def _submit(self, coro) -> FutureTransfer:
+        return FutureTransfer(self._run(asyncio.wait_for(coro, self.timeout_s)))
 
-    def read(self, peer, remote_blocks, local_blocks, layers=None) -> UcxTransfer:
+    def read(self, peer, remote_blocks, local_blocks, layers=None) -> FutureTransfer:
         remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
 
         async def go():
@@ -129,21 +123,10 @@ class UcxTransport(HostSegmentTransport):
             self._segments.index_copy_(0, local, buf.view(len(remote), -1))
         return self._submit(go())
 
-    def write(self, peer, local_blocks, remote_blocks, layers=None) -> UcxTransfer:
+    def write(self, peer, local_blocks, remote_blocks, layers=None) -> FutureTransfer:
         remote, local = self._plan(peer, remote_blocks, local_blocks, layers)
         data = self._segments.index_select(0, local).view(-1).numpy()
         return self._submit(self._request(peer, {"op": "write", "segments": remote}, payload=data))
-
-    def poll(self, transfer: UcxTransfer) -> TransferStatus:
-        if not transfer.future.done():
-            return TransferStatus.PENDING
-        if transfer.future.cancelled() or transfer.future.exception() is not None:
-            log.warning("ucx transfer failed: %s", None if transfer.future.cancelled() else transfer.future.exception())
-            return TransferStatus.FAILED
-        return TransferStatus.DONE
-
-    def release(self, transfer: UcxTransfer) -> None:
-        transfer.future.cancel()
 
     def notify(self, peer: str, message: bytes) -> None:
         try:

@@ -72,14 +72,15 @@ def test_seeded_sampling_reproduces_single_engine(cluster, reference):
     cluster.wait_idle()
 
 
-def test_text_prompt_and_server_info(cluster):
+def test_text_prompt_and_server_info(cluster, tiny_model_dir):
     client = Client(cluster.target)
     out = client.generate("def add(a, b):", max_tokens=5)
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     info = client.server_info()
     assert info.mode == "disaggregated" and info.prefill_workers == 1 and info.kv_transport == "nixl"
     models = client.stub.ListModels(pb.ListModelsRequest())
-    assert models.models[0].id == "llama" or models.models[0].vocab_size == 384
+    assert models.models[0].id == tiny_model_dir("llama").name and models.models[0].vocab_size == 384
+    assert models.models[0].max_model_len == 256
 
 
 @pytest.mark.parametrize("request_kwargs, code, text", [
@@ -98,6 +99,14 @@ def test_bad_input_gets_invalid_argument(cluster, request_kwargs, code, text):
         list(client.stub.Generate(pb.GenerateRequest(**request_kwargs)))
     assert info.value.code() == code
     assert text in info.value.details()
+    cluster.wait_idle()
+
+
+def test_oversized_message_is_refused(cluster):
+    client = Client(cluster.target)
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate("x" * (5 << 20), max_tokens=1)       # over the server's 4 MiB message limit
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     cluster.wait_idle()
 
 

@@ -1,0 +1,41 @@
+"""What a prefill and a decode worker share: an engine on its own thread, a registered transport,
+the transport handshake, and the stats the router polls (KV usage, queues, prefix cache)."""
+from __future__ import annotations
+
+from cluster.config import WorkerConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.engine_loop import EngineLoop
+from cluster.transfer.messages import Mailbox
+from cluster.transfer.registry import make_transport
+
+
+class EngineWorker:
+    role = "worker"
+
+    def __init__(self, name: str, config: WorkerConfig):
+        self.name = name
+        self.config = config
+        self.engine = LLMEngine(config.engine)
+        self.transport = make_transport(config.transport, name)
+        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
+        self.mailbox = Mailbox(self.transport)
+
+    def _start_loop(self, pollers) -> None:
+        self.loop = EngineLoop(self.engine, pollers=pollers)
+
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        return self.loop.call(lambda e: self.transport.add_peer(metadata)).result(timeout=30)
+
+    def stats(self) -> dict:
+        pool, sched = self.engine.pool, self.engine.scheduler
+        return {"name": self.name, "role": self.role, "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
+                "blocks_free": pool.num_free, "waiting": len(sched.waiting), "running": len(sched.running),
+                "prefix_queries": pool.queries, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
+                "queue_count": sched.queue_count}
+
+    def close(self) -> None:
+        self.loop.close()
+        self.transport.close()
