@@ -1,8 +1,9 @@
 """Attention over the paged KV cache behind a small backend interface.
 
 A step's batch is laid out as one flat run of tokens: first the decode sequences (one query
-token each), then the prefill chunks (several query tokens each, possibly after a cached
-prefix). `AttentionBatch` describes that layout once per step; each backend turns it into
+token each), then the speculative verifications (k+1 query tokens each, the last accepted token
+and k draft tokens, after the sequence's cached context; k differs per sequence), then the
+prefill chunks (several query tokens each, possibly after a cached prefix). `AttentionBatch` describes that layout once per step; each backend turns it into
 whatever metadata it needs (`prepare`) and then runs every layer with it (`forward`).
 
 The torch reference here is what runs on CPU; Triton kernels plug in behind the same protocol.
@@ -32,6 +33,7 @@ class AttentionBatch:
     prefills: tuple[PrefillSpan, ...]
     slot_mapping: torch.Tensor   # [num_tokens] flat cache slot of every token (long)
     block_size: int
+    verifies: tuple[PrefillSpan, ...] = ()   # short spans, causal among themselves, batched together
 
 
 class AttentionBackend(Protocol):
@@ -72,10 +74,24 @@ class _TorchPrefillMeta:
 
 
 @dataclass
+class _TorchVerifyMeta:
+    block_table: torch.Tensor     # [B * max_blocks]
+    query_rows: torch.Tensor      # [B * Q] flat-batch row of each padded query (pads repeat a real row)
+    out_rows: torch.Tensor        # [n] padded-query index of each real verify token, in flat order
+    first_row: int                # flat row of the first verify token (verify tokens are contiguous)
+    num_rows: int
+    query_pos: torch.Tensor       # [B, Q, 1]
+    key_pos: torch.Tensor         # [1, 1, L]
+    valid: torch.Tensor           # [B, 1, L]
+    masks: dict
+
+
+@dataclass
 class _TorchMeta:
     slot_mapping: torch.Tensor
     decode: _TorchDecodeMeta | None
     prefills: list
+    verify: _TorchVerifyMeta | None = None
 
 
 class TorchAttentionBackend:
@@ -94,7 +110,35 @@ class TorchAttentionBackend:
     def prepare(self, batch: AttentionBatch) -> _TorchMeta:
         decode = self._prepare_decode(batch) if batch.num_decode else None
         prefills = [self._prepare_prefill(span, batch.block_size) for span in batch.prefills]
-        return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills)
+        verify = self._prepare_verify(batch.verifies, batch.block_size) if batch.verifies else None
+        return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills, verify=verify)
+
+    def _prepare_verify(self, spans: tuple[PrefillSpan, ...], bs: int) -> _TorchVerifyMeta:
+        b = len(spans)
+        width = max(s.query_len for s in spans)
+        max_blocks = -(-max(s.context_len for s in spans) // bs)
+        table = torch.zeros((b, max_blocks), dtype=torch.long)
+        query_rows, out_rows, query_pos = [], [], []
+        for i, s in enumerate(spans):
+            n = -(-s.context_len // bs)
+            table[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
+            first_pos = s.context_len - s.query_len
+            for r in range(width):
+                real = r < s.query_len
+                query_rows.append(s.query_start + (r if real else s.query_len - 1))
+                query_pos.append(first_pos + (r if real else s.query_len - 1))
+                if real:
+                    out_rows.append(i * width + r)
+        lens = torch.tensor([s.context_len for s in spans], dtype=torch.long)
+        key_pos = torch.arange(max_blocks * bs, dtype=torch.long)
+        dev = self.device
+        return _TorchVerifyMeta(
+            block_table=table.view(-1).to(dev), query_rows=torch.tensor(query_rows, device=dev),
+            out_rows=torch.tensor(out_rows, device=dev), first_row=spans[0].query_start,
+            num_rows=sum(s.query_len for s in spans),
+            query_pos=torch.tensor(query_pos, dtype=torch.long).view(b, width, 1).to(dev),
+            key_pos=key_pos.view(1, 1, -1).to(dev), valid=(key_pos[None, :] < lens[:, None])[:, None, :].to(dev),
+            masks={})
 
     def _slots(self, block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.long)
@@ -129,12 +173,15 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        if meta.decode is not None and not meta.prefills:    # a pure decode step: no scratch copy
+        if meta.decode is not None and not meta.prefills and meta.verify is None:   # pure decode: no scratch copy
             return self._decode(q, k_cache, v_cache, window, meta.decode).view(num_tokens, -1)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             n = meta.decode.query_pos.shape[0]
             out[:n] = self._decode(q[:n], k_cache, v_cache, window, meta.decode)
+        if meta.verify is not None:
+            vm = meta.verify
+            out[vm.first_row:vm.first_row + vm.num_rows] = self._verify(q, k_cache, v_cache, window, vm)
         for pm in meta.prefills:
             s = pm.span
             sl = slice(s.query_start, s.query_start + s.query_len)
@@ -159,6 +206,26 @@ class TorchAttentionBackend:
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
                                            scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
+
+    def _verify(self, q, k_cache, v_cache, window, vm: _TorchVerifyMeta) -> torch.Tensor:
+        """All verifications in one SDPA call: queries padded to the widest span, each query row
+        masked by its own position (causal among the drafts, over the sequence's context)."""
+        b, width = vm.query_pos.shape[:2]
+        length = vm.key_pos.shape[-1]
+        mask = vm.masks.get((window, q.dtype))
+        if mask is None:
+            allowed = _window_mask(vm.query_pos, vm.key_pos, vm.valid, window)        # [B, Q, L]
+            allowed = allowed.repeat_interleave(self.group, dim=1)[:, None]          # [B, 1, Q*G, L]
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+            vm.masks[(window, q.dtype)] = mask
+        keys = k_cache.index_select(0, vm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
+        vals = v_cache.index_select(0, vm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
+        qv = q.index_select(0, vm.query_rows).view(b, width, self.num_kv_heads, self.group, self.head_dim)
+        qv = qv.permute(0, 2, 1, 3, 4).reshape(b, self.num_kv_heads, width * self.group, self.head_dim)
+        o = F.scaled_dot_product_attention(qv, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                                           scale=self.scale)
+        o = o.view(b, self.num_kv_heads, width, self.group, self.head_dim).permute(0, 2, 1, 3, 4)
+        return o.reshape(b * width, self.num_heads, self.head_dim).index_select(0, vm.out_rows)
 
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
         s = pm.span
