@@ -7,6 +7,10 @@ from pathlib import Path
 
 # The built-in default model ships inside the package (see cluster/model/weights/).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "weights" / "stdlib-coder"
+DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "stdlib-coder-draft"
+DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "stdlib-coder-eagle"
+SPEC_METHODS = ("off", "ngram", "draft", "eagle")
+AUTO = "auto"
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton")
@@ -75,6 +79,54 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: which proposer the engine loads and how many tokens it proposes.
+    Requests may turn it off, pick n-gram (always available, model-free) or change k."""
+
+    method: str = "off"                      # off | ngram | draft | eagle
+    num_speculative_tokens: int | str = 4    # k, or "auto" for dynamic lookahead
+    max_speculative_tokens: int = 8          # the cap for "auto" (and for per-request k)
+    draft_model: Path | None = None          # None: the shipped draft of the default model
+    eagle_head: Path | None = None           # None: the shipped EAGLE head of the default model
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_confidence: float = 0.25           # "auto": a model proposer stops once its top probability drops below
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if k != AUTO and not (isinstance(k, int) and 1 <= k <= self.max_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in "
+                             f"[1, {self.max_speculative_tokens}], got {k!r}")
+        for name in ("draft_model", "eagle_head"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @property
+    def draft_dir(self) -> Path:
+        return self.draft_model or DEFAULT_DRAFT_DIR
+
+    @property
+    def eagle_dir(self) -> Path:
+        return self.eagle_head or DEFAULT_EAGLE_DIR
+
+
+def parse_lookahead(value: str | int) -> int | str:
+    """`--num-speculative-tokens` accepts an integer or 'auto'."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"num_speculative_tokens must be an integer or 'auto', got {value!r}") from None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: Path = field(default_factory=default_model_dir)
     dtype: str = "auto"              # "auto": the checkpoint's own dtype from config.json
@@ -86,6 +138,7 @@ class EngineConfig:
     seed: int = 0                    # for requests that sample without a seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))

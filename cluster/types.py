@@ -32,6 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob and the top N
     cache_salt: str | None = None  # isolates prefix-cache entries per tenant
+    speculative: str | None = None  # None: the engine's default; "off", or a method the engine has loaded
+    num_speculative_tokens: int | str | None = None  # None: the engine's default; k >= 1, or "auto"
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -61,6 +63,11 @@ class SamplingParams:
                "stop strings must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        _check(self.speculative in (None, "off", "ngram", "draft", "eagle"),
+               f"speculative must be one of off, ngram, draft, eagle, got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        _check(k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16),
+               f"num_speculative_tokens must be 'auto' or an integer in [1, 16], got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -14,8 +14,9 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.runner import ModelRunner
-from cluster.engine.sampler import sample
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.sampler import logprob_entry, sample
+from cluster.engine.scheduler import Scheduler, StepPlan
+from cluster.engine.speculation import Draft, Speculator
 from cluster.engine.sequence import Sequence
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache, plan_memory
@@ -28,7 +29,9 @@ from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, To
 log = logging.getLogger(__name__)
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, speculator_factory=None):
+        """`speculator_factory(engine) -> Speculator` turns on speculative decoding (decode workers
+        and the single-engine CLI pass `decode.spec.make_speculator`)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -68,6 +71,8 @@ class LLMEngine:
         # Called with each step's plan before it runs (the KV push binds its blocks here and
         # sets `runner.layer_hook` to stream each layer as it is computed).
         self.plan_hooks: list = []
+        self.speculator: Speculator | None = speculator_factory(self) if speculator_factory else None
+        self._drafts: dict[Sequence, Draft] = {}
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
@@ -113,11 +118,23 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt)
+        self.validate_speculation(sampling)
         seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), hold_kv=hold_kv)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
         self.scheduler.add(seq)
         return request_id
+
+    def validate_speculation(self, sampling: SamplingParams) -> None:
+        method = sampling.speculative
+        if method in (None, "off") and sampling.num_speculative_tokens is None:
+            return
+        if self.speculator is None:
+            if method in (None, "off"):
+                return
+            raise ValueError(f"speculative={method!r} was asked for, but this engine runs without speculative "
+                             "decoding; start it with --speculative")
+        self.speculator.check_request(sampling)
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         if sampling.seed is not None:
@@ -130,6 +147,7 @@ class LLMEngine:
         pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
         from its second token on; if it is ever preempted it is recomputed here."""
         ids = self.validate_prompt(list(prompt_ids))
+        self.validate_speculation(sampling)
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(block_ids) != -(-len(ids) // self.layout.block_size):
@@ -176,33 +194,100 @@ class LLMEngine:
         for seq in self.scheduler.take_ended():
             if seq.request_id in self._detok:
                 out.append(self._finish_delta(seq, (), self._detok[seq.request_id].add((), final=True)))
+        if self.speculator is not None:
+            for seq in plan.preempted:
+                self.speculator.release(seq)
         if plan.empty:
             return out
+        if self.speculator is not None and plan.decodes:
+            self._attach_drafts(plan)
         for hook in self.plan_hooks:
             hook(plan)
         logits, sampled_seqs = self.runner.execute(plan)
-        tokens = sample(logits, sampled_seqs) if sampled_seqs else []
-        self.scheduler.update(plan, dict(zip(sampled_seqs, tokens)))
-        for seq, token in zip(sampled_seqs, tokens):
-            out.append(self._delta(seq, token))
+        tokens = self._choose_tokens(logits, sampled_seqs) if sampled_seqs else {}
+        before = {seq: seq.num_tokens for seq in tokens}
+        self.scheduler.update(plan, tokens)
+        for seq, n in before.items():
+            out.append(self._delta(seq, seq.token_ids[n:]))
         return out
 
-    def _delta(self, seq: Sequence, token: int) -> TokenDelta:
+    # --- speculation -----------------------------------------------------------------------
+    def _attach_drafts(self, plan: StepPlan) -> None:
+        chunks, ks = [], []
+        for chunk in plan.decodes:
+            k = self.speculator.lookahead(chunk.seq)
+            if k > 0:
+                k = self.scheduler.lookahead_room(chunk.seq, k, plan)
+            if k > 0:
+                chunks.append(chunk)
+                ks.append(k)
+        if not chunks:
+            return
+        drafts = self.speculator.propose([c.seq for c in chunks], ks)
+        for chunk, draft in zip(chunks, drafts):
+            if draft.tokens:
+                self.scheduler.attach_draft(plan, chunk, draft.tokens)
+                self._drafts[chunk.seq] = draft
+            else:
+                self.scheduler.trim_blocks(chunk.seq)
+
+    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Plain rows are sampled together; each verification's k+1 rows go to the speculator."""
+        if not self._drafts:
+            return {seq: [t] for seq, t in zip(seqs, sample(logits, seqs))}
+        out: dict[Sequence, list[int]] = {}
+        plain_rows, plain_seqs, row = [], [], 0
+        for seq in seqs:
+            draft = self._drafts.pop(seq, None)
+            if draft is None:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+                row += 1
+                continue
+            rows = logits[row:row + len(draft) + 1]
+            tokens = self.speculator.verify(seq, rows, draft)
+            if seq.sampling.logprobs is not None:
+                for i, tok in enumerate(tokens):
+                    seq.logprobs.append(logprob_entry(torch.log_softmax(rows[i], dim=-1), tok, seq.sampling.logprobs))
+            out[seq] = tokens
+            row += len(draft) + 1
+        if plain_seqs:
+            index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+            for seq, t in zip(plain_seqs, sample(logits.index_select(0, index), plain_seqs)):
+                out[seq] = [t]
+        return out
+
+    def _delta(self, seq: Sequence, tokens: list[int]) -> TokenDelta:
         detok = self._detok[seq.request_id]
         finished = seq.is_finished
-        # A P/D producer's request ends after its first token but the text goes on elsewhere: no
-        # flush, so it emits exactly what a single engine would for that token.
-        text = detok.add((token,), final=finished and not seq.hold_kv)
-        if detok.stopped and not finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
-            finished = True
-        logprobs = (seq.logprobs[-1],) if seq.sampling.logprobs is not None and seq.logprobs else ()
+        text = ""
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            # A P/D producer's request ends after its first token but the text goes on elsewhere: no
+            # flush, so it emits exactly what a single engine would for that token.
+            text += detok.add((token,), final=finished and last and not seq.hold_kv)
+            if detok.stopped:
+                if not last:   # a stop string inside an accepted draft: the tokens after it never happened
+                    del seq.token_ids[len(seq.token_ids) - (len(tokens) - i - 1):]
+                    tokens = tokens[:i + 1]
+                    if finished:
+                        seq.finish_reason = FinishReason.STOP
+                if not finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    finished = True
+                break
+        logprobs = ()
+        if seq.sampling.logprobs is not None and seq.logprobs:
+            del seq.logprobs[seq.num_output_tokens:]
+            logprobs = tuple(seq.logprobs[-len(tokens):])
         if finished:
-            return self._finish_delta(seq, (token,), text, logprobs)
-        return TokenDelta(seq.request_id, (token,), text, None, logprobs, seq.num_prompt_tokens,
+            return self._finish_delta(seq, tuple(tokens), text, logprobs)
+        return TokenDelta(seq.request_id, tuple(tokens), text, None, logprobs, seq.num_prompt_tokens,
                           seq.num_output_tokens, seq.num_cached_tokens)
 
     def _finish_delta(self, seq: Sequence, token_ids, text: str, logprobs=()) -> TokenDelta:
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, tuple(token_ids), text, seq.finish_reason, tuple(logprobs),

@@ -45,7 +45,7 @@ def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.argmax(probs / noise))
 
 
-def _logprob_entry(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+def logprob_entry(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     if top_n:
         values, ids = torch.topk(logprobs_row, top_n)
@@ -68,6 +68,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         token = int(torch.argmax(row)) if sp.greedy else sample_row(warp_probs(row, sp), seq.generator)
         if sp.logprobs is not None:
             # Logprobs of the model's own distribution (before penalties and warping), as vLLM reports.
-            seq.logprobs.append(_logprob_entry(torch.log_softmax(logits[i], dim=-1), token, sp.logprobs))
+            seq.logprobs.append(logprob_entry(torch.log_softmax(logits[i], dim=-1), token, sp.logprobs))
         tokens.append(token)
     return tokens

@@ -6,6 +6,10 @@ are then admitted while budget, sequence slots and blocks last; a new request fi
 cached full block of its prompt and computes only the rest. When a running request needs a block
 and none is free, the most recently admitted request is preempted (its blocks freed, its tokens
 recomputed later), so the oldest request always progresses and the engine cannot deadlock.
+
+Speculative decoding turns a decode into a verification of k+1 positions (`attach_draft`); its
+blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
+advance over the accepted tokens only and blocks reserved past them go back to the pool.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int        # first token position computed this step
     num_tokens: int
+    draft: tuple[int, ...] = ()   # proposed tokens verified after the last one (num_tokens = 1 + k)
 
     @property
     def samples(self) -> bool:
@@ -37,14 +42,16 @@ class StepPlan:
     decodes: list[ScheduledChunk] = field(default_factory=list)   # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of several tokens
     preempted: list[Sequence] = field(default_factory=list)
+    verifies: list[ScheduledChunk] = field(default_factory=list)  # decodes with a draft to verify
+    budget_left: int = 0
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
-        return self.decodes + self.prefills
+        return self.decodes + self.verifies + self.prefills
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +131,42 @@ class Scheduler:
             self.running.append(seq)
             self._add_chunk(plan, seq, n)
             budget -= n
+        plan.budget_left = budget
         return plan
+
+    # --- speculation ---------------------------------------------------------------------------
+    def lookahead_room(self, seq: Sequence, k: int, plan: StepPlan) -> int:
+        """Reserve blocks for up to k draft tokens after `seq`'s pending one, from free blocks only
+        and within the step's token budget, the context and max_tokens; returns the k reserved."""
+        k = min(k, plan.budget_left, self.max_model_len - seq.num_tokens,
+                seq.sampling.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return 0
+        # Slots this step writes: the pending token's and k drafts' (positions up to num_tokens + k - 1).
+        room = (len(seq.block_ids) + self.pool.num_free) * self.block_size - seq.num_tokens
+        k = min(k, room)
+        if k <= 0:
+            return 0
+        need = self._blocks_for(seq.num_tokens + k) - len(seq.block_ids)
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate(need))
+        plan.budget_left -= k
+        return k
+
+    def attach_draft(self, plan: StepPlan, chunk: ScheduledChunk, draft: tuple[int, ...]) -> None:
+        """Turn a scheduled decode into a verification of its pending token plus `draft`."""
+        plan.decodes.remove(chunk)
+        chunk.draft = tuple(draft)
+        chunk.num_tokens = 1 + len(draft)
+        plan.verifies.append(chunk)
+
+    def trim_blocks(self, seq: Sequence) -> None:
+        """Give back blocks reserved past what the sequence's tokens need (unused lookahead)."""
+        keep = self._blocks_for(seq.num_tokens)
+        if len(seq.block_ids) > keep and not seq.is_finished:
+            extra = seq.block_ids[keep:]
+            del seq.block_ids[keep:]
+            self.pool.free(reversed(extra))
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, n: int) -> None:
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
@@ -195,22 +237,31 @@ class Scheduler:
         seq.num_published_blocks = 0
 
     # --- after the forward pass ------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[Sequence, int]) -> None:
+    def update(self, plan: StepPlan, sampled: dict[Sequence, list[int]]) -> None:
         """Advance computed counts, publish newly full blocks, append sampled tokens and apply
-        the token-level stop rules (stop strings are the engine's, after detokenization)."""
+        the token-level stop rules (stop strings are the engine's, after detokenization).
+        A verification appends its accepted drafts plus one token; its computed count covers
+        the pending token and the accepted drafts only (the rejected slots are rolled back)."""
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += chunk.num_tokens
+            tokens = sampled.get(seq) or []
+            # A verification computed the pending token and the drafts; only the accepted ones count.
+            seq.num_computed_tokens += len(tokens) if chunk.draft else chunk.num_tokens
+            reason = None
+            for token in tokens:
+                seq.token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    # Tokens after a stop are dropped: a step-by-step decode would never make them.
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                    break
             self._cache_full_blocks(seq)
-            token = sampled.get(seq)
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
+            elif chunk.draft:
+                self.trim_blocks(seq)
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         if not self.pool.enable_prefix_caching:

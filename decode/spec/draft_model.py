@@ -1,0 +1,114 @@
+"""Draft-model proposer: a small model of the same tokenizer drafts k tokens autoregressively.
+
+The draft keeps its own paged KV (its own arena and pool; its shape differs from the target's).
+Its state for a request is only "how many leading tokens are in my KV": after a verification the
+engine keeps the accepted tokens, so the draft's valid KV is the prefix it shares with the
+target's computed tokens, and stale slots past it are simply overwritten (the rollback). A
+request handed off by a prefill worker starts with no draft KV: the first propose computes the
+draft over the prompt (rebuilt on the decode worker; see docs/spec.md for why and its cost).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.config import SpeculativeConfig
+from cluster.engine.runner import ModelRunner
+from cluster.engine.sampler import sample_row, warp_probs
+from cluster.engine.sequence import Sequence
+from cluster.engine.speculation import Draft
+from cluster.kv.block_pool import BlockPool
+from cluster.kv.paged_cache import PagedKVCache
+from cluster.model.attention import make_attention_backend
+from cluster.model.cpu_linear import pack_linears, packing_available
+from cluster.model.loader import load_model
+from cluster.types import KVLayout
+
+
+@dataclass
+class _DraftState:
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0        # leading tokens of the request whose KV the draft holds
+
+
+def check_draft_compatible(target_cfg, draft_cfg, draft_dir) -> None:
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"draft model {draft_dir} has vocab_size {draft_cfg.vocab_size} but the target has "
+                         f"{target_cfg.vocab_size}: a draft must share the target's tokenizer")
+
+
+class DraftModelProposer:
+    method = "draft"
+
+    def __init__(self, engine, config: SpeculativeConfig):
+        self.engine = engine
+        self.config = config
+        dtype = engine.dtype
+        self.model_config, self.model = load_model(config.draft_dir, dtype=dtype, device=engine.device,
+                                                   max_positions=engine.max_model_len)
+        check_draft_compatible(engine.model_config, self.model_config, config.draft_dir)
+        if engine.config.pack_weights and packing_available(dtype, engine.device):
+            pack_linears(self.model)
+        mc = self.model_config
+        bs = engine.layout.block_size
+        self.block_size = bs
+        self.layout = KVLayout(model_id=mc.model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                               head_dim=mc.head_dim, block_size=bs, dtype=engine.layout.dtype)
+        # As many blocks as the target's pool plus room for every sequence's lookahead: the draft
+        # never runs out before the target does.
+        sched = engine.config.scheduler
+        num_blocks = engine.pool.num_blocks + sched.max_num_seqs * (-(-(config.max_speculative_tokens + 1) // bs))
+        self.cache = PagedKVCache(self.layout, num_blocks, engine.device)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
+        backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                         mc.head_dim, engine.device)
+        self.runner = ModelRunner(self.model, self.cache.arena, backend, bs, engine.device)
+        self._states: dict[Sequence, _DraftState] = {}
+
+    def _reserve(self, state: _DraftState, num_tokens: int) -> None:
+        need = -(-num_tokens // self.block_size) - len(state.block_ids)
+        if need > 0:
+            state.block_ids.extend(self.pool.allocate(need))
+
+    def propose(self, seqs: list[Sequence], ks: list[int], dynamic: list[bool]) -> list[Draft]:
+        spans, states = [], []
+        for seq, k in zip(seqs, ks):
+            state = self._states.setdefault(seq, _DraftState())
+            state.computed = min(state.computed, seq.num_computed_tokens)
+            # Slots written: the catch-up tokens and k - 1 drafts fed back (the k-th is never fed).
+            self._reserve(state, seq.num_tokens + k - 1)
+            spans.append((seq.token_ids[state.computed:], state.computed, state.block_ids))
+            states.append(state)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        for step in range(max(ks)):
+            logits = self.runner.run_spans(spans)
+            for j, i in enumerate(active):
+                states[i].computed += len(spans[j][0])
+            still, spans_next = [], []
+            for j, i in enumerate(active):
+                seq, row = seqs[i], logits[j]
+                sp = seq.sampling
+                if sp.greedy:
+                    tok = int(torch.argmax(row))
+                    confident = not dynamic[i] or float(torch.softmax(row, -1).max()) >= self.config.draft_confidence
+                else:
+                    p = warp_probs(row, sp)
+                    tok = sample_row(p, seq.generator)
+                    probs[i].append(p)
+                    confident = not dynamic[i] or float(p.max()) >= self.config.draft_confidence
+                tokens[i].append(tok)
+                if len(tokens[i]) < ks[i] and confident:
+                    still.append(i)
+                    spans_next.append(([tok], seq.num_tokens + len(tokens[i]) - 1, states[i].block_ids))
+            if not still:
+                break
+            active, spans = still, spans_next
+        return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def release(self, seq: Sequence) -> None:
+        state = self._states.pop(seq, None)
+        if state is not None:
+            self.pool.free(reversed(state.block_ids))

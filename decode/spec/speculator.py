@@ -1,0 +1,143 @@
+"""The decode worker's speculator: picks the proposer per request, sizes each draft, verifies.
+
+It implements the engine's `Speculator` protocol (cluster/engine/speculation.py). Proposers:
+ - `ngram`: prompt lookup, model-free, always available;
+ - `draft`: a small model of the same tokenizer with its own paged KV (draft_model.py);
+ - `eagle`: a head over the target's last hidden states whose KV shares the target's blocks
+   (eagle.py).
+Verification keeps the target's output distribution: greedy requests accept the longest prefix
+equal to the target's argmax; sampled requests use the p/q rejection rule (acceptance.py).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from cluster.config import AUTO, SpeculativeConfig
+from cluster.engine.sampler import apply_repetition_penalty, warp_probs
+from cluster.engine.sequence import Sequence
+from cluster.engine.speculation import Draft
+from cluster.types import SamplingParams
+from decode.spec.acceptance import accept_greedy, accept_sampled
+from decode.spec.lookahead import Lookahead
+from decode.spec.ngram import NgramProposer
+
+_INITIAL_AUTO_K = 2
+
+
+class NgramDrafts:
+    """Adapts `NgramProposer` (token lists) to the batch interface the other proposers share."""
+    method = "ngram"
+
+    def __init__(self, config: SpeculativeConfig):
+        self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], dynamic: list[bool]) -> list[Draft]:
+        return [Draft(tuple(self.proposer.propose(s.token_ids, k))) for s, k in zip(seqs, ks)]
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class SpecDecoder:
+    def __init__(self, engine, config: SpeculativeConfig):
+        self.config = config
+        self.default_method = config.method
+        self.proposers = {"ngram": NgramDrafts(config)}
+        if config.method == "draft":
+            from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
+            self.proposers["draft"] = DraftModelProposer(engine, config)
+        elif config.method == "eagle":
+            from decode.spec.eagle import EagleProposer  # noqa: PLC0415
+            self.proposers["eagle"] = EagleProposer(engine, config)
+        self._lookahead: dict[Sequence, Lookahead] = {}
+        self._method: dict[Sequence, str] = {}
+        self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
+
+    # --- per request ----------------------------------------------------------------------
+    def check_request(self, sp: SamplingParams) -> None:
+        method = sp.speculative
+        if method not in (None, "off") and method not in self.proposers:
+            raise ValueError(f"speculative={method!r} is not loaded on this engine (it serves "
+                             f"{', '.join(sorted(self.proposers))}); set it in the cluster config")
+        k = sp.num_speculative_tokens
+        if isinstance(k, int) and k > self.config.max_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens {k} exceeds the server's maximum of "
+                             f"{self.config.max_speculative_tokens}")
+
+    def _state(self, seq: Sequence) -> tuple[str, Lookahead]:
+        look = self._lookahead.get(seq)
+        if look is None:
+            sp = seq.sampling
+            method = self.default_method if sp.speculative is None else sp.speculative
+            k = self.config.num_speculative_tokens if sp.num_speculative_tokens is None else sp.num_speculative_tokens
+            k_max = self.config.max_speculative_tokens
+            look = Lookahead(_INITIAL_AUTO_K if k == AUTO else k, k_max, k == AUTO)
+            self._lookahead[seq] = look
+            self._method[seq] = method
+        return self._method[seq], look
+
+    # --- the engine's protocol --------------------------------------------------------------
+    def lookahead(self, seq: Sequence) -> int:
+        method, look = self._state(seq)
+        return 0 if method == "off" else look.k
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        by_method: dict[str, list[int]] = defaultdict(list)
+        for i, seq in enumerate(seqs):
+            by_method[self._method[seq]].append(i)
+        drafts: list[Draft] = [Draft(())] * len(seqs)
+        for method, idx in by_method.items():
+            group = [seqs[i] for i in idx]
+            dynamic = [self._lookahead[s].dynamic for s in group]
+            for i, d in zip(idx, self.proposers[method].propose(group, [ks[i] for i in idx], dynamic)):
+                drafts[i] = d
+        return drafts
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft) -> list[int]:
+        sp = seq.sampling
+        if sp.greedy and sp.repetition_penalty == 1.0:
+            tokens = accept_greedy(logits, list(draft.tokens))
+        else:
+            rows = logits
+            if sp.repetition_penalty != 1.0:
+                history = seq.token_ids
+                rows = torch.stack([apply_repetition_penalty(logits[i], [*history, *draft.tokens[:i]],
+                                                             sp.repetition_penalty) for i in range(len(logits))])
+            if sp.greedy:
+                tokens = accept_greedy(rows, list(draft.tokens))
+            else:
+                target = torch.stack([warp_probs(r, sp) for r in rows])
+                proposal = draft.probs if draft.probs is not None else _one_hot(draft.tokens, target.shape[-1])
+                tokens = accept_sampled(target, proposal, list(draft.tokens), seq.generator)
+        method, look = self._state(seq)
+        accepted = len(tokens) - 1
+        look.after_verify(len(draft), accepted)
+        c = self.counts[method]
+        c["drafted"] += len(draft)
+        c["accepted"] += accepted
+        c["steps"] += 1
+        c["emitted"] += len(tokens)
+        return tokens
+
+    def release(self, seq: Sequence) -> None:
+        self._lookahead.pop(seq, None)
+        self._method.pop(seq, None)
+        for proposer in self.proposers.values():
+            proposer.release(seq)
+
+    def stats(self) -> dict:
+        return {m: dict(c) for m, c in self.counts.items()}
+
+
+def _one_hot(tokens: tuple[int, ...], vocab: int) -> torch.Tensor:
+    q = torch.zeros(len(tokens), vocab)
+    q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return q
+
+
+def make_speculator(engine) -> SpecDecoder:
+    """The factory `LLMEngine(config, speculator_factory=...)` takes. With the method "off" the
+    engine still serves requests that ask for n-gram speculation themselves."""
+    return SpecDecoder(engine, engine.config.speculative)
