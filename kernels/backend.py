@@ -1,0 +1,143 @@
+"""TritonAttentionBackend: the engine's AttentionBackend protocol on the Triton kernels.
+
+`prepare` runs once per step on the host: it reads the step's AttentionBatch by attribute (kernels
+is a leaf package and never imports cluster), packs every block table, length and tile map into
+ONE int32 tensor (one host-to-device copy per step), and picks the split-KV partition. `forward`
+runs per layer with no host work beyond slicing: store_kv, then one launch per section of the
+flat batch, which is laid out as decodes, then verification spans, then prefill spans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._common import head_block, interpreting
+from kernels.decode import MAX_ROWS, default_partition, paged_decode_attention, paged_verify_attention
+from kernels.prefill import block_m_for, prefill_attention, prefill_tiles
+from kernels.store_kv import store_kv
+
+
+@dataclass
+class _Section:
+    kind: str                     # "decode", "verify" or "prefill": which kernel runs it
+    first_row: int                # its rows in the flat batch: first_row .. first_row + num_rows
+    num_rows: int
+    tables: torch.Tensor          # [n, max_blocks] int32 views into the step's one int tensor
+    ctx_lens: torch.Tensor        # [n]
+    q_starts: torch.Tensor        # [n], relative to first_row
+    q_lens: torch.Tensor          # [n]
+    max_query_len: int
+    max_context: int
+    partition: int | None = None  # split-KV partition (decode/verify)
+    workspace: tuple | None = None
+    tiles: torch.Tensor | None = None   # prefill tile map [tiles, 2]
+
+
+@dataclass
+class TritonMeta:
+    slot_mapping: torch.Tensor
+    sections: list
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 partition_size: int | None = None):
+        device = torch.device(device)
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(f"the triton attention backend runs on CUDA devices, not {device.type} "
+                             "(TRITON_INTERPRET=1 runs it on CPU, slowly, for tests)")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.device = device
+        self.partition_size = partition_size   # None: chosen per step for the device
+
+    def prepare(self, batch) -> TritonMeta:
+        bs = batch.block_size
+        # Every sequence as (query start, query len, context len, block table), sections in flat order.
+        groups = []
+        if batch.num_decode:
+            groups.append(("decode", [(i, 1, n, t) for i, (n, t) in
+                                      enumerate(zip(batch.decode_context_lens, batch.decode_block_tables))]))
+        for kind, spans in (("verify", batch.verifies), ("prefill", batch.prefills)):
+            if spans:
+                groups.append((kind, [(s.query_start, s.query_len, s.context_len, s.block_table) for s in spans]))
+        seqs = [s for _, spans in groups for s in spans]
+        if not seqs:
+            return TritonMeta(batch.slot_mapping, [])
+        width = max(-(-ctx // bs) for _, _, ctx, _ in seqs)
+        ints: list[int] = []
+        for _, _, ctx, table in seqs:
+            row = list(table[:-(-ctx // bs)])
+            ints += row + [0] * (width - len(row))
+        num = len(seqs)
+        heads = [len(ints), len(ints) + num, len(ints) + 2 * num]   # offsets of ctx, q_start, q_len
+        firsts = [spans[0][0] for _, spans in groups]
+        ints += [ctx for _, _, ctx, _ in seqs]
+        ints += [s[0] - first for (_, spans), first in zip(groups, firsts) for s in spans]
+        ints += [s[1] for s in seqs]
+        plans, tile_lists = [], []
+        for kind, spans in groups:
+            max_q = max(s[1] for s in spans)
+            if kind != "prefill" and max_q * self.group > MAX_ROWS:
+                kind = "prefill"   # too many packed rows for one split-KV program
+            plans.append((kind, max_q))
+            if kind == "prefill":
+                tiles = prefill_tiles([s[1] for s in spans], [s[2] for s in spans], self.group,
+                                      block_m_for(self.head_dim))
+                tile_lists.append((len(ints), len(tiles)))
+                ints += [x for tile in tiles for x in tile]
+            else:
+                tile_lists.append(None)
+        flat = torch.tensor(ints, dtype=torch.int32).to(self.device, non_blocking=True)
+        table = flat[:num * width].view(num, width)
+        sections, lo = [], 0
+        for (kind, spans), first, (run_as, max_q), tl_ in zip(groups, firsts, plans, tile_lists):
+            hi = lo + len(spans)
+            sec = _Section(
+                kind=run_as, first_row=first, num_rows=sum(s[1] for s in spans), tables=table[lo:hi],
+                ctx_lens=flat[heads[0] + lo:heads[0] + hi], q_starts=flat[heads[1] + lo:heads[1] + hi],
+                q_lens=flat[heads[2] + lo:heads[2] + hi], max_query_len=max_q,
+                max_context=max(s[2] for s in spans))
+            if tl_ is not None:
+                sec.tiles = flat[tl_[0]:tl_[0] + 2 * tl_[1]].view(-1, 2)
+            else:
+                self._plan_split(sec, len(spans))
+            sections.append(sec)
+            lo = hi
+        return TritonMeta(batch.slot_mapping, sections)
+
+    def _plan_split(self, sec: _Section, num_seqs: int) -> None:
+        part = self.partition_size
+        if part is None:
+            part = default_partition(sec.max_context, num_seqs, self.num_kv_heads, self.device)
+        if part is None or part >= sec.max_context:
+            return
+        sec.partition = part
+        # Partial outputs live for the whole step: every layer reuses them in stream order.
+        need = sec.num_rows * self.num_heads * -(-sec.max_context // part)
+        sec.workspace = (torch.empty(need * head_block(self.head_dim), dtype=torch.float32, device=self.device),
+                         torch.empty(need, dtype=torch.float32, device=self.device))
+
+    def forward(self, q, k, v, k_cache, v_cache, window, meta: TritonMeta) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_tokens = q.shape[0]
+        out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
+        for s in meta.sections:
+            rows = slice(s.first_row, s.first_row + s.num_rows)
+            if s.kind == "decode":
+                paged_decode_attention(q[rows], k_cache, v_cache, s.tables, s.ctx_lens, self.scale, window,
+                                       s.max_context, s.partition, out[rows], s.workspace)
+            elif s.kind == "verify":
+                paged_verify_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
+                                       s.max_query_len, self.scale, window, s.max_context, s.partition, out[rows],
+                                       s.workspace)
+            else:
+                prefill_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
+                                  s.max_query_len, self.scale, window, s.tiles, out[rows])
+        return out.view(num_tokens, -1)

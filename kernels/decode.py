@@ -1,0 +1,189 @@
+"""Paged decode attention and speculative verification attention (flash-decoding style).
+
+Both have few queries per sequence (decode: 1; verification: k+1, causal among themselves) over
+a long cached context, so parallelism has to come from the context: program (sequence, KV head,
+split) attends one partition of the context for every packed query row of that KV head, writes
+a partial output and its log-sum-exp, and a second kernel merges the partitions. With one
+partition (short contexts, or enough sequences to fill the GPU) the first kernel writes the
+output directly and the merge is skipped.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, head_block,
+                             interpreting, next_pow2)
+from kernels.prefill import prefill_attention
+
+MAX_ROWS = 128   # packed (query, head) rows one program holds; beyond, the prefill kernel tiles them
+PART_ALIGN = 256      # partitions are a multiple of every BLOCK_N in the search space
+
+
+def _configs():
+    space = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    return autotune_configs(space, dict(BLOCK_N=32, num_warps=4, num_stages=1))
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_M", "BLOCK_D", "BLOCK_SIZE", "SPLIT", "IS_DECODE"])
+@triton.jit
+def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
+                     scale, window, part_size, num_splits,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tab,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_DECODE: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    if IS_DECODE:
+        q_start = seq
+        q_len = 1
+    else:
+        q_start = tl.load(q_starts + seq)
+        q_len = tl.load(q_lens + seq)
+    ctx = tl.load(ctx_lens + seq)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q, query, head, valid = _load_q_rows(q_ptr, q_start, q_len, 0, kv_head, stride_qt, stride_qh, offs_d, d_mask,
+                                         GROUP, BLOCK_M)
+    qpos = ctx - q_len + query
+    qpos_min = ctx - q_len
+    qpos_max = ctx - 1
+    # This partition's keys, cut to the context and to the earliest row's window.
+    lo = split * part_size
+    hi = tl.minimum(lo + part_size, ctx)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (qpos_min - window + 1) // BLOCK_N * BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)   # finite: a fully masked tile cannot make NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, k_cache, v_cache, tables + seq.to(tl.int64) * stride_tab,
+                                  lo, hi, ctx, qpos, qpos_min, qpos_max, window,
+                                  kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
+                                  stride_kb, stride_ks, stride_vb, stride_vs, scale * LOG2E,
+                                  tl.arange(0, BLOCK_N), offs_d, d_mask,
+                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST)
+    has = l_i > 0   # a row sees no key of this partition when the partition ends before it starts
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    row_tok = (q_start + query).to(tl.int64)
+    mask = valid[:, None] & d_mask[None, :]
+    if SPLIT:
+        base = (row_tok * num_heads + head) * num_splits + split
+        tl.store(part_o + base[:, None] * BLOCK_D + offs_d[None, :], o, mask=mask)
+        tl.store(part_lse + base, tl.where(has, m_i + tl.math.log2(l_safe), float("-inf")), mask=valid)
+    else:
+        tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_kernel(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); empty partitions
+    carry lse = -inf and weigh nothing."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (tok * tl.num_programs(1) + head) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse + base + offs_s, mask=s_mask, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    o = tl.load(part_o + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def choose_partition(max_context: int, num_seqs: int, num_kv_heads: int, num_sms: int,
+                     min_partition: int = 512, align: int = PART_ALIGN) -> int | None:
+    """Context partition for split-KV, or None for one pass. Split only while (sequences x KV
+    heads) programs leave the GPU under-filled (two waves of SMs), never below `min_partition`
+    keys: short partitions make the merge cost more than the parallelism gains."""
+    programs = num_seqs * num_kv_heads
+    splits = min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_context, min_partition))
+    if splits <= 1:
+        return None
+    return triton.cdiv(triton.cdiv(max_context, splits), align) * align
+
+
+def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, rows, max_context, scale,
+            window, partition_size, out, workspace, is_decode):
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = head_block(head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    split = partition_size is not None and partition_size < max_context
+    num_splits = triton.cdiv(max_context, partition_size) if split else 1
+    part = partition_size if split else triton.cdiv(max(max_context, 1), PART_ALIGN) * PART_ALIGN
+    if split:
+        need = num_tokens * num_heads * num_splits
+        if workspace is None or workspace[1].numel() < need:
+            workspace = (torch.empty(need * block_d, dtype=torch.float32, device=q.device),
+                         torch.empty(need, dtype=torch.float32, device=q.device))
+        part_o, part_lse = workspace
+    else:
+        part_o = part_lse = out   # unused
+    precision, upcast = dot_flags(q.dtype)
+    _split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
+        scale, window or 0, part, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(rows * group)),
+        BLOCK_SIZE=k_cache.shape[1], IS_DECODE=is_decode, SPLIT=split, HAS_WINDOW=window is not None,
+        PRECISION=precision, UPCAST=upcast)
+    if split:
+        _merge_kernel[(num_tokens, num_heads)](
+            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)))
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=None,
+                           max_context=None, partition_size=None, out=None, workspace=None):
+    """q: [B, Hq, D], one query per sequence at position context_lens[b] - 1 (its own K/V already
+    stored). block_tables: [B, max_blocks] int32; context_lens: [B] int32. `max_context` (a host
+    int, avoids a device sync) and `partition_size` (None: one pass) size the split. Returns [B, Hq, D]."""
+    if max_context is None:
+        max_context = int(context_lens.max())
+    if q.shape[1] // k_cache.shape[2] > MAX_ROWS:   # more packed rows than one program holds
+        ones = torch.ones_like(context_lens)
+        return prefill_attention(q, k_cache, v_cache, block_tables, torch.cumsum(ones, 0) - 1, ones, context_lens,
+                                 1, scale, window, out=out)
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, context_lens, q.shape[0], 1,
+                   max_context, scale, window, partition_size, out, workspace, True)
+
+
+def paged_verify_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
+                           max_query_len, scale, window=None, max_context=None, partition_size=None, out=None,
+                           workspace=None):
+    """Speculative verification: sequence i owns q rows query_starts[i] .. + query_lens[i] (the
+    last accepted token and its drafts) at positions context_lens[i] - query_lens[i] .., causal
+    among themselves, over its paged context (their own K/V already stored). Returns [T, Hq, D]."""
+    if max_context is None:
+        max_context = int(context_lens.max())
+    if max_query_len * (q.shape[1] // k_cache.shape[2]) > MAX_ROWS:
+        return prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
+                                 max_query_len, scale, window, out=out)
+    return _launch(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens, query_lens.shape[0],
+                   max_query_len, max_context, scale, window, partition_size, out, workspace, False)
+
+
+def default_partition(max_context, num_seqs, num_kv_heads, device) -> int | None:
+    """Partition for this device: a small one under the interpreter so tests cover the merge."""
+    if interpreting():
+        return 64 if max_context > 64 else None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return choose_partition(max_context, num_seqs, num_kv_heads, sms)
