@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cluster.config import EngineConfig, WorkerConfig
 from cluster.metrics import ClusterMetrics
 from cluster.model.loader import load_tokenizer
+from cluster.model.spec_compat import check_speculative_models
 from cluster.model.model_config import load_model_config
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ async def _poll_stats(router, workers: dict, roles: dict, metas: dict, metrics, 
 
 
 async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
+    # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
+    check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     ray_environment()
     import ray  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
@@ -177,12 +180,16 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                                  local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                                  max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode,
                     metrics=metrics)
+    spec = cfg.engine.speculative
     limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
                     max_tokens_limit=cfg.max_tokens_limit,
+                    spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
+                    max_speculative_tokens=spec.max_speculative_tokens,
                     default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit))
     info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
-            "max_tokens_limit": cfg.max_tokens_limit}
+            "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
+            "num_speculative_tokens": str(spec.num_speculative_tokens)}
     service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
                                cfg.api_keys, metrics=metrics)
     server, port = await start_grpc_server(service, cfg.host, cfg.port, tls=cfg.tls)

@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 
-from cluster.config import CacheConfig, EngineConfig, default_model_dir
+from cluster.config import (SPEC_METHODS, CacheConfig, EngineConfig, SpeculativeConfig, default_model_dir,
+                            parse_lookahead)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative", default=None, choices=list(SPEC_METHODS),
+                   help="speculative decoding proposer (default off; with generate --server: the server's default)")
+    p.add_argument("--num-speculative-tokens", default=None, type=parse_lookahead, metavar="K|auto",
+                   help="tokens proposed per step, or 'auto' for dynamic lookahead (default 4)")
+    p.add_argument("--draft-model", default=None, help="draft model directory for --speculative draft "
+                                                       "(default: the built-in model's draft)")
+    p.add_argument("--eagle-head", default=None, help="EAGLE head directory for --speculative eagle "
+                                                      "(default: the built-in model's head)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -73,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _speculative_config(args) -> SpeculativeConfig:
+    k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
+    return SpeculativeConfig(method=args.speculative or "off", num_speculative_tokens=k,
+                             draft_model=args.draft_model, eagle_head=args.eagle_head)
+
+
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model or default_model_dir(),
@@ -81,6 +96,7 @@ def _engine_config(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
+        speculative=_speculative_config(args),
     )
 
 
@@ -99,6 +115,12 @@ def cmd_generate_remote(args) -> int:
                     ignore_eos=args.ignore_eos)
     if args.seed is not None:
         sampling["seed"] = args.seed
+    if args.speculative is not None:
+        sampling["speculative"] = args.speculative
+    if args.num_speculative_tokens == "auto":
+        sampling["auto_lookahead"] = True
+    elif args.num_speculative_tokens is not None:
+        sampling["num_speculative_tokens"] = args.num_speculative_tokens
     ids, text, reason = [], [], None
     names = {1: "stop", 2: "length", 3: "abort"}
     for msg in client.stream(args.prompt, **sampling):
@@ -159,8 +181,9 @@ def cmd_generate(args) -> int:
     if args.server:
         return cmd_generate_remote(args)
     from cluster.engine.engine import LLMEngine  # noqa: PLC0415 (torch import is slow; keep --help fast)
+    from decode.spec.speculator import make_speculator  # noqa: PLC0415
     sampling = _sampling(args)
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(_engine_config(args), speculator_factory=make_speculator)
     token_ids: list[int] = []
     text: list[str] = []
     reason = None

@@ -12,10 +12,10 @@ from cluster.transfer.registry import make_transport
 class EngineWorker:
     role = "worker"
 
-    def __init__(self, name: str, config: WorkerConfig):
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory=None):
         self.name = name
         self.config = config
-        self.engine = LLMEngine(config.engine)
+        self.engine = LLMEngine(config.engine, speculator_factory=speculator_factory)
         self.transport = make_transport(config.transport, name)
         self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
         self.mailbox = Mailbox(self.transport)
@@ -34,7 +34,8 @@ class EngineWorker:
         return {"name": self.name, "role": self.role, "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
                 "blocks_free": pool.num_free, "waiting": len(sched.waiting), "running": len(sched.running),
                 "prefix_queries": pool.queries, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
-                "queue_count": sched.queue_count}
+                "queue_count": sched.queue_count,
+                "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
 
     def close(self) -> None:
         self.loop.close()

@@ -19,6 +19,7 @@ from cluster.kv.block_pool import NoFreeBlocks
 from cluster.transfer.consumer import KVConsumer, PullState
 from cluster.types import KVHandle, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
+from decode.spec.speculator import make_speculator
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, name: str, config: WorkerConfig):
-        super().__init__(name, config)
+        super().__init__(name, config, speculator_factory=make_speculator)
         self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    timeout_s=config.transfer_timeout_s, verify=config.checksums,
                                    mailbox=self.mailbox)

@@ -24,10 +24,12 @@ class Limits:
     max_model_len: int
     max_tokens_limit: int        # the most a request may ask for
     default_max_tokens: int = 256
+    spec_methods: tuple[str, ...] = ("off", "ngram")   # what the decode workers have loaded
+    max_speculative_tokens: int = 8
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                    "stop_token_ids", "stop", "logprobs")
+                    "stop_token_ids", "stop", "logprobs", "speculative", "num_speculative_tokens")
 
 
 def _sampling(msg, limits: Limits) -> SamplingParams:
@@ -36,6 +38,15 @@ def _sampling(msg, limits: Limits) -> SamplingParams:
     if max_tokens > limits.max_tokens_limit:
         raise ValidationError("sampling.max_tokens",
                               f"{max_tokens} exceeds the server's limit of {limits.max_tokens_limit}")
+    speculative = msg.speculative or None
+    if speculative is not None and speculative not in limits.spec_methods:
+        raise ValidationError("sampling.speculative", f"{speculative!r} is not available on this server; choose "
+                                                      f"one of {', '.join(limits.spec_methods)} or leave it unset")
+    lookahead = msg.WhichOneof("lookahead")
+    k = None if lookahead is None else ("auto" if lookahead == "auto_lookahead" else msg.num_speculative_tokens)
+    if isinstance(k, int) and not 1 <= k <= limits.max_speculative_tokens:
+        raise ValidationError("sampling.num_speculative_tokens",
+                              f"must be in [1, {limits.max_speculative_tokens}] (or auto_lookahead), got {k}")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p if has("top_p") else 1.0,
@@ -43,7 +54,8 @@ def _sampling(msg, limits: Limits) -> SamplingParams:
             repetition_penalty=msg.repetition_penalty if has("repetition_penalty") else 1.0,
             seed=msg.seed if has("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             stop=tuple(msg.stop), ignore_eos=msg.ignore_eos,
-            logprobs=msg.logprobs if has("logprobs") else None, cache_salt=msg.cache_salt or None)
+            logprobs=msg.logprobs if has("logprobs") else None, cache_salt=msg.cache_salt or None,
+            speculative=speculative, num_speculative_tokens=k)
     except ValueError as exc:
         text = str(exc)
         field = next((f for f in _SAMPLING_FIELDS if text.startswith(f) or f" {f}" in text[:30]), "sampling")

@@ -118,7 +118,8 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt)
-        self.validate_speculation(sampling)
+        if not hold_kv:   # a P/D producer only prefills: speculation is the decode worker's concern
+            self.validate_speculation(sampling)
         seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), hold_kv=hold_kv)
         self._seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)

@@ -1,0 +1,112 @@
+"""Speculative decoding across the P/D handoff: real Ray, gRPC and NIXL on the default model.
+
+Greedy output equals the single engine without speculation, and a handed-off request accepts as
+many tokens per step as the same request served colocated, from its first decode step on."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from cluster.app import ClusterConfig, start_cluster
+from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
+from cluster.engine.engine import LLMEngine
+from cluster.types import SamplingParams
+from cluster_harness import ClusterThread
+from router.client import Client
+
+PROMPTS = [
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
+    "        self.values = {}\n\n    def load(self):\n",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.",
+]
+MAX_TOKENS = 48
+
+
+def _engine_config(method="draft"):
+    return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512),
+                        speculative=SpeculativeConfig(method=method, num_speculative_tokens="auto"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = LLMEngine(EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512)))
+    return [list(c.token_ids) for c in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+def _spec_totals(cluster: ClusterThread, method: str) -> tuple[int, int]:
+    emitted = steps = 0
+    for s in cluster.stats():
+        c = s.get("spec", {}).get(method)
+        if c:
+            emitted += c["emitted"]
+            steps += c["steps"]
+    return emitted, steps
+
+
+def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int]], float]:
+    """Requests one at a time, so both modes batch them alike; returns outputs and the mean
+    accepted length per verification step over them."""
+    client = Client(cluster.target)
+    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram")}
+    outs = [list(client.generate(p, max_tokens=MAX_TOKENS, **sampling).token_ids) for p in PROMPTS]
+    method = sampling.get("speculative", "draft")
+    cluster.wait_idle()
+    emitted, steps = (a - b for a, b in zip(_spec_totals(cluster, method), before[method]))
+    assert steps > 0, "no verification step ran: speculation silently fell back to plain decoding"
+    return outs, emitted / steps
+
+
+def test_speculation_across_the_handoff_matches_colocated(reference):
+    pd = ClusterThread(ClusterConfig(engine=_engine_config(), transport="nixl", port=0, local_prefill_max_tokens=4))
+    try:
+        info = Client(pd.target).server_info()
+        assert (info.speculative, info.num_speculative_tokens) == ("draft", "auto")
+        # A salt per round: no prefix hits on the decode worker, so every request is handed off.
+        results = {m: _serve_one_by_one(pd, speculative=m, cache_salt=m) for m in ("draft", "ngram")}
+        stats = pd.wait_idle()
+        assert all(s["blocks_used"] == 0 for s in stats), stats
+        decode = next(s for s in stats if s["role"] == "decode")
+        assert decode["handoff_done"] == 2 * len(PROMPTS) and decode["handoff_failed"] == 0
+    finally:
+        pd.stop()
+    colo = ClusterThread(ClusterConfig(engine=_engine_config(), colocated=True, port=0))
+    try:
+        colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in ("draft", "ngram")}
+    finally:
+        colo.stop()
+    for method in ("draft", "ngram"):
+        (pd_out, pd_len), (co_out, co_len) = results[method], colocated[method]
+        assert pd_out == reference and co_out == reference, method
+        assert pd_len > 1.0, f"{method}: mean accepted length {pd_len:.3f} <= 1"
+        assert abs(pd_len - co_len) <= 0.02 * co_len, f"{method}: P/D {pd_len:.3f} vs colocated {co_len:.3f}"
+
+
+def test_per_request_speculation_is_validated():
+    c = ClusterThread(ClusterConfig(engine=_engine_config("ngram"), colocated=True, port=0, max_tokens_limit=64))
+    try:
+        client = Client(c.target)
+        for kwargs, field in (({"speculative": "eagle"}, "sampling.speculative"),
+                              ({"num_speculative_tokens": 99}, "sampling.num_speculative_tokens")):
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate("def f():", max_tokens=4, **kwargs)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+        out = client.generate("def f():", max_tokens=4, speculative="off")
+        assert len(out.token_ids) == 4
+    finally:
+        c.stop()
+
+
+def test_eagle_head_of_another_shape_is_refused_before_anything_starts(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"model_type": "splitserve_eagle", "hidden_size": 384,
+                                                  "vocab_size": 8192, "num_key_value_heads": 6, "head_dim": 64}))
+    cfg = ClusterConfig(engine=EngineConfig(speculative=SpeculativeConfig(method="eagle", eagle_head=head)), port=0)
+    with pytest.raises(ValueError, match="KV shape .* across the P/D handoff"):
+        asyncio.run(start_cluster(cfg))
