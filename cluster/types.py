@@ -160,6 +160,7 @@ class KVHandle:
     checksums: tuple[int, ...] = ()  # one per block; empty when integrity checks are off
     lease_seconds: float = 30.0
     version: int = 1
+    feature: bytes = b""            # EAGLE: the prompt's last hidden state (raw, the layout's dtype)
 
     def encode(self) -> bytes:
         import msgpack  # noqa: PLC0415

@@ -72,7 +72,8 @@ class DecodeWorker(EngineWorker):
             self.handoffs["bytes"] += len(handle.block_ids) * self.engine.layout.bytes_per_block()
             t = pull.timings
             self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
-            start = lambda e: e.add_prefilled(request_id, prompt_ids, first, sampling, pull.local_blocks)  # noqa: E731
+            start = lambda e: e.add_prefilled(request_id, prompt_ids, first, sampling, pull.local_blocks,  # noqa: E731
+                                              handle.feature)
         else:
             self.handoffs["failed"] += 1
             if pull is not None:

@@ -60,7 +60,8 @@ class PrefillWorker(EngineWorker):
                 e.release_held_kv(request_id)
                 return None
             blocks, n = e.take_held_kv(request_id)
-            return self.producer.publish(request_id, blocks, n, last.token_ids[0]).encode()
+            handle = self.producer.publish(request_id, blocks, n, last.token_ids[0])
+            return replace(handle, feature=e.take_held_feature(request_id)).encode()
         handle = await self.loop.acall(publish)
         return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, reason, handle,
                              last.num_prompt_tokens, last.num_cached_tokens, last.logprobs)

@@ -50,7 +50,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
         cc = config.cache
-        self.layout = KVLayout(model_id=mc.model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+        self.eagle = None
+        model_id, num_layers = mc.model_id, mc.num_layers
+        if config.speculative.method == "eagle":
+            # The head's KV is one more layer of the arena; the layout hash then tells a P/D peer
+            # that its blocks carry the head's KV too.
+            from cluster.model.eagle import load_eagle_head  # noqa: PLC0415
+            self.eagle = load_eagle_head(config.speculative.eagle_dir, mc, self.model, self.dtype, self.device)
+            if config.pack_weights and packing_available(self.dtype, self.device):
+                pack_linears(self.eagle)
+            model_id, num_layers = f"{mc.model_id}+eagle:{config.speculative.eagle_dir.name}", num_layers + 1
+        self.layout = KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads,
                                head_dim=mc.head_dim, block_size=cc.block_size,
                                dtype=str(self.dtype).removeprefix("torch."))
         weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
@@ -64,6 +74,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, self.max_model_len,
                                    self.generation.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache.arena, self.backend, cc.block_size, self.device)
+        self._held_features: dict[str, torch.Tensor] = {}
+        if self.eagle is not None:
+            self.runner.eagle = self.eagle
+            self.runner.block_features = torch.zeros((self.pool.num_blocks, mc.hidden_size), dtype=self.dtype,
+                                                     device=self.device)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[TokenDelta] = []
@@ -143,7 +158,7 @@ class LLMEngine:
         return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
-                      sampling: SamplingParams, block_ids: Seq[int]) -> None:
+                      sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"") -> None:
         """Join a sequence whose prompt KV already sits in `block_ids` (taken from this engine's
         pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
         from its second token on; if it is ever preempted it is recomputed here."""
@@ -157,6 +172,13 @@ class LLMEngine:
         seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling),
                        token_ids=[*ids, int(first_token)], num_computed_tokens=len(ids),
                        block_ids=list(block_ids))
+        if self.eagle is not None:
+            if len(feature) != self.model_config.hidden_size * self.dtype.itemsize:
+                raise ValueError(f"a handoff to an EAGLE decode worker must carry the prompt's last hidden state "
+                                 f"({self.model_config.hidden_size} values); got {len(feature)} bytes")
+            raw = torch.frombuffer(bytearray(feature), dtype=torch.uint8)
+            seq.spec_feature = raw.view(self.dtype).to(self.device)
+            seq.spec_feature_pos = len(ids) - 1
         if not sampling.greedy and seq.generator is not None:
             # The producer drew the first token from the same seed: skip that draw so a seeded
             # request samples the same tokens as it would in one engine.
@@ -173,7 +195,16 @@ class LLMEngine:
         return self.scheduler.held[request_id]
 
     def release_held_kv(self, request_id: str) -> None:
+        self._held_features.pop(request_id, None)
         self.scheduler.release_held(request_id)
+
+    def take_held_feature(self, request_id: str) -> bytes:
+        """With an EAGLE head: the target's hidden state at the prompt's last position, the one
+        piece of proposer state the blocks do not carry (raw bytes in the KV layout's dtype)."""
+        feature = self._held_features.pop(request_id, None)
+        if feature is None:
+            return b""
+        return feature.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
     def abort(self, request_id: str) -> bool:
         """End a request now; its blocks are freed at once and its last delta comes from `step`."""
@@ -208,6 +239,7 @@ class LLMEngine:
         tokens = self._choose_tokens(logits, sampled_seqs) if sampled_seqs else {}
         before = {seq: seq.num_tokens for seq in tokens}
         self.scheduler.update(plan, tokens)
+        self.runner.keep_features()
         for seq, n in before.items():
             out.append(self._delta(seq, seq.token_ids[n:]))
         return out
@@ -287,6 +319,8 @@ class LLMEngine:
                           seq.num_output_tokens, seq.num_cached_tokens)
 
     def _finish_delta(self, seq: Sequence, token_ids, text: str, logprobs=()) -> TokenDelta:
+        if seq.hold_kv and seq.spec_feature is not None and seq.request_id in self.scheduler.held:
+            self._held_features[seq.request_id] = seq.spec_feature
         if self.speculator is not None:
             self.speculator.release(seq)
         self._seqs.pop(seq.request_id, None)

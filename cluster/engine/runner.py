@@ -18,6 +18,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.layer_hook = None   # called with each layer index once its KV is stored (KV push)
+        self.eagle = None        # an EagleHead: run over every computed token, its KV in the arena's last layer
+        self.block_features = None   # [num_blocks, H]: hidden state at each block's last slot (prefix hits)
+        self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
+        self.last_hidden: torch.Tensor | None = None
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
@@ -61,14 +65,67 @@ class ModelRunner:
             block_size=bs,
         )
         meta = self.backend.prepare(batch)
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_arena, self.backend, meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            layer_hook=self.layer_hook,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
+                         torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                         layer_hook=self.layer_hook, return_hidden=self.eagle is not None)
+        if self.eagle is None:
+            return out, sampled
+        logits, hidden = out
+        self._run_eagle(plan, ids_t, pos_t, hidden, meta)
         return logits, sampled
+
+    def _run_eagle(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
+        """The head over the step's tokens with the true features: input j pairs x_j with f_{j-1}."""
+        bs = self.block_size
+        total = hidden.shape[0]
+        carry, src, ends_rows, ends_blocks = [], [], [], []
+        self.last_rows = {}
+        offset = 0
+        for chunk in plan.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            self.last_rows[seq] = (offset, start)
+            if start == 0:
+                src.append(-1)                          # f_{-1} = 0
+            else:
+                src.append(total + len(carry))
+                carry.append(self._feature_before(seq, start))
+            src.extend(range(offset, offset + n - 1))
+            for p in range(start, start + n):
+                if p % bs == bs - 1:
+                    ends_rows.append(offset + p - start)
+                    ends_blocks.append(seq.block_ids[p // bs])
+            offset += n
+        zero = hidden.new_zeros((1, hidden.shape[1]))
+        table = torch.cat([hidden, *([torch.stack(carry)] if carry else []), zero])
+        index = torch.tensor([len(table) - 1 if i < 0 else i for i in src], dtype=torch.long, device=self.device)
+        self.eagle(ids_t, table.index_select(0, index), pos_t, self.kv_arena[-1], self.backend, meta)
+        if self.layer_hook is not None:
+            self.layer_hook(self.kv_arena.shape[0] - 1)
+        if ends_rows:
+            self.block_features.index_copy_(0, torch.tensor(ends_blocks, device=self.device),
+                                            hidden.index_select(0, torch.tensor(ends_rows, device=self.device)))
+        self.last_hidden = hidden
+
+    def _feature_before(self, seq: Sequence, start: int) -> torch.Tensor:
+        if seq.spec_feature is not None and seq.spec_feature_pos == start - 1:
+            return seq.spec_feature
+        # A chunk that starts after a prefix-cache hit: the feature kept for the hit's last block.
+        assert start % self.block_size == 0, (seq.request_id, start)
+        return self.block_features[seq.block_ids[start // self.block_size - 1]]
+
+    def keep_features(self) -> None:
+        """After the scheduler's update: remember each sequence's feature at its last computed position."""
+        if self.last_hidden is None:
+            return
+        for seq, (row, start) in self.last_rows.items():
+            computed = seq.num_computed_tokens - start
+            if computed > 0:
+                seq.spec_feature = self.last_hidden[row + computed - 1].clone()
+                seq.spec_feature_pos = start + computed - 1
+        self.last_hidden = None
+        self.last_rows = {}
 
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is

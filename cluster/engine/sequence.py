@@ -35,6 +35,9 @@ class Sequence:
     queued_at: float = field(default_factory=time.monotonic)   # for the queue-time metric
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # EAGLE: the target's pre-norm hidden state at position `spec_feature_pos` (the last computed one).
+    spec_feature: torch.Tensor | None = None
+    spec_feature_pos: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -137,9 +137,10 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend: AttentionBackend, meta, logits_indices: torch.Tensor,
-                layer_hook=None) -> torch.Tensor:
+                layer_hook=None, return_hidden: bool = False):
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, Hkv, D].
-        Returns fp32 logits for the rows in `logits_indices`. `layer_hook(i)` runs once layer i's
+        Returns fp32 logits for the rows in `logits_indices` (and the pre-norm hidden states of
+        every row with `return_hidden`). `layer_hook(i)` runs once layer i's
         KV is in the cache (layer-wise KV push overlaps the transfer with the rest of the pass)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
@@ -147,5 +148,6 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend, meta)
             if layer_hook is not None:
                 layer_hook(i)
-        x = self.norm(x.index_select(0, logits_indices))
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x.index_select(0, logits_indices))).float()
+        # The last layer's output before the norm: what an EAGLE head reads.
+        return (logits, x) if return_hidden else logits

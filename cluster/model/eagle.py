@@ -1,0 +1,68 @@
+"""The EAGLE head at serving time, over the paged KV cache.
+
+Contract (the training side is cluster/model/training/eagle.py): for position j the head reads
+u_j = fc(cat(E(x_j), f_{j-1})), where f is the target's last decoder layer output before the final
+norm (f_{-1} = 0) and E the target's embedding; one Llama decoder layer turns u into g_j, the
+head's estimate of f_j, and the target's own norm and lm_head turn g_j into next-token logits.
+
+The head's KV is one more layer of the target's KV arena (same blocks, same slots). The engine
+runs the head over every token the target computes, with the true features, so the head's KV
+is right wherever the target's is: in prefix-cached blocks and in blocks handed off from a
+prefill worker. Drafting then only adds positions past the verified ones.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cluster.model.llama import CausalLM, DecoderLayer
+from cluster.model.loader import read_checkpoint
+from cluster.model.model_config import ModelConfig
+from cluster.model.spec_compat import read_eagle_config
+
+
+class EagleHead(nn.Module):
+    def __init__(self, layer_cfg: ModelConfig, target: CausalLM):
+        super().__init__()
+        h = layer_cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(layer_cfg, None)
+        self.target = [target]   # not a submodule: its weights are the target's, not the head's
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,
+                kv_layer: torch.Tensor, backend, meta, logits_indices: torch.Tensor | None = None):
+        """Returns (g [T, H], fp32 logits of `logits_indices` rows or None); stores the head's KV."""
+        target = self.target[0]
+        u = self.fc(torch.cat((target.embed_tokens(input_ids), prev_features), dim=-1))
+        cos, sin = target.rotary.lookup(positions, u.dtype)
+        g = self.layer(u, cos, sin, kv_layer[0], kv_layer[1], backend, meta)
+        if logits_indices is None:
+            return g, None
+        return g, target.lm_head(target.norm(g.index_select(0, logits_indices))).float()
+
+
+def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,
+                    device: torch.device) -> EagleHead:
+    raw = read_eagle_config(head_dir)
+    layer_cfg = replace(target_cfg, num_layers=1, intermediate_size=int(raw["intermediate_size"]),
+                        qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(None,))
+    hf = read_checkpoint(Path(head_dir))
+    p = "model.layers.0."
+    a = p + "self_attn."
+    state = {
+        "fc.weight": hf["fc.weight"],
+        "layer.self_attn.qkv_proj.weight": torch.cat([hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
+                                                      hf[a + "v_proj.weight"]]),
+        "layer.self_attn.o_proj.weight": hf[a + "o_proj.weight"],
+        "layer.input_layernorm.weight": hf[p + "input_layernorm.weight"],
+        "layer.post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
+    }
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        state[f"layer.mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
+    head = EagleHead(layer_cfg, target)
+    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return head.to(device=device, dtype=dtype).eval()
