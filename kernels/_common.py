@@ -34,10 +34,11 @@ def head_block(head_dim: int) -> int:
     return max(16, next_pow2(head_dim))
 
 
-def dot_flags(dtype: torch.dtype) -> tuple[str, bool]:
+def dot_flags(dtype: torch.dtype) -> tuple[str | None, bool]:
     """(input precision, upcast). fp32 stays IEEE (tf32 would break exactness against torch);
-    the interpreter's bf16 tl.dot is wrong, so there bf16 operands are upcast to fp32 first."""
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    16-bit inputs keep the target's default (tensor cores). The interpreter's bf16 tl.dot is
+    wrong, so there bf16 operands are upcast to fp32 first."""
+    precision = "ieee" if dtype == torch.float32 else None
     return precision, bool(dtype == torch.bfloat16 and interpreting())
 
 
