@@ -79,6 +79,9 @@ class LLMEngine:
             self.runner.eagle = self.eagle
             self.runner.block_features = torch.zeros((self.pool.num_blocks, mc.hidden_size), dtype=self.dtype,
                                                      device=self.device)
+            self.runner.feature_valid = [False] * self.pool.num_blocks
+            self.pool.on_allocate = self.runner.invalidate_features
+            self.scheduler.hit_filter = self.runner.usable_hits
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[TokenDelta] = []

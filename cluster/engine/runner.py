@@ -20,6 +20,7 @@ class ModelRunner:
         self.layer_hook = None   # called with each layer index once its KV is stored (KV push)
         self.eagle = None        # an EagleHead: run over every computed token, its KV in the arena's last layer
         self.block_features = None   # [num_blocks, H]: hidden state at each block's last slot (prefix hits)
+        self.feature_valid: list[bool] = []   # per block: written by this engine since the block was allocated
         self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
         self.last_hidden: torch.Tensor | None = None
 
@@ -103,6 +104,8 @@ class ModelRunner:
         self.eagle(ids_t, table.index_select(0, index), pos_t, self.kv_arena[-1], self.backend, meta)
         if self.layer_hook is not None:
             self.layer_hook(self.kv_arena.shape[0] - 1)
+        for b in ends_blocks:
+            self.feature_valid[b] = True
         if ends_rows:
             self.block_features.index_copy_(0, torch.tensor(ends_blocks, device=self.device),
                                             hidden.index_select(0, torch.tensor(ends_rows, device=self.device)))
@@ -112,8 +115,21 @@ class ModelRunner:
         if seq.spec_feature is not None and seq.spec_feature_pos == start - 1:
             return seq.spec_feature
         # A chunk that starts after a prefix-cache hit: the feature kept for the hit's last block.
-        assert start % self.block_size == 0, (seq.request_id, start)
-        return self.block_features[seq.block_ids[start // self.block_size - 1]]
+        block = seq.block_ids[start // self.block_size - 1]
+        assert start % self.block_size == 0 and self.feature_valid[block], (seq.request_id, start)
+        return self.block_features[block]
+
+    def invalidate_features(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.feature_valid[b] = False
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        """The longest prefix of a cache hit whose last block has a feature (blocks filled by a KV
+        transfer were computed elsewhere and have none)."""
+        n = len(hits)
+        while n and not self.feature_valid[hits[n - 1]]:
+            n -= 1
+        return hits[:n]
 
     def keep_features(self) -> None:
         """After the scheduler's update: remember each sequence's feature at its last computed position."""

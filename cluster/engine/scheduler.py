@@ -71,6 +71,9 @@ class Scheduler:
         # Blocks of finished `hold_kv` requests, kept for a KV handoff: request id -> (blocks, tokens).
         self.held: dict[str, tuple[list[int], int]] = {}
         self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
+        # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
+        # state at the hit's last position, kept only for blocks this engine computed).
+        self.hit_filter = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
 
@@ -203,6 +206,8 @@ class Scheduler:
             # Never reuse the block holding the last token: its logits must be computed.
             usable = (seq.num_tokens - 1) // bs
             hits = self.pool.match_prefix(seq.block_hashes[:usable])
+            if self.hit_filter is not None:
+                hits = self.hit_filter(hits)
             self.pool.touch(hits)
             seq.block_ids = list(hits)
             seq.num_computed_tokens = len(hits) * bs

@@ -31,6 +31,7 @@ class BlockPool:
         # Counters for metrics: prompt blocks looked up / found in the cache.
         self.queries = 0
         self.hits = 0
+        self.on_allocate = None   # called with newly allocated block ids (per-block side state resets)
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -70,6 +71,8 @@ class BlockPool:
             self._evict(b)
             self.ref_counts[b] = 1
             out.append(b)
+        if self.on_allocate is not None:
+            self.on_allocate(out)
         return out
 
     def free(self, blocks: Iterable[int]) -> None:

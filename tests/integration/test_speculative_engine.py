@@ -155,3 +155,27 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny_model_dir, monk
     monkeypatch.setattr(speculator_module, "accept_sampled", always_accept)
     stat, df = _contingency_chi_square(reference, _second_tokens(spec, n))
     assert stat > _critical(df), f"a biased rule passed: chi-square {stat:.1f} with {df} degrees of freedom"
+
+
+def test_eagle_mechanics_with_prefix_hits_and_preemption(tmp_path):
+    """Any head (here an untrained one) leaves greedy output unchanged: on prefix-cache hits (the
+    head continues from the feature kept for the hit's last block) and under preemption. The
+    reference is a plain engine with the same cache history: in bf16 a chunk computed after a
+    prefix hit is not bit-identical to the same tokens computed in one pass."""
+    from cluster.config import DEFAULT_MODEL_DIR
+    from cluster.model.training.eagle import EagleConfig, EagleHead, save_eagle_head
+    head = EagleHead(EagleConfig.from_target(str(DEFAULT_MODEL_DIR)))
+    head.init_weights(seed=0)
+    save_eagle_head(head, str(tmp_path / "head"))
+    for cache in (CacheConfig(), CacheConfig(num_blocks=24, block_size=8)):
+        engine = LLMEngine(EngineConfig(num_threads=2, cache=cache, speculative=SpeculativeConfig(
+            method="eagle", eagle_head=tmp_path / "head", num_speculative_tokens=3)), speculator_factory=make_speculator)
+        plain = LLMEngine(EngineConfig(num_threads=2, cache=cache))
+        for _ in range(2):   # the second round starts from prefix-cache hits
+            want = plain.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+            out = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+            assert [c.token_ids for c in out] == [c.token_ids for c in want]
+        assert engine.speculator.stats()["eagle"]["steps"] > 0
+        if cache.num_blocks is None:
+            assert engine.pool.hits > 0
+        pools_idle(engine)
