@@ -1,6 +1,6 @@
 """The Triton attention kernels on a GPU: correctness against their torch references, then speed.
 
-    python bench/kernels.py [--peak-tbps 4.8] [--dtype bfloat16] [--skip-engine] [--json out.json]
+    python bench/kernels.py [--peak-tbps 4.8] [--dtype bfloat16] [--skip-engine] [--smoke] [--json out.json]
 
 On CUDA:
   1. correctness: store_kv, paged decode (with and without split-KV), verification and prefill
@@ -12,7 +12,10 @@ On CUDA:
   3. prefill attention against torch SDPA (causal, GQA), same shape, in TFLOP/s (outputs compared);
   4. the engine's decode tokens/s with --attention-backend triton against torch, on a random-weight
      Llama shape with head dim 128 (built in a temp folder; needs transformers).
-Without CUDA it runs only part 1, under TRITON_INTERPRET=1 on small shapes, and says so.
+Without CUDA it runs only part 1, under TRITON_INTERPRET=1 on small shapes, and says so; with
+--smoke it also walks parts 2-4 on tiny shapes (to test the script; the figures mean nothing).
+Part 1 runs each kernel with its first autotune config (autotuning every dtype/shape variant would
+compile hundreds of kernels); parts 2-4 autotune and check their own outputs too.
 Goals on an H200 (issue #7): decode >= 70% of peak bandwidth; prefill >= 0.8x SDPA.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:   # must precede the first import of kernels: triton picks the interpreter at decoration
     os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cuda" if CUDA else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
@@ -114,7 +118,8 @@ def correctness(device, small: bool) -> list:
                 qv = torch.randn(sum(qlens), hq, d, device=device, dtype=dtype, generator=g)
                 args = (qv, kc, vc, tables, i32(starts_of(qlens), device), i32(qlens, device), ctx, max(qlens),
                         d ** -0.5, window)
-                check(f"verify {tag} window={window}", paged_verify_attention(*args, partition_size=32 if small else 512),
+                check(f"verify {tag} window={window}",
+                      paged_verify_attention(*args, partition_size=32 if small else 512),
                       ref.paged_verify_attention_ref(*args), dtype, results)
                 plens = [1, 16, 9, 60 if small else 700] + [300] * (len(lens) - 4)
                 qp = torch.randn(sum(plens), hq, d, device=device, dtype=dtype, generator=g)
@@ -126,18 +131,34 @@ def correctness(device, small: bool) -> list:
 
 
 def bench_ms(fn) -> float:
-    import triton.testing
     fn()   # autotune and compile outside the timing
+    if not CUDA:   # --smoke: one interpreted call, to run the script's paths, not to time anything
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def decode_speed(dtype, peak, results, hq=32, hkv=8, d=128, bs=16):
+def pinned_configs():
+    """Correctness first runs every kernel with its first autotune config only: autotuning each of
+    the many dtype/shape specializations would compile hundreds of variants. Returns a restorer."""
+    from kernels.decode import _split_kv_kernel
+    from kernels.prefill import _prefill_kernel
+    saved = [(k, k.configs) for k in (_split_kv_kernel, _prefill_kernel)]
+    for k, configs in saved:
+        k.configs = configs[:1]
+    return lambda: [setattr(k, "configs", configs) for k, configs in saved]
+
+
+def decode_speed(dtype, peak, results, hq=32, hkv=8, d=128, bs=16,
+                 shapes=((64, 8192), (8, 8192), (1, 32768)), verify=(64, 8192, 4)):
     print(f"\npaged decode attention, {hq}/{hkv} heads, head dim {d}, {bs}-token blocks, {str(dtype)[6:]}")
-    for batch, ctx_len in ((64, 8192), (8, 8192), (1, 32768)):
-        kc, vc, tables = paged([ctx_len] * batch, bs, hkv, d, dtype, "cuda")
-        q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
-        ctx = i32([ctx_len] * batch, "cuda")
-        part = default_partition(ctx_len, batch, hkv, torch.device("cuda"))
+    for batch, ctx_len in shapes:
+        kc, vc, tables = paged([ctx_len] * batch, bs, hkv, d, dtype, DEV)
+        q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
+        ctx = i32([ctx_len] * batch, DEV)
+        part = default_partition(ctx_len, batch, hkv, torch.device(DEV))
         out = torch.empty_like(q)
         ms = bench_ms(lambda: paged_decode_attention(q, kc, vc, tables, ctx, d ** -0.5, None, ctx_len, part, out))
         got = out.clone()
@@ -151,30 +172,34 @@ def decode_speed(dtype, peak, results, hq=32, hkv=8, d=128, bs=16):
         results.append(dict(bench="decode", batch=batch, context=ctx_len, partition=part, us=ms * 1e3, tbps=tbps,
                             peak_share=tbps / peak if peak else None, ok=ok))
         del kc, vc
-    batch, ctx_len, k = 64, 8192, 4
-    kc, vc, tables = paged([ctx_len] * batch, bs, hkv, d, dtype, "cuda")
-    q = torch.randn(batch * (k + 1), hq, d, device="cuda", dtype=dtype)
-    starts, qlens, ctx = (i32(x, "cuda") for x in (starts_of([k + 1] * batch), [k + 1] * batch, [ctx_len] * batch))
-    part = default_partition(ctx_len, batch, hkv, torch.device("cuda"))
+    batch, ctx_len, k = verify
+    kc, vc, tables = paged([ctx_len] * batch, bs, hkv, d, dtype, DEV)
+    q = torch.randn(batch * (k + 1), hq, d, device=DEV, dtype=dtype)
+    starts, qlens, ctx = (i32(x, DEV) for x in (starts_of([k + 1] * batch), [k + 1] * batch, [ctx_len] * batch))
+    part = default_partition(ctx_len, batch, hkv, torch.device(DEV))
+    out = torch.empty_like(q)
     ms = bench_ms(lambda: paged_verify_attention(q, kc, vc, tables, starts, qlens, ctx, k + 1, d ** -0.5, None,
-                                                 ctx_len, part))
+                                                 ctx_len, part, out))
+    want = ref.paged_verify_attention_ref(q, kc, vc, tables, starts, qlens, ctx, k + 1, d ** -0.5)
+    ok = torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2)
     tbps = 2 * batch * ctx_len * hkv * d * kc.element_size() / ms / 1e9
-    print(f"  verify k={k} batch {batch} ctx {ctx_len}: {ms * 1e3:8.1f} us  {tbps:5.2f} TB/s", flush=True)
-    results.append(dict(bench="verify", batch=batch, context=ctx_len, k=k, us=ms * 1e3, tbps=tbps))
+    print(f"  verify k={k} batch {batch} ctx {ctx_len} partition {part}: {ms * 1e3:8.1f} us  {tbps:5.2f} TB/s"
+          f"  {'ok' if ok else 'MISMATCH'}", flush=True)
+    results.append(dict(bench="verify", batch=batch, context=ctx_len, k=k, us=ms * 1e3, tbps=tbps, ok=ok))
 
 
 def prefill_speed(dtype, results, batch=4, seq=4096, hq=32, hkv=8, d=128, bs=16):
     import torch.nn.functional as F
     print(f"\nprefill attention vs SDPA, {batch} x {seq} tokens, {hq}/{hkv} heads, head dim {d}, {str(dtype)[6:]}")
-    q = torch.randn(batch, seq, hq, d, device="cuda", dtype=dtype)
-    k = torch.randn(batch, seq, hkv, d, device="cuda", dtype=dtype)
-    v = torch.randn(batch, seq, hkv, d, device="cuda", dtype=dtype)
-    kc, vc, tables = paged([seq] * batch, bs, hkv, d, dtype, "cuda")
-    pos = torch.arange(seq, device="cuda")
+    q = torch.randn(batch, seq, hq, d, device=DEV, dtype=dtype)
+    k = torch.randn(batch, seq, hkv, d, device=DEV, dtype=dtype)
+    v = torch.randn(batch, seq, hkv, d, device=DEV, dtype=dtype)
+    kc, vc, tables = paged([seq] * batch, bs, hkv, d, dtype, DEV)
+    pos = torch.arange(seq, device=DEV)
     slots = (tables[:, pos // bs].long() * bs + pos % bs).reshape(-1)
     store_kv(k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), kc, vc, slots)
     qf = q.reshape(-1, hq, d)
-    starts, qlens = i32(starts_of([seq] * batch), "cuda"), i32([seq] * batch, "cuda")
+    starts, qlens = i32(starts_of([seq] * batch), DEV), i32([seq] * batch, DEV)
     out = torch.empty_like(qf)
     ms_t = bench_ms(lambda: prefill_attention(qf, kc, vc, tables, starts, qlens, qlens, seq, d ** -0.5, out=out))
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
@@ -189,39 +214,45 @@ def prefill_speed(dtype, results, batch=4, seq=4096, hq=32, hkv=8, d=128, bs=16)
     # The same tokens as the last 1/4 of each sequence over a cached 3/4 prefix (no SDPA equivalent).
     n = seq // 4
     qp = q[:, -n:].reshape(-1, hq, d)
-    ms_p = bench_ms(lambda: prefill_attention(qp, kc, vc, tables, i32(starts_of([n] * batch), "cuda"),
-                                              i32([n] * batch, "cuda"), qlens, n, d ** -0.5))
+    ms_p = bench_ms(lambda: prefill_attention(qp, kc, vc, tables, i32(starts_of([n] * batch), DEV),
+                                              i32([n] * batch, DEV), qlens, n, d ** -0.5))
     fp = 4 * batch * hq * d * n * (seq - n / 2)
     print(f"  over a cached prefix ({seq - n} cached + {n} new): {ms_p:7.3f} ms {fp / ms_p / 1e9:6.1f} TFLOP/s")
     results.append(dict(bench="prefill_prefix", batch=batch, cached=seq - n, new=n, ms=ms_p, tflops=fp / ms_p / 1e9))
 
 
-def engine_speed(dtype, results, batch=64, prompt_len=2048, new=128):
+def engine_speed(dtype, results, batch=64, prompt_len=2048, new=128, hidden=4096, layers=4, heads=(32, 8)):
     import transformers
     from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
     from cluster.engine.engine import LLMEngine
     from engine_vs_transformers import bench_ours
     from tiny_models import make_tokenizer
-    print(f"\nengine decode, random Llama (hidden 4096, 4 layers, 32/8 heads of 128), batch {batch}, "
-          f"prompt {prompt_len}, {new} new tokens")
+    print(f"\nengine decode, random Llama (hidden {hidden}, {layers} layers, {heads[0]}/{heads[1]} heads of "
+          f"{hidden // heads[0]}), batch {batch}, prompt {prompt_len}, {new} new tokens")
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=5632, num_hidden_layers=4,
-                                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 8,
+                                       num_hidden_layers=layers, num_attention_heads=heads[0],
+                                       num_key_value_heads=heads[1], max_position_embeddings=8192,
                                        bos_token_id=0, eos_token_id=1)
-        transformers.LlamaForCausalLM(cfg).to(dtype).save_pretrained(tmp)
+        with torch.device(DEV):   # random init on the GPU: seconds instead of a minute on the host
+            model = transformers.LlamaForCausalLM(cfg).to(dtype)
+        model.save_pretrained(tmp)
+        del model
         make_tokenizer(Path(tmp), bos=True)
         rates = {}
         for backend in ("torch", "triton"):
             try:
                 engine = LLMEngine(EngineConfig(
-                    model=tmp, dtype=str(dtype)[6:], device="cuda", attention_backend=backend,
+                    model=tmp, dtype=str(dtype)[6:], device=DEV, attention_backend=backend,
                     cache=CacheConfig(num_blocks=batch * (prompt_len + new) // 16 + 64),
                     scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192)))
                 t0 = time.perf_counter()
                 _, rates[backend] = bench_ours(engine, batch, prompt_len, new, repeats=2)
-                print(f"  {backend:>6}: {rates[backend]:9.0f} decode tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(f"  {backend:>6}: {rates[backend]:9.0f} decode tok/s ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
                 del engine
-                torch.cuda.empty_cache()
+                if CUDA:
+                    torch.cuda.empty_cache()
             except Exception as exc:   # report and go on: the kernel figures above still stand
                 print(f"  {backend:>6}: failed: {type(exc).__name__}: {exc}", flush=True)
         if len(rates) == 2:
@@ -234,9 +265,13 @@ def main() -> int:
     ap.add_argument("--peak-tbps", type=float, default=None, help="peak HBM bandwidth (default: by device name)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="without CUDA: also walk the timing sections on tiny shapes under the interpreter "
+                         "(tests the script, measures nothing)")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    t_start = time.perf_counter()
     if CUDA:
         name = torch.cuda.get_device_name()
         peak = peak_tbps(name, args.peak_tbps)
@@ -247,15 +282,23 @@ def main() -> int:
         print("# no CUDA device: correctness only, under the Triton interpreter on small shapes; "
               "the timings need a GPU")
     print("correctness against kernels/reference.py")
-    t0 = time.perf_counter()
-    results = correctness("cuda" if CUDA else "cpu", small=not CUDA)
+    restore = pinned_configs()
+    results = correctness(DEV, small=not CUDA)
+    restore()
     failed = sum(not r["ok"] for r in results)
-    print(f"  {len(results) - failed} ok, {failed} failed ({time.perf_counter() - t0:.0f} s)")
+    print(f"  {len(results) - failed} ok, {failed} failed ({time.perf_counter() - t_start:.0f} s)")
     if CUDA:
         decode_speed(dtype, peak, results)
         prefill_speed(dtype, results)
         if not args.skip_engine:
             engine_speed(dtype, results)
+    elif args.smoke:
+        decode_speed(dtype, None, results, hq=4, hkv=2, d=16, bs=4, shapes=((3, 70), (1, 130)), verify=(2, 40, 3))
+        prefill_speed(dtype, results, batch=2, seq=48, hq=4, hkv=2, d=16, bs=4)
+        if not args.skip_engine:
+            engine_speed(torch.float32, results, batch=2, prompt_len=12, new=3, hidden=64, layers=1, heads=(4, 2))
+    failed = sum(r.get("ok") is False for r in results)
+    print(f"\n{failed} check(s) failed; {time.perf_counter() - t_start:.0f} s in all")
     if args.json:
         args.json.write_text(json.dumps(dict(device=name, peak_tbps=peak, results=results), indent=1))
     return 1 if failed else 0

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
-from integration.test_engine_exactness import KINDS, _check, _prompts, hf_greedy  # noqa: F401 (fixture)
+from integration.test_engine_exactness import KINDS, _check, _prompts, hf_greedy  # noqa: F401, F811 (a fixture)
 
 
 def _engine(model_dir, speculator_factory=None, **kw) -> LLMEngine:
