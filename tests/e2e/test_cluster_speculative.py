@@ -52,7 +52,7 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     """Requests one at a time, so both modes batch them alike; returns outputs and the mean
     accepted length per verification step over them."""
     client = Client(cluster.target)
-    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram")}
+    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram", "eagle")}
     outs = [list(client.generate(p, max_tokens=MAX_TOKENS, **sampling).token_ids) for p in PROMPTS]
     method = sampling.get("speculative", "draft")
     cluster.wait_idle()
@@ -61,25 +61,27 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     return outs, emitted / steps
 
 
-def test_speculation_across_the_handoff_matches_colocated(reference):
-    pd = ClusterThread(ClusterConfig(engine=_engine_config(), transport="nixl", port=0, local_prefill_max_tokens=4))
+@pytest.mark.parametrize("configured,methods", [("draft", ("draft", "ngram")), ("eagle", ("eagle",))])
+def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods):
+    pd = ClusterThread(ClusterConfig(engine=_engine_config(configured), transport="nixl", port=0,
+                                     local_prefill_max_tokens=4))
     try:
         info = Client(pd.target).server_info()
-        assert (info.speculative, info.num_speculative_tokens) == ("draft", "auto")
+        assert (info.speculative, info.num_speculative_tokens) == (configured, "auto")
         # A salt per round: no prefix hits on the decode worker, so every request is handed off.
-        results = {m: _serve_one_by_one(pd, speculative=m, cache_salt=m) for m in ("draft", "ngram")}
+        results = {m: _serve_one_by_one(pd, speculative=m, cache_salt=m) for m in methods}
         stats = pd.wait_idle()
         assert all(s["blocks_used"] == 0 for s in stats), stats
         decode = next(s for s in stats if s["role"] == "decode")
-        assert decode["handoff_done"] == 2 * len(PROMPTS) and decode["handoff_failed"] == 0
+        assert decode["handoff_done"] == len(methods) * len(PROMPTS) and decode["handoff_failed"] == 0
     finally:
         pd.stop()
-    colo = ClusterThread(ClusterConfig(engine=_engine_config(), colocated=True, port=0))
+    colo = ClusterThread(ClusterConfig(engine=_engine_config(configured), colocated=True, port=0))
     try:
-        colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in ("draft", "ngram")}
+        colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
     finally:
         colo.stop()
-    for method in ("draft", "ngram"):
+    for method in methods:
         (pd_out, pd_len), (co_out, co_len) = results[method], colocated[method]
         assert pd_out == reference and co_out == reference, method
         assert pd_len > 1.0, f"{method}: mean accepted length {pd_len:.3f} <= 1"

@@ -47,7 +47,8 @@ def mean_accepted_length(engine, method):
     return c["emitted"] / c["steps"]
 
 
-@pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto"), ("draft", 3), ("draft", "auto")])
+@pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto"), ("draft", 3), ("draft", "auto"),
+                                      ("eagle", 3), ("eagle", "auto")])
 def test_greedy_output_unchanged_in_mixed_batches(method, k, reference):
     engine = spec_engine(method, k)
     # One batch mixes the engine's default k, per-request k, speculation off, and a sampled request.

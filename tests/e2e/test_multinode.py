@@ -1,0 +1,170 @@
+"""A real multi-node Ray cluster on this machine: `ray start --head` plus two worker nodes joined with
+`ray start --address`, each advertising its role as a custom resource, and `splitserve serve
+--ray-address` placing the prefill worker on one node and the decode worker on another.
+
+Every node gets its own loopback address (127.0.0.2-4, as if on three hosts). A joining node must
+run with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1, and with it Ray rewrites a bootstrap address of
+127.0.0.1 to the host's external one; 127.0.0.2 is loopback but not rewritten. Each node is a
+`ray start --block` in its own session, so the test finds every process a node started (the worker
+actors included) by session id, and stops them all by pid."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
+from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
+
+HEAD, PREFILL, DECODE = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():\n", "class Stack:\n    def __init__(self):",
+           "for i in range(10):\n    print(", "def read_lines(path):\n    with open(path) as f:"]
+MAX_TOKENS = 12
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _session_processes(sid: int) -> dict[int, str]:
+    """pid -> command line of every live process in one session."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except (OSError, ProcessLookupError):
+                pass
+    return {pid: cmd for pid, cmd in out.items() if cmd}    # zombies have an empty command line
+
+
+class RayNode:
+    def __init__(self, ip: str, *args: str, joining: bool, log_dir: Path):
+        env = {**os.environ, **RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if joining else "0"}
+        self.ip = ip
+        self.log = log_dir / f"ray-{ip}.log"
+        self.proc = subprocess.Popen(
+            ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", ip,
+             "--node-manager-port", str(_free_port(ip)), "--object-manager-port", str(_free_port(ip)), *args],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def processes(self) -> dict[int, str]:
+        return _session_processes(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)      # ray start --block stops its node's processes
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.processes():                   # whatever outlived it, by pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+
+def _alive_nodes(address: str) -> int:
+    out = subprocess.run([sys.executable, "-c", "import ray; ray.init(address=%r, log_to_driver=False); "
+                          "print(sum(n['Alive'] for n in ray.nodes()))" % address],
+                         capture_output=True, text=True, env={**os.environ, **RAY_ENV}, timeout=60)
+    return int(out.stdout.split()[-1]) if out.returncode == 0 else 0
+
+
+def _wait_joined(address: str, count: int, nodes: list[RayNode], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive_nodes(address) < count:
+        dead = [n for n in nodes if n.proc.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"Ray node(s) did not join:\n{(dead or nodes)[-1].log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ray-nodes")
+    port = _free_port(HEAD)
+    address = f"{HEAD}:{port}"
+    nodes = []
+    try:
+        # The head holds no CPU, so no worker can land there: it runs only Ray's own services and the router.
+        nodes.append(RayNode(HEAD, "--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false",
+                             "--ray-client-server-port", str(_free_port(HEAD)), joining=False, log_dir=log_dir))
+        _wait_joined(address, 1, nodes)
+        # One node at a time: nodes started together race for the same free ports.
+        for ip, role in ((PREFILL, "prefill"), (DECODE, "decode")):
+            nodes.append(RayNode(ip, "--address", address, "--num-cpus", "2", "--resources", f'{{"{role}": 1}}',
+                                 joining=True, log_dir=log_dir))
+            _wait_joined(address, len(nodes), nodes)
+        yield address, dict(zip(("head", "prefill", "decode"), nodes))
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        left = {n.ip: n.processes() for n in nodes}
+        assert not any(left.values()), f"processes left running: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from cluster.config import EngineConfig
+    from cluster.engine.engine import LLMEngine
+    from cluster.types import SamplingParams
+    engine = LLMEngine(EngineConfig(dtype="float32"))
+    return [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+def _actors(node: RayNode, cls: str) -> list[int]:
+    return [pid for pid, cmd in node.processes().items() if cmd.startswith(f"ray::{cls}")]
+
+
+def test_prefill_and_decode_on_their_own_nodes_router_on_head(ray_nodes, reference):
+    from router.client import Client
+    address, nodes = ray_nodes
+    serve = ServeProcess("--ray-address", address, "--dtype", "float32", "--transport", "nixl",
+                         "--prefill-resources", '{"prefill": 1}', "--decode-resources", '{"decode": 1}',
+                         "--local-prefill-max-tokens", "4")
+    try:
+        # Placement, seen from the operating system: each actor's process belongs to its node's session.
+        assert len(_actors(nodes["prefill"], "PrefillWorker")) == 1, nodes["prefill"].processes()
+        assert len(_actors(nodes["decode"], "DecodeWorker")) == 1, nodes["decode"].processes()
+        assert not _actors(nodes["prefill"], "DecodeWorker") and not _actors(nodes["decode"], "PrefillWorker")
+        assert not _actors(nodes["head"], "PrefillWorker") and not _actors(nodes["head"], "DecodeWorker")
+        assert "(the head)" in serve.log, serve.log[-3000:]
+
+        client = Client(serve.target)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outs = list(pool.map(lambda p: client.generate(p, max_tokens=MAX_TOKENS), PROMPTS))
+        assert [list(o.token_ids) for o in outs] == reference
+
+        # The KV crossed nodes over NIXL: every prompt is longer than the local-prefill threshold.
+        deadline = time.monotonic() + 10
+        while True:
+            text = serve.metrics()
+            done = sample(text, "splitserve_kv_transfers_total", worker="decode-0", transport="nixl")
+            if done == len(PROMPTS) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)                               # the router polls worker stats every 0.25 s
+        assert done == len(PROMPTS), text
+        assert sample(text, "splitserve_kv_transfer_bytes_total", worker="decode-0", transport="nixl") > 0
+        assert sample(text, "splitserve_kv_transfer_failures_total", worker="decode-0", transport="nixl") == 0
+    finally:
+        assert serve.stop() == 0, serve.log[-3000:]
+    # Stopping the server ends its actors but leaves the user's Ray cluster running.
+    deadline = time.monotonic() + 15
+    while (_actors(nodes["prefill"], "PrefillWorker") or _actors(nodes["decode"], "DecodeWorker")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _actors(nodes["prefill"], "PrefillWorker") and not _actors(nodes["decode"], "DecodeWorker")
+    assert _alive_nodes(address) == 3
