@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import urllib.request
 
 import grpc
 import pytest
@@ -38,6 +40,14 @@ def reference():
     return [list(c.token_ids) for c in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
 
 
+def _scrape(cluster: ClusterThread) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    port = cluster.cluster.metrics_server[0].server_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, s.labels["method"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name.startswith("splitserve_spec_") and s.labels.get("worker") == "decode-0"}
+
+
 def _spec_totals(cluster: ClusterThread, method: str) -> tuple[int, int]:
     emitted = steps = 0
     for s in cluster.stats():
@@ -64,7 +74,7 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
 @pytest.mark.parametrize("configured,methods", [("draft", ("draft", "ngram")), ("eagle", ("eagle",))])
 def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods):
     pd = ClusterThread(ClusterConfig(engine=_engine_config(configured), transport="nixl", port=0,
-                                     local_prefill_max_tokens=4))
+                                     local_prefill_max_tokens=4, metrics_port=0))
     try:
         info = Client(pd.target).server_info()
         assert (info.speculative, info.num_speculative_tokens) == (configured, "auto")
@@ -74,6 +84,13 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
         assert all(s["blocks_used"] == 0 for s in stats), stats
         decode = next(s for s in stats if s["role"] == "decode")
         assert decode["handoff_done"] == len(methods) * len(PROMPTS) and decode["handoff_failed"] == 0
+        time.sleep(0.6)   # one stats poll
+        scraped = _scrape(pd)
+        for method in methods:
+            counts = decode["spec"][method]
+            for name, key in (("draft_tokens", "drafted"), ("accepted_tokens", "accepted"),
+                              ("verify_steps", "steps"), ("emitted_tokens", "emitted")):
+                assert scraped[f"splitserve_spec_{name}_total", method] == counts[key] > 0
     finally:
         pd.stop()
     colo = ClusterThread(ClusterConfig(engine=_engine_config(configured), colocated=True, port=0))
