@@ -83,13 +83,13 @@ def _alive_nodes(address: str) -> int:
     return int(out.stdout.split()[-1]) if out.returncode == 0 else 0
 
 
-def _wait_joined(address: str, count: int, nodes: list[RayNode], timeout: float = 60.0) -> None:
+def _wait_started(node: RayNode, timeout: float = 60.0) -> None:
+    """`ray start` says so once its node has registered with the head."""
     deadline = time.monotonic() + timeout
-    while _alive_nodes(address) < count:
-        dead = [n for n in nodes if n.proc.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            raise RuntimeError(f"Ray node(s) did not join:\n{(dead or nodes)[-1].log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    while "Ray runtime started." not in node.log.read_text():
+        if node.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"Ray node {node.ip} did not start:\n{node.log.read_text()[-3000:]}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +102,13 @@ def ray_nodes(tmp_path_factory):
         # The head holds no CPU, so no worker can land there: it runs only Ray's own services and the router.
         nodes.append(RayNode(HEAD, "--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false",
                              "--ray-client-server-port", str(_free_port(HEAD)), joining=False, log_dir=log_dir))
-        _wait_joined(address, 1, nodes)
+        _wait_started(nodes[0])
         # One node at a time: nodes started together race for the same free ports.
         for ip, role in ((PREFILL, "prefill"), (DECODE, "decode")):
             nodes.append(RayNode(ip, "--address", address, "--num-cpus", "2", "--resources", f'{{"{role}": 1}}',
                                  joining=True, log_dir=log_dir))
-            _wait_joined(address, len(nodes), nodes)
+            _wait_started(nodes[-1])
+        assert _alive_nodes(address) == 3
         yield address, dict(zip(("head", "prefill", "decode"), nodes))
     finally:
         for node in reversed(nodes):
