@@ -7,7 +7,6 @@ the real CLIs: our parser, `splitserve serve --help` and `ray start --help`."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -44,9 +43,9 @@ SERVICEMONITOR_SPEC = {
 
 
 def check_fields(value, spec, where: str) -> list[str]:
-    if isinstance(spec, type):
-        return [] if isinstance(value, spec) and not isinstance(value, bool) or spec is bool and isinstance(value, bool) \
-            else [f"{where}: expected {spec.__name__}, got {value!r}"]
+    if isinstance(spec, type):      # bool is an int to Python, not to Kubernetes
+        ok = isinstance(value, bool) if spec is bool else isinstance(value, spec) and not isinstance(value, bool)
+        return [] if ok else [f"{where}: expected {spec.__name__}, got {value!r}"]
     if isinstance(spec, list):
         if not isinstance(value, list):
             return [f"{where}: expected a list"]
@@ -137,7 +136,8 @@ def test_services_probes_and_volumes_line_up(overlay):
     ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
     assert ports["grpc"] == cfg["port"] and ports["metrics"] == cfg["metrics_port"] and cfg["host"] == "0.0.0.0"
     proto = (ROOT / "proto" / "splitserve" / "v1" / "inference.proto").read_text()
-    service = re.search(r"^package (\S+);", proto, re.M).group(1) + "." + re.search(r"^service (\w+)", proto, re.M).group(1)
+    package, name = re.search(r"^package (\S+);", proto, re.M).group(1), re.search(r"^service (\w+)", proto, re.M).group(1)
+    service = f"{package}.{name}"       # what the router's health service reports SERVING for
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = head["containers"][0][probe]["grpc"]
         assert grpc["port"] == cfg["port"] and grpc.get("service", service) == service
@@ -147,7 +147,8 @@ def test_services_probes_and_volumes_line_up(overlay):
     monitor = one(docs, "ServiceMonitor")
     scraped = [s for s in docs if s["kind"] == "Service"
                and monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
-    assert len(scraped) == 1 and monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in scraped[0]["spec"]["ports"]}
+    assert len(scraped) == 1
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in scraped[0]["spec"]["ports"]}
     assert scraped[0]["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "splitserve"   # the rules' job
     # The model directory the router and every worker load is on the `models` volume of each pod.
     assert Path(cfg["model"]).parent == Path("/models")
@@ -251,9 +252,9 @@ def test_every_command_a_container_runs_exists(overlay, stub_bin, tmp_path):
         assert all(any(a[0] == "cp" for a in ran[g, "model"]) for g in ("head", "prefill", "decode"))
 
 
-def test_kubectl_is_debian_package_or_newer():
-    """Overlays use `bases` and `patchesJson6902`: the only forms Debian's kubectl (kustomize 2.0) reads."""
+def test_overlays_use_forms_debian_kubectl_reads():
+    """`bases` and `patchesJson6902`: Debian's kubectl (kustomize 2.0) reads no other; newer ones still do."""
     for overlay in OVERLAYS:
         k = yaml.safe_load((DEPLOY / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text())
-        assert "patches" not in k and not any(Path(r).name == "base" for r in k.get("resources", [])), overlay
-    assert os.access(DEPLOY / "k8s" / "base" / "kustomization.yaml", os.R_OK)
+        assert "patches" not in k and "components" not in k, overlay
+        assert k["bases"] == ["../../base"] and all(Path(r).suffix == ".yaml" for r in k.get("resources", [])), overlay
