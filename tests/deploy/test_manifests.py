@@ -136,7 +136,8 @@ def test_services_probes_and_volumes_line_up(overlay):
     ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
     assert ports["grpc"] == cfg["port"] and ports["metrics"] == cfg["metrics_port"] and cfg["host"] == "0.0.0.0"
     proto = (ROOT / "proto" / "splitserve" / "v1" / "inference.proto").read_text()
-    package, name = re.search(r"^package (\S+);", proto, re.M).group(1), re.search(r"^service (\w+)", proto, re.M).group(1)
+    package = re.search(r"^package (\S+);", proto, re.M).group(1)
+    name = re.search(r"^service (\w+)", proto, re.M).group(1)
     service = f"{package}.{name}"       # what the router's health service reports SERVING for
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = head["containers"][0][probe]["grpc"]
