@@ -36,6 +36,7 @@ class ClusterConfig:
     metrics_port: int | None = None
     tls: tuple[bytes, bytes] | None = None   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
+    worker_gpus: float = 0.0    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources)
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
     decode_resources: dict = field(default_factory=dict)
 
@@ -130,6 +131,14 @@ async def _poll_stats(router, workers: dict, roles: dict, metas: dict, metrics, 
         await asyncio.sleep(period_s)
 
 
+def _log_router_node(ray) -> None:
+    """The router runs in this driver process. On a multi-node cluster it belongs on the head: Ray
+    attaches a driver to the head when the head runs on this host, so start `serve` there."""
+    me = ray.get_runtime_context().get_node_id()
+    head = any(n["NodeID"] == me and "node:__internal_head__" in n["Resources"] for n in ray.nodes())
+    (log.info if head else log.warning)("router on Ray node %s (%s)", me, "the head" if head else "not the head")
+
+
 async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
@@ -146,6 +155,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     if not ray.is_initialized():
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, log_to_driver=False)
+            _log_router_node(ray)
         else:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
@@ -157,13 +167,15 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     if not cfg.colocated:
         for i in range(cfg.num_prefill):
             name = f"prefill-{i}"
-            h = ray.remote(PrefillWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
+            h = ray.remote(PrefillWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
+                                                  num_gpus=cfg.worker_gpus, max_concurrency=256,
                                                   max_restarts=-1,
                                                   resources=cfg.prefill_resources, runtime_env=env).remote(name, wcfg)
             prefill[name] = RayWorkerClient(name, h)
     for i in range(cfg.num_decode):
         name = f"decode-{i}" if not cfg.colocated else f"colocated-{i}"
-        h = ray.remote(DecodeWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, max_concurrency=256,
+        h = ray.remote(DecodeWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
+                                             num_gpus=cfg.worker_gpus, max_concurrency=256,
                                              max_restarts=-1,
                                              resources=cfg.decode_resources, runtime_env=env).remote(name, wcfg)
         decode[name] = RayWorkerClient(name, h)

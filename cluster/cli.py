@@ -15,6 +15,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (default: the checkpoint's own)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--device", default="cpu", help="torch device of the model and KV cache (cpu, cuda)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -65,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
     srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    srv.add_argument("--prefill-resources", type=_json_resources, default={}, metavar="JSON",
+                     help='Ray custom resources each prefill worker needs, e.g. \'{"prefill": 1}\' (places them '
+                          'on the nodes that advertise it)')
+    srv.add_argument("--decode-resources", type=_json_resources, default={}, metavar="JSON",
+                     help='Ray custom resources each decode worker needs, e.g. \'{"decode": 1}\'')
+    srv.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs each worker actor takes")
+    srv.add_argument("--worker-gpus", type=float, default=0.0, help="Ray GPUs each worker actor takes")
     srv.add_argument("--max-tokens-limit", type=int, default=4096)
     srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     srv.add_argument("--metrics-port", type=int, default=None,
@@ -82,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _json_resources(text) -> dict:
+    """A JSON object of resource name to amount (a YAML --config gives the mapping itself)."""
+    value = json.loads(text) if isinstance(text, str) else text
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) for v in value.values()):
+        raise ValueError(f"expected a JSON object of resource amounts, got {text!r}")
+    return value
+
+
 def _speculative_config(args) -> SpeculativeConfig:
     k = args.num_speculative_tokens if args.num_speculative_tokens is not None else 4
     return SpeculativeConfig(method=args.speculative or "off", num_speculative_tokens=k,
@@ -93,6 +109,7 @@ def _engine_config(args) -> EngineConfig:
         model=args.model or default_model_dir(),
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        device=args.device,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
@@ -148,7 +165,10 @@ def cmd_serve(args) -> int:
                         policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
                         api_keys=tuple(args.api_key), metrics_port=args.metrics_port,
                         local_prefill_max_tokens=args.local_prefill_max_tokens,
-                        tls=_read_tls(args.tls_cert, args.tls_key))
+                        tls=_read_tls(args.tls_cert, args.tls_key),
+                        prefill_resources=_json_resources(args.prefill_resources),
+                        decode_resources=_json_resources(args.decode_resources),
+                        worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus)
 
     async def run() -> None:
         cluster = await start_cluster(cfg)
@@ -159,7 +179,7 @@ def cmd_serve(args) -> int:
         print(f"splitserve: serving {cfg.engine.model.name} ({mode}, KV over {args.transport}) on "
               f"{args.host}:{cluster.port}", file=sys.stderr)
         if args.metrics_port is not None:
-            print(f"metrics: http://{args.host}:{args.metrics_port}/metrics", file=sys.stderr)
+            print(f"metrics: http://{args.host}:{cluster.metrics_server[0].server_port}/metrics", file=sys.stderr)
         print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
         if args.request is not None:
             from router.client import AsyncClient  # noqa: PLC0415
