@@ -90,7 +90,10 @@ class SpeculativeConfig:
     eagle_head: Path | None = None           # None: the shipped EAGLE head of the default model
     ngram_min: int = 2
     ngram_max: int = 4
-    draft_confidence: float = 0.25           # "auto": a model proposer stops once its top probability drops below
+    # "auto": cost of a draft step relative to a target step before it is measured (model
+    # proposers), and the cost of one more verified position (n-gram, which drafts for free).
+    draft_cost_prior: float = 0.25
+    ngram_cost: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

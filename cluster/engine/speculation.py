@@ -26,6 +26,7 @@ from cluster.engine.sequence import Sequence
 class Draft:
     tokens: tuple[int, ...]
     probs: torch.Tensor | None = None   # [k, V] what each token was drawn from; None: a deterministic guess
+    confidences: tuple[float, ...] = ()  # the proposer's top probability per token (dynamic lookahead)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -15,7 +15,6 @@ import torch
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.runner import ModelRunner
-from cluster.engine.sampler import sample_row, warp_probs
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
@@ -24,6 +23,7 @@ from cluster.model.attention import make_attention_backend
 from cluster.model.cpu_linear import pack_linears, packing_available
 from cluster.model.loader import load_model
 from cluster.types import KVLayout
+from decode.spec.lookahead import StopRule, draw_draft_token, keep_drafting
 
 
 @dataclass
@@ -71,7 +71,7 @@ class DraftModelProposer:
         if need > 0:
             state.block_ids.extend(self.pool.allocate(need))
 
-    def propose(self, seqs: list[Sequence], ks: list[int], dynamic: list[bool]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None]) -> list[Draft]:
         spans, states = [], []
         for seq, k in zip(seqs, ks):
             state = self._states.setdefault(seq, _DraftState())
@@ -83,30 +83,30 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
+        confidence: list[list[float]] = [[] for _ in seqs]
         for step in range(max(ks)):
             logits = self.runner.run_spans(spans)
             for j, i in enumerate(active):
                 states[i].computed += len(spans[j][0])
             still, spans_next = [], []
+            open_ = [False] * len(seqs)
             for j, i in enumerate(active):
-                seq, row = seqs[i], logits[j]
-                sp = seq.sampling
-                if sp.greedy:
-                    tok = int(torch.argmax(row))
-                    confident = not dynamic[i] or float(torch.softmax(row, -1).max()) >= self.config.draft_confidence
-                else:
-                    p = warp_probs(row, sp)
-                    tok = sample_row(p, seq.generator)
-                    probs[i].append(p)
-                    confident = not dynamic[i] or float(p.max()) >= self.config.draft_confidence
+                seq = seqs[i]
+                tok, p, top = draw_draft_token(logits[j], seq, stop_rules[i] is not None)
                 tokens[i].append(tok)
-                if len(tokens[i]) < ks[i] and confident:
+                if p is not None:
+                    probs[i].append(p)
+                confidence[i].append(top)
+                if len(tokens[i]) < ks[i]:
                     still.append(i)
                     spans_next.append(([tok], seq.num_tokens + len(tokens[i]) - 1, states[i].block_ids))
-            if not still:
+                    open_[i] = True
+            # A draft step costs the same for one sequence or the whole batch: it runs while the
+            # batch's expected gain pays for it, and every open sequence rides along.
+            if not still or not keep_drafting(stop_rules, confidence, open_):
                 break
             active, spans = still, spans_next
-        return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Draft(tuple(t), torch.stack(p) if p else None, tuple(c)) for t, p, c in zip(tokens, probs, confidence)]
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq, None)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from cluster.config import SpeculativeConfig
-from cluster.engine.sampler import sample_row, warp_probs
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from cluster.model.attention import AttentionBatch
+from decode.spec.lookahead import StopRule, draw_draft_token, keep_drafting
 
 
 class EagleProposer:
@@ -26,7 +26,7 @@ class EagleProposer:
         self.head = engine.eagle
         self.config = config
 
-    def propose(self, seqs: list[Sequence], ks: list[int], dynamic: list[bool]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None]) -> list[Draft]:
         eng = self.engine
         bs = eng.layout.block_size
         ready = [i for i, s in enumerate(seqs) if s.spec_feature is not None
@@ -36,6 +36,7 @@ class EagleProposer:
         if not ready:
             return [Draft(()) for _ in seqs]
         active = ready
+        confidence: list[list[float]] = [[] for _ in seqs]
         feats = torch.stack([seqs[i].spec_feature for i in active])
         last = [seqs[i].token_ids[-1] for i in active]
         for step in range(max(ks[i] for i in active)):
@@ -48,26 +49,25 @@ class EagleProposer:
                                   eng.kv_cache.arena[-1], eng.backend, eng.backend.prepare(batch),
                                   torch.arange(len(active), device=eng.device))
             keep, next_tokens = [], []
+            open_ = [False] * len(seqs)
             for j, i in enumerate(active):
-                sp = seqs[i].sampling
-                if sp.greedy:
-                    tok = int(torch.argmax(logits[j]))
-                    top = float(torch.softmax(logits[j], -1).max()) if dynamic[i] else 1.0
-                else:
-                    p = warp_probs(logits[j], sp)
-                    tok = sample_row(p, seqs[i].generator)
-                    probs[i].append(p)
-                    top = float(p.max())
+                tok, p, top = draw_draft_token(logits[j], seqs[i], stop_rules[i] is not None)
                 tokens[i].append(tok)
-                if len(tokens[i]) < ks[i] and (not dynamic[i] or top >= self.config.draft_confidence):
+                if p is not None:
+                    probs[i].append(p)
+                confidence[i].append(top)
+                if len(tokens[i]) < ks[i]:
                     keep.append(j)
                     next_tokens.append(tok)
-            if not keep:
+                    open_[i] = True
+            # A draft step costs the same for one sequence or the whole batch: it runs while the
+            # batch's expected gain pays for it, and every open sequence rides along.
+            if not keep or not keep_drafting(stop_rules, confidence, open_):
                 break
             active = [active[j] for j in keep]
             feats = g.index_select(0, torch.tensor(keep, device=eng.device))
             last = next_tokens
-        return [Draft(tuple(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Draft(tuple(t), torch.stack(p) if p else None, tuple(c)) for t, p, c in zip(tokens, probs, confidence)]
 
     def release(self, seq: Sequence) -> None:
         pass

@@ -10,6 +10,7 @@ equal to the target's argmax; sampled requests use the p/q rejection rule (accep
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -20,10 +21,9 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from cluster.types import SamplingParams
 from decode.spec.acceptance import accept_greedy, accept_sampled
-from decode.spec.lookahead import Lookahead
+from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
 
-_INITIAL_AUTO_K = 2
 
 
 class NgramDrafts:
@@ -33,7 +33,7 @@ class NgramDrafts:
     def __init__(self, config: SpeculativeConfig):
         self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
 
-    def propose(self, seqs: list[Sequence], ks: list[int], dynamic: list[bool]) -> list[Draft]:
+    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list) -> list[Draft]:
         return [Draft(tuple(self.proposer.propose(s.token_ids, k))) for s, k in zip(seqs, ks)]
 
     def release(self, seq: Sequence) -> None:
@@ -54,6 +54,12 @@ class SpecDecoder:
         self._lookahead: dict[Sequence, Lookahead] = {}
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
+        # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
+        self.tau = {"ngram": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior}
+        self._t_draft: dict[str, float] = {}
+        self._t_target: float | None = None
+        self._proposed_at: float | None = None
+        self.calibration = defaultdict(Calibration)
 
     # --- per request ----------------------------------------------------------------------
     def check_request(self, sp: SamplingParams) -> None:
@@ -73,7 +79,7 @@ class SpecDecoder:
             method = self.default_method if sp.speculative is None else sp.speculative
             k = self.config.num_speculative_tokens if sp.num_speculative_tokens is None else sp.num_speculative_tokens
             k_max = self.config.max_speculative_tokens
-            look = Lookahead(_INITIAL_AUTO_K if k == AUTO else k, k_max, k == AUTO)
+            look = Lookahead(1 if k == AUTO else k, k_max, k == AUTO)
             self._lookahead[seq] = look
             self._method[seq] = method
         return self._method[seq], look
@@ -81,7 +87,7 @@ class SpecDecoder:
     # --- the engine's protocol --------------------------------------------------------------
     def lookahead(self, seq: Sequence) -> int:
         method, look = self._state(seq)
-        return 0 if method == "off" else look.k
+        return 0 if method == "off" else look.next_k(self.tau[method])
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         by_method: dict[str, list[int]] = defaultdict(list)
@@ -90,12 +96,28 @@ class SpecDecoder:
         drafts: list[Draft] = [Draft(())] * len(seqs)
         for method, idx in by_method.items():
             group = [seqs[i] for i in idx]
-            dynamic = [self._lookahead[s].dynamic for s in group]
-            for i, d in zip(idx, self.proposers[method].propose(group, [ks[i] for i in idx], dynamic)):
+            rule = StopRule(self.tau[method], self.calibration[method].factor)
+            stop_rules = [rule if self._lookahead[s].dynamic else None for s in group]
+            t0 = time.perf_counter()
+            out = self.proposers[method].propose(group, [ks[i] for i in idx], stop_rules)
+            if method != "ngram":
+                self._observe_draft_cost(method, (time.perf_counter() - t0) / max(1, max(len(d) for d in out)))
+            for i, d in zip(idx, out):
                 drafts[i] = d
+        self._proposed_at = time.perf_counter()
         return drafts
 
+    def _observe_draft_cost(self, method: str, seconds: float) -> None:
+        old = self._t_draft.get(method)
+        self._t_draft[method] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        if self._t_target:
+            self.tau[method] = min(0.9, self._t_draft[method] / self._t_target)
+
     def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft) -> list[int]:
+        if self._proposed_at is not None:   # the first verification of a step: time the target's pass
+            seconds = time.perf_counter() - self._proposed_at
+            self._t_target = seconds if self._t_target is None else 0.9 * self._t_target + 0.1 * seconds
+            self._proposed_at = None
         sp = seq.sampling
         if sp.greedy and sp.repetition_penalty == 1.0:
             tokens = accept_greedy(logits, list(draft.tokens))
@@ -114,6 +136,8 @@ class SpecDecoder:
         method, look = self._state(seq)
         accepted = len(tokens) - 1
         look.after_verify(len(draft), accepted)
+        if look.dynamic and draft.confidences:
+            self.calibration[method].observe(draft.confidences, accepted)
         c = self.counts[method]
         c["drafted"] += len(draft)
         c["accepted"] += accepted
