@@ -60,6 +60,10 @@ def main() -> None:
         print(f"eagle: KV bytes per block {plain.layout.bytes_per_block()} -> {eagle.layout.bytes_per_block()} "
               f"(+{extra:.1%} per handoff), plus {eagle.model_config.hidden_size * eagle.dtype.itemsize} bytes "
               "of hidden state in the handle")
+    warm = torch.randint(1, plain.model_config.vocab_size, (64,), generator=g).tolist()
+    for engine in (plain, drafted, eagle):
+        if engine is not None:
+            prefill_seconds(engine, warm, 1)
     for n in args.lengths:
         prompt = torch.randint(1, plain.model_config.vocab_size, (n,), generator=g).tolist()
         base = prefill_seconds(plain, prompt, args.repeats)
