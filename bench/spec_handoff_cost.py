@@ -38,7 +38,7 @@ def draft_catch_up_seconds(engine: LLMEngine, prompt: list[int], repeats: int) -
     for _ in range(repeats):
         seq = Sequence("x", tuple(prompt), SamplingParams(), token_ids=[*prompt, 1], num_computed_tokens=len(prompt))
         t0 = time.perf_counter()
-        proposer.propose([seq], [1], [False])    # the catch-up pass over prompt + first token, one draft token
+        proposer.propose([seq], [1], [None])    # the catch-up pass over prompt + first token, one draft token
         best = min(best, time.perf_counter() - t0)
         proposer.release(seq)
     return best

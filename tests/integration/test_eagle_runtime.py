@@ -25,7 +25,7 @@ def test_paged_head_drafts_what_the_dense_reference_drafts(tmp_path):
     seq = engine._seqs[rid]
     k = 4
     assert engine.scheduler.lookahead_room(seq, k, StepPlan(budget_left=k)) == k
-    drafted = engine.speculator.proposers["eagle"].propose([seq], [k], [False])[0].tokens
+    drafted = engine.speculator.proposers["eagle"].propose([seq], [k], [None])[0].tokens
 
     hf = transformers.LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32).eval()
     hook = FeatureHook(hf)
