@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.runner import ModelRunner
@@ -23,7 +22,7 @@ from cluster.model.attention import make_attention_backend
 from cluster.model.cpu_linear import pack_linears, packing_available
 from cluster.model.loader import load_model
 from cluster.types import KVLayout
-from decode.spec.lookahead import StopRule, draw_draft_token, keep_drafting
+from decode.spec.lookahead import DraftBatch, StopRule
 
 
 @dataclass
@@ -80,33 +79,19 @@ class DraftModelProposer:
             self._reserve(state, seq.num_tokens + k - 1)
             spans.append((seq.token_ids[state.computed:], state.computed, state.block_ids))
             states.append(state)
-        tokens: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        batch = DraftBatch(seqs, ks, stop_rules)
         active = list(range(len(seqs)))
-        confidence: list[list[float]] = [[] for _ in seqs]
-        for step in range(max(ks)):
+        for _ in range(max(ks)):
             logits = self.runner.run_spans(spans)
             for j, i in enumerate(active):
                 states[i].computed += len(spans[j][0])
-            still, spans_next = [], []
-            open_ = [False] * len(seqs)
-            for j, i in enumerate(active):
-                seq = seqs[i]
-                tok, p, top = draw_draft_token(logits[j], seq, stop_rules[i] is not None)
-                tokens[i].append(tok)
-                if p is not None:
-                    probs[i].append(p)
-                confidence[i].append(top)
-                if len(tokens[i]) < ks[i]:
-                    still.append(i)
-                    spans_next.append(([tok], seq.num_tokens + len(tokens[i]) - 1, states[i].block_ids))
-                    open_[i] = True
-            # A draft step costs the same for one sequence or the whole batch: it runs while the
-            # batch's expected gain pays for it, and every open sequence rides along.
-            if not still or not keep_drafting(stop_rules, confidence, open_):
+            open_rows = batch.step(active, logits)
+            if not open_rows:
                 break
-            active, spans = still, spans_next
-        return [Draft(tuple(t), torch.stack(p) if p else None, tuple(c)) for t, p, c in zip(tokens, probs, confidence)]
+            active = [active[j] for j in open_rows]
+            spans = [([batch.tokens[i][-1]], seqs[i].num_tokens + len(batch.tokens[i]) - 1, states[i].block_ids)
+                     for i in active]
+        return batch.drafts()
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq, None)

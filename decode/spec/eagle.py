@@ -13,7 +13,7 @@ from cluster.config import SpeculativeConfig
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from cluster.model.attention import AttentionBatch
-from decode.spec.lookahead import StopRule, draw_draft_token, keep_drafting
+from decode.spec.lookahead import DraftBatch, StopRule
 
 
 class EagleProposer:
@@ -31,12 +31,10 @@ class EagleProposer:
         bs = eng.layout.block_size
         ready = [i for i, s in enumerate(seqs) if s.spec_feature is not None
                  and s.spec_feature_pos == s.num_computed_tokens - 1]
-        tokens: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         if not ready:
             return [Draft(()) for _ in seqs]
+        drafting = DraftBatch(seqs, ks, stop_rules)
         active = ready
-        confidence: list[list[float]] = [[] for _ in seqs]
         feats = torch.stack([seqs[i].spec_feature for i in active])
         last = [seqs[i].token_ids[-1] for i in active]
         for step in range(max(ks[i] for i in active)):
@@ -48,26 +46,13 @@ class EagleProposer:
             g, logits = self.head(torch.tensor(last, device=eng.device), feats, torch.tensor(pos, device=eng.device),
                                   eng.kv_cache.arena[-1], eng.backend, eng.backend.prepare(batch),
                                   torch.arange(len(active), device=eng.device))
-            keep, next_tokens = [], []
-            open_ = [False] * len(seqs)
-            for j, i in enumerate(active):
-                tok, p, top = draw_draft_token(logits[j], seqs[i], stop_rules[i] is not None)
-                tokens[i].append(tok)
-                if p is not None:
-                    probs[i].append(p)
-                confidence[i].append(top)
-                if len(tokens[i]) < ks[i]:
-                    keep.append(j)
-                    next_tokens.append(tok)
-                    open_[i] = True
-            # A draft step costs the same for one sequence or the whole batch: it runs while the
-            # batch's expected gain pays for it, and every open sequence rides along.
-            if not keep or not keep_drafting(stop_rules, confidence, open_):
+            open_rows = drafting.step(active, logits)
+            if not open_rows:
                 break
-            active = [active[j] for j in keep]
-            feats = g.index_select(0, torch.tensor(keep, device=eng.device))
-            last = next_tokens
-        return [Draft(tuple(t), torch.stack(p) if p else None, tuple(c)) for t, p, c in zip(tokens, probs, confidence)]
+            active = [active[j] for j in open_rows]
+            feats = g.index_select(0, torch.tensor(open_rows, device=eng.device))
+            last = [drafting.tokens[i][-1] for i in active]
+        return drafting.drafts()
 
     def release(self, seq: Sequence) -> None:
         pass

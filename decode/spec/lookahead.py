@@ -17,6 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from cluster.engine.sampler import sample_row, warp_probs
+from cluster.engine.speculation import Draft
+
 _DECAY = 0.9
 
 
@@ -65,18 +70,6 @@ class StopRule:
         return out
 
 
-def keep_drafting(rules: list, confidences: list[list[float]], open_: list[bool]) -> bool:
-    """Whether a batch draft step pays: a fixed-k sequence still short of its k wants it; dynamic
-    ones want it while their mean chance (closed sequences count 0) reaches tau."""
-    if any(o and r is None for r, o in zip(rules, open_)):
-        return True
-    dynamic = [(r, c, o) for r, c, o in zip(rules, confidences, open_) if r is not None]
-    if not dynamic:
-        return False
-    mean = sum(r.chance(c) for r, c, o in dynamic if o) / len(dynamic)
-    return mean >= dynamic[0][0].tau
-
-
 class Calibration:
     """Decayed ratio of accepted draft tokens to the confidence the proposer put in them."""
 
@@ -94,16 +87,49 @@ class Calibration:
         self.predicted = 0.98 * self.predicted + sum(judged)
 
 
-def draw_draft_token(row, seq, need_confidence: bool):
-    """One draft token from a proposer's logits row: argmax for greedy requests, a sample from the
-    request's warped distribution otherwise. Returns (token, the distribution sampled or None,
-    the top probability, or 1.0 when not needed)."""
-    import torch  # noqa: PLC0415
+class DraftBatch:
+    """What a model proposer's batched drafting loop tracks: tokens, the distributions sampled
+    (for the p/q rule), confidences, and which sequences stay open."""
 
-    from cluster.engine.sampler import sample_row, warp_probs  # noqa: PLC0415
-    sp = seq.sampling
-    if sp.greedy:
-        top = float(torch.softmax(row, -1).max()) if need_confidence else 1.0
-        return int(torch.argmax(row)), None, top
-    p = warp_probs(row, sp)
-    return sample_row(p, seq.generator), p, float(p.max())
+    def __init__(self, seqs, ks: list[int], stop_rules: list):
+        self.seqs, self.ks, self.stop_rules = seqs, ks, stop_rules
+        self.tokens: list[list[int]] = [[] for _ in seqs]
+        self.probs: list[list] = [[] for _ in seqs]
+        self.confidence: list[list[float]] = [[] for _ in seqs]
+
+    def step(self, active: list[int], logits) -> list[int]:
+        """Draw one token for each active sequence (row j of `logits` is sequence active[j]);
+        returns the positions j of those that stay open, or [] once another step does not pay."""
+        open_rows = []
+        for j, i in enumerate(active):
+            sp = self.seqs[i].sampling
+            if sp.greedy:
+                top = float(torch.softmax(logits[j], -1).max()) if self.stop_rules[i] is not None else 1.0
+                tok = int(torch.argmax(logits[j]))
+            else:
+                p = warp_probs(logits[j], sp)
+                tok, top = sample_row(p, self.seqs[i].generator), float(p.max())
+                self.probs[i].append(p)
+            self.tokens[i].append(tok)
+            self.confidence[i].append(top)
+            if len(self.tokens[i]) < self.ks[i]:
+                open_rows.append(j)
+        # A draft step costs the same for one sequence or the whole batch: it runs while the
+        # batch's expected gain pays for it, and every open sequence rides along.
+        return open_rows if open_rows and self._pays({active[j] for j in open_rows}) else []
+
+    def _pays(self, open_: set[int]) -> bool:
+        """A fixed-k sequence short of its k wants another step; dynamic ones want it while their
+        mean chance (closed sequences count 0) reaches tau."""
+        if any(r is None for i, r in enumerate(self.stop_rules) if i in open_):
+            return True
+        dynamic = [i for i, r in enumerate(self.stop_rules) if r is not None]
+        if not dynamic:
+            return False
+        rule = self.stop_rules[dynamic[0]]
+        mean = sum(rule.chance(self.confidence[i]) for i in dynamic if i in open_) / len(dynamic)
+        return mean >= rule.tau
+
+    def drafts(self) -> list[Draft]:
+        return [Draft(tuple(t), torch.stack(p) if p else None, tuple(c))
+                for t, p, c in zip(self.tokens, self.probs, self.confidence)]
