@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from cluster.model.training.evaluate import split_tokens  # noqa: E402
+from cluster.model.training.evaluate import heldout_windows  # noqa: E402
 
 WEIGHTS = os.path.join(REPO, "cluster", "model", "weights")
 
@@ -83,11 +83,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    _, heldout = split_tokens(args.target)
-    heldout = heldout.tolist()
-    span = len(heldout) - args.prompt_len - args.new_tokens - args.k
-    starts = [i * span // args.prompts for i in range(args.prompts)]
-    prompts = [heldout[s : s + args.prompt_len] for s in starts]
+    prompts = heldout_windows(args.target, args.prompts, args.prompt_len, args.new_tokens + args.k)
 
     t0 = time.time()
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()

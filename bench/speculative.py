@@ -19,16 +19,9 @@ import torch
 
 from cluster.config import DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
-from cluster.model.training.evaluate import split_tokens
+from cluster.model.training.evaluate import heldout_windows
 from cluster.types import SamplingParams
 from decode.spec.speculator import make_speculator
-
-
-def held_out_prompts(n: int, length: int) -> list[list[int]]:
-    _, heldout = split_tokens(str(DEFAULT_MODEL_DIR))
-    heldout = heldout.tolist()
-    span = len(heldout) - length - 1
-    return [heldout[i * span // n: i * span // n + length] for i in range(n)]
 
 
 def decode_run(engine: LLMEngine, prompts, new_tokens: int) -> tuple[list[list[int]], float, int]:
@@ -79,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    prompts = held_out_prompts(args.prompts, args.prompt_len)
+    prompts = heldout_windows(str(DEFAULT_MODEL_DIR), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
     engines = {"off": LLMEngine(EngineConfig(num_threads=args.threads), speculator_factory=make_speculator)}
     for m in methods:

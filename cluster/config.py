@@ -107,10 +107,6 @@ class SpeculativeConfig:
                 object.__setattr__(self, name, Path(getattr(self, name)))
 
     @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-    @property
     def draft_dir(self) -> Path:
         return self.draft_model or DEFAULT_DRAFT_DIR
 

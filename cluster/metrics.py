@@ -44,22 +44,16 @@ class _WorkerCollector:
                                      labels=["worker", "transport"])
         queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
                                     "time requests waited for their first schedule", labels=["worker", "role"])
-        c_drafted = CounterMetricFamily(PREFIX + "spec_draft_tokens", "speculative tokens proposed",
-                                        labels=["worker", "method"])
-        c_accepted = CounterMetricFamily(PREFIX + "spec_accepted_tokens", "speculative tokens accepted by verification",
-                                         labels=["worker", "method"])
-        c_steps = CounterMetricFamily(PREFIX + "spec_verify_steps", "verification passes (one per drafted sequence)",
-                                      labels=["worker", "method"])
-        c_emitted = CounterMetricFamily(PREFIX + "spec_emitted_tokens",
-                                        "tokens emitted by verification passes (accepted + one per pass)",
-                                        labels=["worker", "method"])
+        spec = {key: CounterMetricFamily(PREFIX + name, text, labels=["worker", "method"]) for key, name, text in (
+            ("drafted", "spec_draft_tokens", "speculative tokens proposed"),
+            ("accepted", "spec_accepted_tokens", "speculative tokens accepted by verification"),
+            ("steps", "spec_verify_steps", "verification passes (one per drafted sequence)"),
+            ("emitted", "spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)"))}
         transport = self.metrics.transport
         for s in stats.values():
-            for method, c in s.get("spec", {}).items():
-                c_drafted.add_metric([s["name"], method], c["drafted"])
-                c_accepted.add_metric([s["name"], method], c["accepted"])
-                c_steps.add_metric([s["name"], method], c["steps"])
-                c_emitted.add_metric([s["name"], method], c["emitted"])
+            for method, counts in s.get("spec", {}).items():
+                for key, family in spec.items():
+                    family.add_metric([s["name"], method], counts[key])
             w, r = s["name"], s["role"]
             g_blocks.add_metric([w, r], s["blocks_used"])
             g_total.add_metric([w, r], s["blocks_total"])
@@ -74,7 +68,7 @@ class _WorkerCollector:
                 c_done.add_metric([w, transport], s["handoff_done"])
                 c_fail.add_metric([w, transport], s["handoff_failed"])
         yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, queue, c_bytes, c_secs, c_done,
-                    c_fail, c_drafted, c_accepted, c_steps, c_emitted)
+                    c_fail, *spec.values())
 
 
 class RequestTracker:

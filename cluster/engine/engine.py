@@ -24,6 +24,7 @@ from cluster.model.attention import make_attention_backend
 from cluster.model.cpu_linear import pack_linears, packing_available
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
 from cluster.model.model_config import TORCH_DTYPES
+from cluster.model.spec_compat import check_speculative_models
 from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class LLMEngine:
         cc = config.cache
         self.eagle = None
         model_id, num_layers = mc.model_id, mc.num_layers
+        check_speculative_models(config, disaggregated=False)   # a draft or head that cannot work
         if config.speculative.method == "eagle":
             # The head's KV is one more layer of the arena; the layout hash then tells a P/D peer
             # that its blocks carry the head's KV too.

@@ -9,6 +9,47 @@ from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpa
 from cluster.model.llama import CausalLM
 
 
+class BatchLayout:
+    """Lays out one forward pass's flat run of tokens and its `AttentionBatch`. Callers add
+    decodes first, then verification spans, then prefill chunks (the order the backends read)."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.decode_lens: list[int] = []
+        self.decode_tables: list[tuple[int, ...]] = []
+        self.prefills: list[PrefillSpan] = []
+        self.verifies: list[PrefillSpan] = []
+
+    def add(self, tokens, start: int, blocks, kind: str = "decode") -> int:
+        """Tokens at positions start.. with their KV in `blocks`; kind is decode (one token),
+        verify or prefill. Returns the row of the first token."""
+        bs, n, offset = self.block_size, len(tokens), len(self.input_ids)
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, start + n))
+        self.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        if kind == "decode":
+            self.decode_lens.append(start + 1)
+            self.decode_tables.append(tuple(blocks))
+        else:
+            (self.verifies if kind == "verify" else self.prefills).append(
+                PrefillSpan(offset, n, start + n, tuple(blocks)))
+        return offset
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        batch = AttentionBatch(
+            num_decode=len(self.decode_lens), decode_context_lens=tuple(self.decode_lens),
+            decode_block_tables=tuple(self.decode_tables), prefills=tuple(self.prefills),
+            verifies=tuple(self.verifies),
+            slot_mapping=torch.tensor(self.slots, dtype=torch.long, device=self.device),
+            block_size=self.block_size)
+        return (torch.tensor(self.input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(self.positions, dtype=torch.long, device=self.device), batch)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
                  block_size: int, device: torch.device):
@@ -27,47 +68,23 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
         whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        layout = BatchLayout(self.block_size, self.device)
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
-        prefills: list[PrefillSpan] = []
-        verifies: list[PrefillSpan] = []
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            offset = len(input_ids)
             if chunk.draft:
-                input_ids.append(seq.token_ids[start])
-                input_ids.extend(chunk.draft)
-            else:
-                input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            blocks = seq.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if chunk.draft:
-                verifies.append(PrefillSpan(offset, n, start + n, tuple(blocks)))
+                offset = layout.add([seq.token_ids[start], *chunk.draft], start, seq.block_ids, "verify")
                 logits_rows.extend(range(offset, offset + n))
                 sampled.append(seq)
                 continue
-            if n > 1:
-                prefills.append(PrefillSpan(offset, n, start + n, tuple(blocks)))
+            offset = layout.add(seq.token_ids[start:start + n], start, seq.block_ids,
+                                "decode" if n == 1 else "prefill")
             if chunk.samples:
                 logits_rows.append(offset + n - 1)
                 sampled.append(seq)
-        batch = AttentionBatch(
-            num_decode=len(plan.decodes),
-            decode_context_lens=tuple(c.start + 1 for c in plan.decodes),
-            decode_block_tables=tuple(tuple(c.seq.block_ids) for c in plan.decodes),
-            prefills=tuple(prefills),
-            verifies=tuple(verifies),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_size=bs,
-        )
+        ids_t, pos_t, batch = layout.tensors()
         meta = self.backend.prepare(batch)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
                          layer_hook=self.layer_hook, return_hidden=self.eagle is not None)
@@ -146,27 +163,11 @@ class ModelRunner:
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is
         (tokens, first position, block ids); returns fp32 logits of each span's last token."""
-        bs = self.block_size
-        order = sorted(range(len(spans)), key=lambda i: len(spans[i][0]) > 1)   # decodes first
-        input_ids, positions, slots, rows, prefills, lens, tables = [], [], [], [0] * len(spans), [], [], []
-        for i in order:
+        layout = BatchLayout(self.block_size, self.device)
+        rows = [0] * len(spans)
+        for i in sorted(range(len(spans)), key=lambda i: len(spans[i][0]) > 1):   # decodes first
             tokens, start, blocks = spans[i]
-            n = len(tokens)
-            offset = len(input_ids)
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + n))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n > 1:
-                prefills.append(PrefillSpan(offset, n, start + n, tuple(blocks)))
-            else:
-                lens.append(start + 1)
-                tables.append(tuple(blocks))
-            rows[i] = offset + n - 1
-        batch = AttentionBatch(num_decode=len(lens), decode_context_lens=tuple(lens),
-                               decode_block_tables=tuple(tables), prefills=tuple(prefills),
-                               slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                               block_size=bs)
-        return self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                          torch.tensor(positions, dtype=torch.long, device=self.device),
-                          self.kv_arena, self.backend, self.backend.prepare(batch),
+            rows[i] = layout.add(tokens, start, blocks, "decode" if len(tokens) == 1 else "prefill") + len(tokens) - 1
+        ids_t, pos_t, batch = layout.tensors()
+        return self.model(ids_t, pos_t, self.kv_arena, self.backend, self.backend.prepare(batch),
                           torch.tensor(rows, dtype=torch.long, device=self.device))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cluster.model.llama import CausalLM, DecoderLayer
-from cluster.model.loader import read_checkpoint
+from cluster.model.loader import TensorTaker, layer_state_dict, read_checkpoint
 from cluster.model.model_config import ModelConfig
 from cluster.model.spec_compat import read_eagle_config
 
@@ -50,19 +50,10 @@ def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, d
     raw = read_eagle_config(head_dir)
     layer_cfg = replace(target_cfg, num_layers=1, intermediate_size=int(raw["intermediate_size"]),
                         qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(None,))
-    hf = read_checkpoint(Path(head_dir))
-    p = "model.layers.0."
-    a = p + "self_attn."
-    state = {
-        "fc.weight": hf["fc.weight"],
-        "layer.self_attn.qkv_proj.weight": torch.cat([hf[a + "q_proj.weight"], hf[a + "k_proj.weight"],
-                                                      hf[a + "v_proj.weight"]]),
-        "layer.self_attn.o_proj.weight": hf[a + "o_proj.weight"],
-        "layer.input_layernorm.weight": hf[p + "input_layernorm.weight"],
-        "layer.post_attention_layernorm.weight": hf[p + "post_attention_layernorm.weight"],
-    }
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        state[f"layer.mlp.{proj}.weight"] = hf[f"{p}mlp.{proj}.weight"]
+    take = TensorTaker(read_checkpoint(Path(head_dir)))
+    state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
+    if take.missing:
+        raise ValueError(f"EAGLE head {head_dir} is missing tensors: {', '.join(take.missing)}")
     head = EagleHead(layer_cfg, target)
     head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     return head.to(device=device, dtype=dtype).eval()

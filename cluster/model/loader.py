@@ -66,37 +66,50 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class TensorTaker:
+    """Fetches checkpoint tensors by name, recording the missing ones so that one error names them all."""
+
+    def __init__(self, hf: dict[str, torch.Tensor]):
+        self.hf = hf
+        self.missing: list[str] = []
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.hf:
+            self.missing.append(name)
+            return torch.empty(0)
+        return self.hf[name]
+
+
+def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) -> dict[str, torch.Tensor]:
+    """One decoder layer: transformers' names under `hf_prefix` onto ours under `our_prefix`,
+    q, k and v fused into one projection. `take(name)` fetches a tensor (and records a miss)."""
+    a, m = hf_prefix + "self_attn.", hf_prefix + "mlp."
+    out = {our_prefix + "self_attn.qkv_proj.weight": torch.cat(
+        [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])}
+    if cfg.qkv_bias:
+        out[our_prefix + "self_attn.qkv_proj.bias"] = torch.cat(
+            [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+    out[our_prefix + "self_attn.o_proj.weight"] = take(a + "o_proj.weight")
+    if cfg.o_bias:
+        out[our_prefix + "self_attn.o_proj.bias"] = take(a + "o_proj.bias")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        out[f"{our_prefix}mlp.{proj}.weight"] = take(m + proj + ".weight")
+        if cfg.mlp_bias:
+            out[f"{our_prefix}mlp.{proj}.bias"] = take(m + proj + ".bias")
+    out[our_prefix + "input_layernorm.weight"] = take(hf_prefix + "input_layernorm.weight")
+    out[our_prefix + "post_attention_layernorm.weight"] = take(hf_prefix + "post_attention_layernorm.weight")
+    return out
+
+
 def _our_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map transformers' parameter names onto ours, fusing q, k and v into one projection."""
-    missing: list[str] = []
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            missing.append(name)
-            return torch.empty(0)
-        return hf[name]
-
+    take = TensorTaker(hf)
+    missing = take.missing
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-        if cfg.qkv_bias:
-            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-        out[f"layers.{i}.self_attn.o_proj.weight"] = take(a + "o_proj.weight")
-        if cfg.o_bias:
-            out[f"layers.{i}.self_attn.o_proj.bias"] = take(a + "o_proj.bias")
-        m = p + "mlp."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"layers.{i}.mlp.{proj}.weight"] = take(m + proj + ".weight")
-            if cfg.mlp_bias:
-                out[f"layers.{i}.mlp.{proj}.bias"] = take(m + proj + ".bias")
-        out[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        out.update(layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}."))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing tensors: {shown}")

@@ -31,12 +31,6 @@ class _DraftState:
     computed: int = 0        # leading tokens of the request whose KV the draft holds
 
 
-def check_draft_compatible(target_cfg, draft_cfg, draft_dir) -> None:
-    if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"draft model {draft_dir} has vocab_size {draft_cfg.vocab_size} but the target has "
-                         f"{target_cfg.vocab_size}: a draft must share the target's tokenizer")
-
-
 class DraftModelProposer:
     method = "draft"
 
@@ -46,7 +40,6 @@ class DraftModelProposer:
         dtype = engine.dtype
         self.model_config, self.model = load_model(config.draft_dir, dtype=dtype, device=engine.device,
                                                    max_positions=engine.max_model_len)
-        check_draft_compatible(engine.model_config, self.model_config, config.draft_dir)
         if engine.config.pack_weights and packing_available(dtype, engine.device):
             pack_linears(self.model)
         mc = self.model_config

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from cluster.config import SpeculativeConfig
+from cluster.engine.runner import BatchLayout
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
-from cluster.model.attention import AttentionBatch
 from decode.spec.lookahead import DraftBatch, StopRule
 
 
@@ -38,13 +38,11 @@ class EagleProposer:
         feats = torch.stack([seqs[i].spec_feature for i in active])
         last = [seqs[i].token_ids[-1] for i in active]
         for step in range(max(ks[i] for i in active)):
-            pos = [seqs[i].num_tokens - 1 + step for i in active]
-            slots = [seqs[i].block_ids[p // bs] * bs + p % bs for i, p in zip(active, pos)]
-            batch = AttentionBatch(num_decode=len(active), decode_context_lens=tuple(p + 1 for p in pos),
-                                   decode_block_tables=tuple(tuple(seqs[i].block_ids) for i in active),
-                                   prefills=(), slot_mapping=torch.tensor(slots, device=eng.device), block_size=bs)
-            g, logits = self.head(torch.tensor(last, device=eng.device), feats, torch.tensor(pos, device=eng.device),
-                                  eng.kv_cache.arena[-1], eng.backend, eng.backend.prepare(batch),
+            layout = BatchLayout(bs, eng.device)
+            for i, tok in zip(active, last):
+                layout.add([tok], seqs[i].num_tokens - 1 + step, seqs[i].block_ids)
+            ids_t, pos_t, batch = layout.tensors()
+            g, logits = self.head(ids_t, feats, pos_t, eng.kv_cache.arena[-1], eng.backend, eng.backend.prepare(batch),
                                   torch.arange(len(active), device=eng.device))
             open_rows = drafting.step(active, logits)
             if not open_rows:

@@ -43,3 +43,19 @@ def test_rejection_sampling_keeps_the_target_distribution():
     # 5 degrees of freedom: the 99.9% critical value is 20.5.
     assert _chi_square(counts, p) < 20.5
     assert _chi_square(biased, p) > 20.5
+
+
+def test_deterministic_proposals_keep_the_target_distribution():
+    """n-gram drafts are guesses, not samples: q is one-hot on the guess (as the speculator builds
+    it), accepted with probability p(guess), otherwise resampled from p without the guess."""
+    from decode.spec.speculator import _one_hot
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    counts = torch.zeros(6)
+    for i in range(20000):
+        guess = (1, 3)[i % 2]
+        counts[accept_sampled(torch.stack([p, p]), _one_hot((guess,), 6), [guess], generator=g)[0]] += 1
+    assert _chi_square(counts, p) < 20.5
+    always = torch.zeros(6)
+    always[1], always[3] = 10000, 10000     # the broken rule: every guess accepted
+    assert _chi_square(always, p) > 20.5

@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from .eagle import FeatureHook, draft_greedy, load_eagle_head, load_target_parts
-from .evaluate import split_tokens
+from .evaluate import heldout_windows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 WEIGHTS = os.path.join(REPO, "cluster", "model", "weights")
@@ -92,11 +92,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     bench = _bench()
 
-    _, heldout = split_tokens(args.target)
-    heldout = heldout.tolist()
-    span = len(heldout) - args.prompt_len - args.new_tokens - args.k
-    starts = [i * span // args.prompts for i in range(args.prompts)]
-    prompts = [heldout[s: s + args.prompt_len] for s in starts]
+    prompts = heldout_windows(args.target, args.prompts, args.prompt_len, args.new_tokens + args.k)
 
     t0 = time.time()
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()

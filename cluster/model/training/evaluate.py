@@ -31,6 +31,14 @@ def split_tokens(tokenizer_dir: str) -> tuple[np.ndarray, np.ndarray]:
     return encode_files(tok, [f.text for f in train]), encode_files(tok, [f.text for f in heldout])
 
 
+def heldout_windows(tokenizer_dir: str, n: int, length: int, room: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` tokens evenly spaced over the held-out stream, each leaving `room`
+    tokens after it (for a reference continuation)."""
+    heldout = split_tokens(tokenizer_dir)[1].tolist()
+    span = len(heldout) - length - room
+    return [heldout[s: s + length] for s in (i * span // n for i in range(n))]
+
+
 def unigram_loss(train: np.ndarray, heldout: np.ndarray, vocab_size: int) -> float:
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
