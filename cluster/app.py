@@ -13,6 +13,7 @@ from cluster.metrics import ClusterMetrics
 from cluster.model.loader import load_tokenizer
 from cluster.model.spec_compat import check_speculative_models
 from cluster.model.model_config import load_model_config
+from cluster.token_stream import TokenReceiver
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,10 @@ class RayWorkerClient:
     async def prefill(self, request_id, prompt_ids, sampling):
         return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
 
-    async def stream(self, method: str, *args):
-        gen = getattr(self.handle, method).options(num_returns="streaming").remote(*args)
-        async for ref in gen:
-            yield await ref
+    def start(self, method: str, *args):
+        """Start a streamed request (`generate` or `decode`); its deltas come over the token stream,
+        the returned ref resolves when it ends (or raises if the worker dies)."""
+        return getattr(self.handle, method).remote(*args)
 
     async def abort(self, request_id):
         await self.handle.abort.remote(request_id)
@@ -85,6 +86,7 @@ class RunningCluster:
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
         self.router.stats_task.cancel()
+        await self.router.receiver.stop()
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
         import ray  # noqa: PLC0415
@@ -188,10 +190,12 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     tokenizer = load_tokenizer(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
     metrics = ClusterMetrics(cfg.transport)
+    receiver = TokenReceiver("frontend-0", host=ray.util.get_node_ip_address())
+    await receiver.start()
     router = Router(RouterConfig(block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
                                  local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                                  max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode,
-                    metrics=metrics)
+                    receiver, metrics=metrics)
     spec = cfg.engine.speculative
     limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
                     max_tokens_limit=cfg.max_tokens_limit,

@@ -1,10 +1,12 @@
 """What a prefill and a decode worker share: an engine on its own thread, a registered transport,
-the transport handshake, and the stats the router polls (KV usage, queues, prefix cache)."""
+the transport handshake, the token streams to the frontends, and the stats the router polls (KV
+usage, queues, prefix cache)."""
 from __future__ import annotations
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.engine_loop import EngineLoop
+from cluster.engine.engine_loop import EngineLoop, Poller
+from cluster.token_stream import TokenSender
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
 
@@ -20,14 +22,14 @@ class EngineWorker:
         self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
         self.mailbox = Mailbox(self.transport)
 
-    def _start_loop(self, pollers) -> None:
-        self.loop = EngineLoop(self.engine, pollers=pollers)
+    def _start_loop(self, pollers: list[Poller]) -> None:
+        self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name))
 
     def metadata(self) -> bytes:
         return self.transport.metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
-        return self.loop.call(lambda e: self.transport.add_peer(metadata)).result(timeout=30)
+    async def add_peer(self, metadata: bytes) -> str:
+        return await self.loop.acall(lambda e: self.transport.add_peer(metadata))
 
     def stats(self) -> dict:
         pool, sched = self.engine.pool, self.engine.scheduler

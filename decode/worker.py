@@ -2,6 +2,10 @@
 sequence to its continuously batched decode; or, for short or fully cached prompts (and in
 colocated mode), runs both phases itself.
 
+Deltas leave once per engine step for the frontend that owns each request (`SinkAddress` and
+`key` come with the call); the call itself returns when the request has ended, so the frontend
+learns of a dead worker from Ray.
+
 If the handoff fails (a dead producer, a bad checksum, no free blocks), the worker recomputes the
 prompt itself: a failed peer costs latency, never the request or a token already streamed.
 A plain class; `cluster/app.py` runs it as a Ray actor in its own process.
@@ -10,18 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.kv.block_pool import NoFreeBlocks
-from cluster.transfer.consumer import KVConsumer, PullState
-from cluster.types import KVHandle, SamplingParams, TokenDelta
+from cluster.token_stream import SinkAddress
+from cluster.transfer.consumer import KVConsumer, KVPull, PullState
+from cluster.types import FinishReason, KVHandle, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
 from decode.spec.speculator import make_speculator
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Handoff:
+    """A request whose KV is being pulled; it joins the engine when the pull ends."""
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    handle: KVHandle
+    aborted: bool = False
 
 
 class DecodeWorker(EngineWorker):
@@ -32,61 +46,89 @@ class DecodeWorker(EngineWorker):
         self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    timeout_s=config.transfer_timeout_s, verify=config.checksums,
                                    mailbox=self.mailbox)
-        self._start_loop([self.consumer.poll])
+        self._handoffs: dict[str, _Handoff] = {}          # lease id -> handoff (engine thread only)
         self.handoffs = {"done": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self._start_loop([self._poll_consumer])
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams
-                       ) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                       sink: SinkAddress, key: int) -> str:
         """Both phases here (colocated mode, or a prompt not worth a handoff)."""
-        async for delta in self.loop.stream(request_id, lambda e: e.add_request(prompt_ids, sampling, request_id)):
-            yield delta
+        last = await self.loop.run(request_id, lambda e: e.add_request(prompt_ids, sampling, request_id), sink, key)
+        return last.finish_reason.value
 
     async def decode(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     handle_bytes: bytes) -> AsyncIterator[TokenDelta]:
-        """Continue a request prefilled elsewhere; yields deltas from its second token on."""
+                     handle_bytes: bytes, sink: SinkAddress, key: int) -> str:
+        """Continue a request prefilled elsewhere; streams deltas from its second token on."""
         handle = KVHandle.decode(handle_bytes)
+        done = asyncio.get_running_loop().create_future()
 
-        def start_pull(e: LLMEngine):
+        def begin(e: LLMEngine):
+            self.loop.register(request_id, done, sink, key)
+            h = _Handoff(request_id, list(prompt_ids), sampling, handle)
             try:
                 blocks = e.pool.allocate(len(handle.block_ids))
             except NoFreeBlocks:
-                return None
+                self._recompute(e, h, "no free blocks")
+                return
             try:
-                return self.consumer.start_pull(handle, blocks)
+                pull = self.consumer.start_pull(handle, blocks)
             except Exception:
                 e.pool.free(reversed(blocks))
+                self.loop.forget(request_id)
                 raise
-        pull = await self.loop.acall(start_pull)
-        try:
-            while pull is not None and not pull.finished:
-                await asyncio.sleep(0.0005)
-        except asyncio.CancelledError:   # the client went away mid-handoff: release both sides
-            def cancel(e: LLMEngine):
-                self.consumer.abort(pull.lease_id)
-                e.pool.free(reversed(pull.local_blocks))
-            await asyncio.shield(self.loop.acall(cancel))
-            raise
-        first = handle.first_token
-        if pull is not None and pull.state is PullState.DONE:
-            self.handoffs["done"] += 1
-            self.handoffs["bytes"] += len(handle.block_ids) * self.engine.layout.bytes_per_block()
+            self._handoffs[pull.lease_id] = h
+        await self.loop.acall(begin)
+        last = await self.loop.wait(request_id, done, abort=lambda e: self._abort(e, request_id))
+        return last.finish_reason.value
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _poll_consumer(self) -> float | None:
+        for pull in self.consumer.poll():
+            h = self._handoffs.pop(pull.lease_id, None)
+            if h is not None:
+                self._pull_ended(self.engine, pull, h)
+        return self.consumer.poll_interval()
+
+    def _pull_ended(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
+        """Join the batch in the same turn the pull ends: no hop back through asyncio."""
+        if h.aborted:
+            e.pool.free(reversed(pull.local_blocks))
+            self.loop.emit([TokenDelta(h.request_id, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)])
+            return
+        if pull.state is PullState.DONE:
             t = pull.timings
+            self.handoffs["done"] += 1
+            self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
             self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
-            start = lambda e: e.add_prefilled(request_id, prompt_ids, first, sampling, pull.local_blocks,  # noqa: E731
-                                              handle.feature)
-        else:
-            self.handoffs["failed"] += 1
-            if pull is not None:
-                await self.loop.acall(lambda e: e.pool.free(reversed(pull.local_blocks)))
-            log.warning("handoff of %s failed (%s); recomputing here", request_id,
-                        pull.error if pull else "no free blocks")
-            rest = replace(sampling, max_tokens=sampling.max_tokens - 1)
-            start = lambda e: e.add_request([*prompt_ids, first], rest, request_id)  # noqa: E731
-        async for delta in self.loop.stream(request_id, start):
-            yield delta
+            try:
+                e.add_prefilled(h.request_id, h.prompt_ids, h.handle.first_token, h.sampling, pull.local_blocks,
+                                h.handle.feature)
+            except Exception as exc:  # noqa: BLE001 - the request's own fault: it ends here
+                e.pool.free(reversed(pull.local_blocks))
+                self.loop.fail(h.request_id, exc)
+            return
+        e.pool.free(reversed(pull.local_blocks))
+        self._recompute(e, h, pull.error)
+
+    def _recompute(self, e: LLMEngine, h: _Handoff, why: str) -> None:
+        self.handoffs["failed"] += 1
+        log.warning("handoff of %s failed (%s); recomputing here", h.request_id, why)
+        rest = replace(h.sampling, max_tokens=h.sampling.max_tokens - 1)
+        try:
+            e.add_request([*h.prompt_ids, h.handle.first_token], rest, h.request_id)
+        except Exception as exc:  # noqa: BLE001
+            self.loop.fail(h.request_id, exc)
+
+    def _abort(self, e: LLMEngine, request_id: str) -> None:
+        for lease_id, h in self._handoffs.items():
+            if h.request_id == request_id and not h.aborted:
+                h.aborted = True               # the pull ends FAILED once nothing can land in our blocks
+                self.consumer.abort(lease_id)
+                return
+        e.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self.loop.acall(lambda e: e.abort(request_id))
+        await self.loop.acall(lambda e: self._abort(e, request_id))
 
     def stats(self) -> dict:
         return {**super().stats(), **{f"handoff_{k}": v for k, v in self.handoffs.items()}}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.transfer.producer import KVProducer
-from cluster.types import FinishReason, SamplingParams, TokenLogprob
+from cluster.types import FinishReason, SamplingParams, TokenDelta, TokenLogprob
 from cluster.worker_base import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -37,34 +37,36 @@ class PrefillWorker(EngineWorker):
         self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    self.engine.release_held_kv, lease_seconds=config.lease_seconds,
                                    checksums=config.checksums, mailbox=self.mailbox)
-        self._start_loop([self.producer.poll])
+        self._start_loop([self._poll_producer])
+
+    def _poll_producer(self) -> float | None:
+        self.producer.poll()
+        return self.producer.poll_interval()
 
     async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> PrefillResult:
         first_only = replace(sampling, max_tokens=1)
-        last = None
-        async for delta in self.loop.stream(
-                request_id, lambda e: e.add_request(prompt_ids, first_only, request_id, hold_kv=True)):
-            last = delta
-        if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
-            reason = last.finish_reason
-        elif sampling.max_tokens == 1 or len(prompt_ids) + 1 >= self.engine.max_model_len:
-            reason = FinishReason.LENGTH
-        else:
-            reason = None
-        ends_here = reason is not None
 
-        def publish(e: LLMEngine):
-            if request_id not in e.scheduler.held:
-                return None
-            if ends_here:
-                e.release_held_kv(request_id)
-                return None
-            blocks, n = e.take_held_kv(request_id)
-            handle = self.producer.publish(request_id, blocks, n, last.token_ids[0])
-            return replace(handle, feature=e.take_held_feature(request_id)).encode()
-        handle = await self.loop.acall(publish)
-        return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, reason, handle,
-                             last.num_prompt_tokens, last.num_cached_tokens, last.logprobs)
+        def publish(e: LLMEngine, last: TokenDelta) -> PrefillResult:
+            # On the engine thread, in the turn that finished the prefill: the lease starts and the
+            # handle leaves at once, not a step later.
+            if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
+                reason = last.finish_reason
+            elif sampling.max_tokens == 1 or len(prompt_ids) + 1 >= e.max_model_len:
+                reason = FinishReason.LENGTH
+            else:
+                reason = None
+            handle = None
+            if request_id in e.scheduler.held:
+                if reason is not None:
+                    e.release_held_kv(request_id)
+                else:
+                    blocks, n = e.take_held_kv(request_id)
+                    h = self.producer.publish(request_id, blocks, n, last.token_ids[0])
+                    handle = replace(h, feature=e.take_held_feature(request_id)).encode()
+            return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, reason, handle,
+                                 last.num_prompt_tokens, last.num_cached_tokens, last.logprobs)
+        return await self.loop.run(
+            request_id, lambda e: e.add_request(prompt_ids, first_only, request_id, hold_kv=True), on_end=publish)
 
     async def abort(self, request_id: str) -> None:
         def go(e: LLMEngine):

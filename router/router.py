@@ -1,7 +1,9 @@
 """Orchestrates one request: pick workers, prefill (or not), hand the KV to decode, stream tokens.
 
 The first token is yielded as soon as the prefill worker returns it, before the decode worker has
-pulled the KV. A prefill worker that fails is replaced by another (or by the decode worker
+pulled the KV. The decode worker's deltas arrive over the token stream (`TokenReceiver`, one frame
+per engine step for all of this frontend's requests); the control call that started them returns
+when the request ends, and raises if the worker dies. A prefill worker that fails is replaced by another (or by the decode worker
 itself); a decode worker that fails mid-stream is replaced by another that recomputes from the
 prompt plus every token already streamed, so the client loses nothing but time.
 """
@@ -14,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from cluster.kv.hashing import hash_prefix_blocks
+from cluster.token_stream import StreamBroken, TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
 from router.policy import WorkerView
 
@@ -27,12 +30,15 @@ class RouterConfig:
     local_prefill_max_tokens: int = 32       # prompts this short are prefilled on the decode worker
     local_prefill_cached_fraction: float = 0.9  # ... and so are prompts this cached there
     max_in_flight: int = 256
+    final_delta_grace_s: float = 30.0        # after a stream's call returns, its last frame must arrive
 
 
 class Router:
-    def __init__(self, config: RouterConfig, policy, prefill: dict, decode: dict, metrics=None):
+    def __init__(self, config: RouterConfig, policy, prefill: dict, decode: dict, receiver: TokenReceiver,
+                 metrics=None):
         """`prefill`/`decode`: worker name -> client (see cluster/app.py)."""
         self.config = config
+        self.receiver = receiver
         self.policy = policy
         self.clients = {**prefill, **decode}
         self.views = {n: WorkerView(n, "prefill") for n in prefill} | {n: WorkerView(n, "decode") for n in decode}
@@ -137,15 +143,16 @@ class Router:
             client = self.clients[view.name]
             try:
                 if prefill_result is not None and attempt == 1:
-                    stream = client.stream("decode", req.request_id, list(req.prompt_token_ids), req.sampling,
-                                           prefill_result.handle)
+                    stream = self._stream(client, "decode", req.request_id, list(req.prompt_token_ids),
+                                          req.sampling, prefill_result.handle)
                 elif not streamed:
-                    stream = client.stream("generate", req.request_id, list(req.prompt_token_ids), req.sampling)
+                    stream = self._stream(client, "generate", req.request_id, list(req.prompt_token_ids),
+                                          req.sampling)
                 else:
                     # Recover on another worker from everything the client already has.
                     left = req.sampling.max_tokens - len(streamed)
-                    stream = client.stream("generate", req.request_id, [*req.prompt_token_ids, *streamed],
-                                           replace(req.sampling, max_tokens=max(1, left)))
+                    stream = self._stream(client, "generate", req.request_id, [*req.prompt_token_ids, *streamed],
+                                          replace(req.sampling, max_tokens=max(1, left)))
                 async for d in stream:
                     yield d
                 dec.remember(hashes)
@@ -162,3 +169,43 @@ class Router:
                 dec = self.policy.choose_decode(hashes, others)
             finally:
                 view.in_flight -= 1
+
+    async def _stream(self, client, method: str, request_id: str, *args) -> AsyncIterator[TokenDelta]:
+        """One attempt on one worker: start it with a control call, read its deltas from the token
+        stream. Several deltas that arrived together leave as one (a lagging reader coalesces)."""
+        key, queue = self.receiver.open(request_id, client.name)
+        call = client.start(method, request_id, *args, self.receiver.address, key)
+        watch = asyncio.ensure_future(self._watch(call, queue))
+        try:
+            while True:
+                items = await queue.take()
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                delta = items[0] if len(items) == 1 else merge_deltas(items)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self.receiver.close_key(key)
+            watch.cancel()
+
+    async def _watch(self, call, queue) -> None:
+        """The attempt's control call: it raises if the worker dies (Ray knows), and returns once the
+        request has ended, by which time its last frame is on the wire."""
+        try:
+            await call
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.push(exc)
+            return
+        await asyncio.sleep(self.config.final_delta_grace_s)
+        queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
+
+
+def merge_deltas(items: list) -> TokenDelta:
+    """Consecutive deltas of one request as one (the last one's counts and finish reason)."""
+    last = items[-1]
+    return replace(last, token_ids=tuple(t for d in items for t in d.token_ids), text="".join(d.text for d in items),
+                   logprobs=tuple(lp for d in items for lp in d.logprobs))

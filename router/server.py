@@ -74,30 +74,32 @@ class InferenceService(pb_grpc.InferenceServicer):
         stream = self.router.generate(req)
         produced = 0
         tracker = self.metrics.track(req) if self.metrics else None
+        timed_out = False
         try:
             while True:
-                timeout = None if deadline is None else deadline - asyncio.get_running_loop().time()
-                try:
-                    delta = await asyncio.wait_for(anext(stream), timeout)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    await stream.aclose()       # stops the request on every worker
-                    if tracker:
-                        tracker.finish("deadline")
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+                # A timeout scope, not wait_for (which makes a task per message: this loop runs per
+                # token); it covers only the wait for the next delta, never the yield.
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        delta = await anext(stream)
+                    except StopAsyncIteration:
+                        break
                 produced += len(delta.token_ids)
                 if tracker:
                     tracker.tokens(len(delta.token_ids), delta)
                 yield to_proto(delta, produced)
+        except TimeoutError:
+            timed_out = True
         except (ValueError, RuntimeError) as exc:
             if tracker:
                 tracker.finish("error")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
-            await stream.aclose()
+            await stream.aclose()               # stops the request on every worker
             if tracker and not tracker.done:
-                tracker.finish("abort")
+                tracker.finish("deadline" if timed_out else "abort")
+        if timed_out:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
 
     async def Abort(self, request, context):
         await self._authorize(context)

@@ -1,9 +1,14 @@
 """Runs an LLMEngine on its own thread and serves it to asyncio code.
 
 Callers never touch the engine directly: they `call` a function on the engine thread (between
-steps) or `stream` a request's deltas into an asyncio queue. The thread steps while there is work
-and sleeps on its command queue otherwise; `pollers` (the KV producer's and consumer's `poll`) run
-on every turn, so leases and transfers progress even when no request is decoding.
+steps) or `run` a request to its end. A request's deltas leave the thread once per step: those
+bound for a frontend go out as one frame per frontend (`cluster/token_stream.py`); the caller's
+coroutine only learns the final delta, through one future per request.
+
+Nothing spins when idle. The thread steps while the engine has work; otherwise it sleeps on its
+command queue until the next command or until a poller asks to run again. A poller (the KV
+producer's or consumer's) returns the seconds until it next needs a turn, or None when it has
+nothing in flight, so an idle worker blocks with no timeout at all.
 """
 from __future__ import annotations
 
@@ -11,24 +16,36 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.engine.engine import LLMEngine
+from cluster.token_stream import SinkAddress, StreamBroken, TokenSender, encode_errors, encode_step
 from cluster.types import TokenDelta
 
 log = logging.getLogger(__name__)
 
+Poller = Callable[[], "float | None"]
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future        # resolves with the request's final delta (or `on_end`'s result)
+    sink: SinkAddress | None    # None: only the final delta is wanted (e.g. a prefill)
+    key: int
+    on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None   # runs on the engine thread
+
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, pollers: list[Callable[[], None]] | None = None,
-                 idle_wait_s: float = 0.005):
+    def __init__(self, engine: LLMEngine, pollers: list[Poller] | None = None, sender: TokenSender | None = None):
         self.engine = engine
         self.pollers = list(pollers or [])
-        self.idle_wait_s = idle_wait_s
+        self.sender = sender
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -43,28 +60,39 @@ class EngineLoop:
     async def acall(self, fn: Callable[[LLMEngine], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
-    async def stream(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[TokenDelta]:
-        """Register a stream for `request_id`, run `start(engine)` (which adds the request) on the
-        engine thread, then yield its deltas until the finishing one. Cancelling the consumer
-        aborts the request."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, q)
-        finished = False
+    def register(self, request_id: str, done: asyncio.Future, sink: SinkAddress | None, key: int,
+                 on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None) -> None:
+        """Engine thread only: deltas of `request_id` go to `sink`; its end resolves `done` with
+        the final delta, or with `on_end(engine, final delta)` run on this thread at once (a
+        prefill publishes its KV there, without waiting for another turn of the loop)."""
+        self._streams[request_id] = _Stream(done.get_loop(), done, sink, key, on_end)
+
+    def forget(self, request_id: str) -> None:
+        """Engine thread only: the request never started (its start failed)."""
+        self._streams.pop(request_id, None)
+
+    async def run(self, request_id: str, start: Callable[[LLMEngine], Any], sink: SinkAddress | None = None,
+                  key: int = 0, on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None) -> Any:
+        """Register `request_id`, run `start(engine)` (which adds it) on the engine thread and wait for
+        its final delta. Cancelling the caller aborts the request."""
+        done = asyncio.get_running_loop().create_future()
+
+        def begin(e: LLMEngine):
+            self.register(request_id, done, sink, key, on_end)
+            try:
+                return start(e)
+            except BaseException:
+                self.forget(request_id)
+                raise
+        await self.acall(begin)
+        return await self.wait(request_id, done)
+
+    async def wait(self, request_id: str, done: asyncio.Future, abort: Callable[[LLMEngine], Any] | None = None):
         try:
-            await self.acall(start)
-            while True:
-                delta = await q.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                yield delta
-                if delta.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.call(lambda e: e.abort(request_id))
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self.call(abort or (lambda e: e.abort(request_id)))
+            raise
 
     def abort(self, request_id: str) -> Future:
         return self.call(lambda e: e.abort(request_id))
@@ -73,13 +101,17 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout=10)
+        if self.sender is not None:
+            self.sender.close()
 
     # --- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
+            wait = self._poll()
+            if self.engine.has_unfinished():
+                wait = 0.0
             try:
-                item = self._commands.get(timeout=0 if busy else self.idle_wait_s)
+                item = self._commands.get(timeout=wait) if wait != 0.0 else self._commands.get_nowait()
             except queue.Empty:
                 item = False
             while item:
@@ -95,20 +127,89 @@ class EngineLoop:
                     item = False
             if item is None:
                 break
-            for poll in self.pollers:
-                try:
-                    poll()
-                except Exception:  # noqa: BLE001 - a poller must not stop the engine
-                    log.exception("poller failed")
             if self.engine.has_unfinished():
+                self._step()
+
+    def _poll(self) -> float | None:
+        """Run every poller; the shortest wait any of them asks for (None: none pending)."""
+        wait = None
+        for poll in self.pollers:
+            try:
+                w = poll()
+            except Exception:  # noqa: BLE001 - a poller must not stop the engine
+                log.exception("poller failed")
+                w = 0.01
+            if w is not None:
+                wait = w if wait is None else min(wait, w)
+        return wait
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - every stream of this worker fails, the worker lives
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            return
+        self.emit(deltas)
+
+    def emit(self, deltas: list[TokenDelta]) -> None:
+        """Engine thread only: send one step's deltas (one frame per frontend), then resolve the
+        requests that ended."""
+        frames: dict[SinkAddress, list] = {}
+        ended: list[tuple[_Stream, TokenDelta]] = []
+        for d in deltas:
+            s = self._streams.get(d.request_id)
+            if s is None:
+                continue
+            if s.sink is not None:
+                frames.setdefault(s.sink, []).append((s.key, d))
+            if d.finished:
+                del self._streams[d.request_id]
+                ended.append((s, d))
+        for sink, records in frames.items():
+            if not self.sender.send(sink, encode_step(records)):
+                self._sink_broke(sink)
+        # Resolve after sending, so a request's call returns only once its last frame is written.
+        for s, d in ended:
+            value = d
+            if s.on_end is not None:
                 try:
-                    deltas = self.engine.step()
-                except Exception as exc:  # noqa: BLE001
-                    log.exception("engine step failed")
-                    deltas = []
-                    for loop, q in list(self._streams.values()):
-                        loop.call_soon_threadsafe(q.put_nowait, exc)
-                for d in deltas:
-                    target = self._streams.get(d.request_id)
-                    if target is not None:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, d)
+                    value = s.on_end(self.engine, d)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    value = exc
+            s.loop.call_soon_threadsafe(_resolve, s.done, value)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Engine thread only: end a registered request that never reached the engine."""
+        s = self._streams.pop(request_id, None)
+        if s is not None:
+            if s.sink is not None and not self.sender.send(s.sink, encode_errors([(s.key, str(exc))])):
+                self._sink_broke(s.sink)
+            s.loop.call_soon_threadsafe(_resolve, s.done, exc)
+
+    def _sink_broke(self, sink: SinkAddress) -> None:
+        for rid, s in list(self._streams.items()):
+            if s.sink == sink:
+                del self._streams[rid]
+                self.engine.abort(rid)
+                s.loop.call_soon_threadsafe(_resolve, s.done, StreamBroken(f"frontend {sink.frontend} unreachable"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        by_sink: dict[SinkAddress, list] = {}
+        for rid, s in list(self._streams.items()):
+            self.engine.abort(rid)
+            if s.sink is not None:
+                by_sink.setdefault(s.sink, []).append((s.key, f"engine step failed: {exc}"))
+            s.loop.call_soon_threadsafe(_resolve, s.done, RuntimeError(f"engine step failed: {exc}"))
+        self._streams.clear()
+        for sink, errors in by_sink.items():
+            self.sender.send(sink, encode_errors(errors))
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)

@@ -142,3 +142,22 @@ class Transport(Protocol):
         """Messages received since the last call, as (peer name, bytes)."""
 
     def close(self) -> None: ...
+
+
+class PollBackoff:
+    """How soon a side of a handoff wants its next poll while something is in flight. Most
+    transports have no wait to block on (NIXL's notifications and transfer states are polled; its
+    busy progress thread is off), so polls start fast after progress and back off while nothing
+    happens: a handoff costs at most `max_s` of added latency per message, and an idle worker
+    (nothing in flight) is not polled at all."""
+
+    def __init__(self, min_s: float = 5e-5, max_s: float = 1e-3):
+        self.min_s, self.max_s = min_s, max_s
+        self.current = min_s
+
+    def next(self, active: bool, progressed: bool) -> float | None:
+        if not active:
+            self.current = self.min_s
+            return None
+        self.current = self.min_s if progressed else min(self.max_s, self.current * 2)
+        return self.current

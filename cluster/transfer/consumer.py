@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.transfer.base import LayoutMismatch, Transfer, TransferStatus, Transport
+from cluster.transfer.base import LayoutMismatch, PollBackoff, Transfer, TransferStatus, Transport
 from cluster.transfer.checksum import block_checksums
 from cluster.transfer.messages import Kind, Mailbox, Message
 from cluster.types import KVHandle, KVLayout
@@ -68,6 +68,8 @@ class KVConsumer:
         self.clock = clock
         self.pulls: dict[str, KVPull] = {}
         self.mailbox = mailbox or Mailbox(transport)
+        self.backoff = PollBackoff()
+        self._progressed = False
 
     def _wants(self, msg: Message) -> bool:
         return msg.kind in (Kind.ACK, Kind.PUSHED, Kind.ABORT, Kind.FAIL) and msg.lease_id in self.pulls
@@ -119,6 +121,7 @@ class KVConsumer:
             pull = self.pulls.get(msg.lease_id)
             if pull is None or pull.finished or peer != pull.producer:
                 continue
+            self._progressed = True
             self._on_message(pull, msg)
         now = self.clock()
         for pull in list(self.pulls.values()):
@@ -150,10 +153,16 @@ class KVConsumer:
             self.pulls.pop(pull.lease_id, None)
         return pull
 
+    def poll_interval(self) -> float | None:
+        """Seconds until the next `poll` is due; None when no pull is in flight."""
+        progressed, self._progressed = self._progressed, False
+        return self.backoff.next(bool(self.pulls), progressed)
+
     def _progress_read(self, pull: KVPull) -> None:
         status = self.transport.poll(pull.transfer)
         if status is TransferStatus.PENDING:
             return
+        self._progressed = True
         self.transport.release(pull.transfer)
         pull.transfer = None
         pull.timings["read"] = time.perf_counter()

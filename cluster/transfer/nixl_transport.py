@@ -1,7 +1,7 @@
 """NIXL transport (UCX backend): the arena is registered once; a transfer is one prepped request
 over per-(layer, k/v, block) descriptors, so any set of non-contiguous blocks moves in one post.
 On GPU nodes the same code moves VRAM over RDMA/NVLink; on CPU hosts UCX moves DRAM between
-processes (cma). Agent metadata crosses as bytes inside our msgpack handshake; NIXL's own
+processes (cma). The agent runs without NIXL's progress thread (see `__init__`). Agent metadata crosses as bytes inside our msgpack handshake; NIXL's own
 pickle-based descriptor serialisation is never used.
 """
 from __future__ import annotations
@@ -49,7 +49,10 @@ class NixlTransport:
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
+        # No progress thread: NIXL's default one busy-polls a core per agent, forever. Our polls
+        # of transfer states and notifications drive UCX progress instead, and only while a
+        # handoff is in flight (see PollBackoff); on RDMA the target side needs no progress.
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
         self.peers: dict[str, _Peer] = {}
         self.arena: torch.Tensor | None = None
         self.layout: KVLayout | None = None

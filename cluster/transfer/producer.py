@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.transfer.base import Transfer, TransferStatus, Transport
+from cluster.transfer.base import PollBackoff, Transfer, TransferStatus, Transport
 from cluster.transfer.checksum import block_checksums
 from cluster.transfer.messages import Kind, Mailbox, Message
 from cluster.types import KVHandle, KVLayout
@@ -68,6 +68,8 @@ class KVProducer:
         self.ended: dict[str, LeaseState] = {}    # lease id -> final state (for late messages)
         self.checksum_seconds = 0.0
         self.mailbox = mailbox or Mailbox(transport)
+        self.backoff = PollBackoff()
+        self._progressed = False
 
     def _wants(self, msg: Message) -> bool:
         if msg.kind in (Kind.ACK, Kind.PUSHED):
@@ -119,6 +121,7 @@ class KVProducer:
     # --- the loop ------------------------------------------------------------------------
     def poll(self) -> None:
         for peer, msg in self.mailbox.take(self._wants):
+            self._progressed = True
             self._on_message(peer, msg)
         now = self.clock()
         for lease in list(self.leases.values()):
@@ -196,6 +199,12 @@ class KVProducer:
         if len(self.ended) > 10000:
             self.ended.pop(next(iter(self.ended)))
         self.release_blocks(lease.request_id)
+
+    def poll_interval(self) -> float | None:
+        """Seconds until the next `poll` is due; None when no lease is live (nothing to wait for:
+        lease deadlines only matter while a lease exists)."""
+        progressed, self._progressed = self._progressed, False
+        return self.backoff.next(bool(self.leases), progressed)
 
     def num_active(self) -> int:
         return len(self.leases)
