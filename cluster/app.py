@@ -6,14 +6,12 @@ import asyncio
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.config import EngineConfig, WorkerConfig
 from cluster.metrics import ClusterMetrics
-from cluster.model.loader import load_tokenizer
 from cluster.model.spec_compat import check_speculative_models
 from cluster.model.model_config import load_model_config
-from cluster.token_stream import TokenReceiver
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +30,7 @@ class ClusterConfig:
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     max_in_flight: int = 256
+    frontends: int = 1          # gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers
     local_prefill_max_tokens: int = 32
     api_keys: tuple[str, ...] = ()
     metrics_port: int | None = None
@@ -42,6 +41,11 @@ class ClusterConfig:
     decode_resources: dict = field(default_factory=dict)
 
 
+def _check(cfg: "ClusterConfig") -> None:
+    if cfg.frontends < 1:
+        raise ValueError(f"frontends must be >= 1, got {cfg.frontends}")
+
+
 def ray_environment() -> None:
     """Ray settings that keep a local cluster on loopback (see docs: Ray rewrites 127.0.0.1 otherwise)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -49,47 +53,44 @@ def ray_environment() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-class RayWorkerClient:
-    """The router's view of one worker actor."""
-
-    def __init__(self, name: str, handle):
-        self.name = name
-        self.handle = handle
-
-    async def prefill(self, request_id, prompt_ids, sampling):
-        return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
-
-    def start(self, method: str, *args):
-        """Start a streamed request (`generate` or `decode`); its deltas come over the token stream,
-        the returned ref resolves when it ends (or raises if the worker dies)."""
-        return getattr(self.handle, method).remote(*args)
-
-    async def abort(self, request_id):
-        await self.handle.abort.remote(request_id)
-
-    async def stats(self):
-        return await self.handle.stats.remote()
-
-
 @dataclass
 class RunningCluster:
     config: ClusterConfig
-    router: object
-    server: object
-    service: object
+    frontend: object            # the in-process frontend (router/frontend.py); None with --frontends N > 1
+    frontends: list             # actor frontends (with --frontends N > 1)
     port: int
     workers: dict
     started_ray: bool
+    supervisor: object
     metrics: object = None
     metrics_server: object = None
 
+    @property
+    def router(self):
+        return self.frontend.router
+
+    @property
+    def service(self):
+        return self.frontend.service
+
+    def frontend_pids(self) -> list[int]:
+        """The processes that serve gRPC (for benchmarks of the router's own CPU)."""
+        import ray  # noqa: PLC0415
+        return [os.getpid()] if self.frontend else ray.get([f.pid.remote() for f in self.frontends])
+
     async def stop(self) -> None:
-        await self.server.stop(grace=1.0)
-        self.router.stats_task.cancel()
-        await self.router.receiver.stop()
+        self.supervisor.cancel()
+        if self.frontend is not None:
+            await self.frontend.stop()
+        import ray  # noqa: PLC0415
+        for f in self.frontends:
+            try:
+                await f.stop.remote()
+                ray.kill(f)
+            except Exception:  # noqa: BLE001
+                pass
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
-        import ray  # noqa: PLC0415
         for client in self.workers.values():
             try:
                 ray.kill(client.handle)
@@ -113,23 +114,31 @@ async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> None
         await client.handle.add_peer.remote(metas[name])
 
 
-async def _poll_stats(router, workers: dict, roles: dict, metas: dict, metrics, period_s: float = 0.25) -> None:
+async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, period_s: float = 0.25) -> None:
+    """Polls the workers' stats: metrics, reconnection of restarted workers, and the routing view of
+    the in-process frontend (`router`; None when the frontends are actors, which poll for themselves)."""
+    healthy = {name: True for name in workers}
     while True:
         for name, client in workers.items():
-            view = router.views[name]
+            view = router.views[name] if router is not None else None
             try:
                 stats = await asyncio.wait_for(client.stats(), timeout=5)
-                if not view.healthy:
+                if not healthy[name]:
                     log.warning("worker %s is back; reconnecting its peers", name)
                     await _handshake(name, workers, roles, metas)
-                    view.cached.clear()            # a restarted worker has an empty prefix cache
-                router.update_stats(stats)
+                    if view is not None:
+                        view.cached.clear()            # a restarted worker has an empty prefix cache
+                if view is not None:
+                    router.update_stats(stats)
+                    view.healthy = True
                 metrics.update_worker(stats)
-                view.healthy = True
+                healthy[name] = True
             except Exception as exc:  # noqa: BLE001 - a dead or restarting worker
-                if view.healthy:
+                if healthy[name]:
                     log.warning("worker %s is unreachable (%s); routing around it", name, exc)
-                view.healthy = False
+                healthy[name] = False
+                if view is not None:
+                    view.healthy = False
         await asyncio.sleep(period_s)
 
 
@@ -144,13 +153,12 @@ def _log_router_node(ray) -> None:
 async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
+    _check(cfg)
     ray_environment()
     import ray  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
-    from router.policy import make_policy  # noqa: PLC0415
-    from router.router import Router, RouterConfig  # noqa: PLC0415
-    from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
+    from router.frontend import Frontend, FrontendConfig, RayWorkerClient  # noqa: PLC0415
     from router.validation import Limits  # noqa: PLC0415
 
     started = False
@@ -187,15 +195,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     for p in prefill:
         await _handshake(p, workers, roles, metas)
     mc = load_model_config(cfg.engine.model)
-    tokenizer = load_tokenizer(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
-    metrics = ClusterMetrics(cfg.transport)
-    receiver = TokenReceiver("frontend-0", host=ray.util.get_node_ip_address())
-    await receiver.start()
-    router = Router(RouterConfig(block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
-                                 local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-                                 max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode,
-                    receiver, metrics=metrics)
     spec = cfg.engine.speculative
     limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
                     max_tokens_limit=cfg.max_tokens_limit,
@@ -206,9 +206,39 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
             "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
             "num_speculative_tokens": str(spec.num_speculative_tokens)}
-    service = InferenceService(router, limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids, info,
-                               cfg.api_keys, metrics=metrics)
-    server, port = await start_grpc_server(service, cfg.host, cfg.port, tls=cfg.tls)
-    router.stats_task = asyncio.ensure_future(_poll_stats(router, workers, roles, metas, metrics))
+    fcfg = FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, host=cfg.host,
+                          port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
+                          block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
+                          local_prefill_max_tokens=cfg.local_prefill_max_tokens, max_in_flight=cfg.max_in_flight,
+                          api_keys=cfg.api_keys, tls=cfg.tls, transport=cfg.transport, roles=roles)
+    handles = {n: c.handle for n, c in workers.items()}
+    frontend, actors = None, []
+    if cfg.frontends == 1:
+        metrics = ClusterMetrics(cfg.transport)
+        frontend = Frontend(fcfg, handles, metrics=metrics)
+        port = await frontend.start()
+    else:
+        actors, port = await _start_frontends(cfg, fcfg, handles)
+        metrics = ClusterMetrics(cfg.transport, frontends=actors)
+    supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roles, metas,
+                                                  metrics))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
-    return RunningCluster(cfg, router, server, service, port, workers, started, metrics, metrics_server)
+    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server)
+
+
+async def _start_frontends(cfg: ClusterConfig, fcfg, handles: dict) -> tuple[list, int]:
+    """N frontend processes on this node, one port: the first binds it (or picks it, for port 0),
+    the others join it (SO_REUSEPORT)."""
+    import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
+    from router.frontend import Frontend  # noqa: PLC0415
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actors, port = [], cfg.port
+    for i in range(cfg.frontends):
+        f = ray.remote(Frontend).options(num_cpus=0, max_concurrency=1000, scheduling_strategy=here).remote(
+            replace(fcfg, name=f"frontend-{i}", port=port, poll_stats_s=0.25), handles)
+        port = await f.start.remote()
+        actors.append(f)
+    for f in actors:
+        await f.set_siblings.remote([o for o in actors if o is not f])
+    return actors, port

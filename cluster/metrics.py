@@ -1,6 +1,7 @@
 """Every metric of the cluster, one prefix (`splitserve_`), Prometheus naming conventions.
 
-The router process owns the registry and serves it (`--metrics-port`). Request-level series
+The driver process owns the registry and serves it (`--metrics-port`); with several frontend
+processes it sums their request series at scrape time. Request-level series
 (latencies, tokens, finish reasons) are recorded by the router as it streams; worker-level series
 (KV blocks, queues, prefix cache, KV transfer) come from the workers' periodic stats snapshots
 through a collector, each labelled by worker, so one scrape target covers the whole cluster.
@@ -107,12 +108,43 @@ class RequestTracker:
             self.m.prompt_tokens.inc(prompt_tokens)
 
 
+class _FrontendCollector:
+    """With several frontend processes (`--frontends N`), the request series live in each of them:
+    one scrape of the driver sums them, so one target still covers the whole cluster."""
+
+    def __init__(self, frontends: list):
+        self.frontends = frontends
+
+    def collect(self):
+        import ray  # noqa: PLC0415
+        from prometheus_client.metrics_core import Metric  # noqa: PLC0415
+        merged: dict[str, tuple[str, str, dict]] = {}
+        for families in ray.get([f.metric_samples.remote() for f in self.frontends], timeout=10):
+            for name, typ, doc, samples in families:
+                _, _, values = merged.setdefault(name, (typ, doc, {}))
+                for sample, labels, value in samples:
+                    k = (sample, tuple(sorted(labels.items())))
+                    values[k] = values.get(k, 0.0) + value
+        for name, (typ, doc, values) in merged.items():
+            m = Metric(name, doc, typ)
+            for (sample, labels), value in values.items():
+                m.add_sample(sample, dict(labels), value)
+            yield m
+
+
 class ClusterMetrics:
-    def __init__(self, transport: str):
+    def __init__(self, transport: str, workers: bool = True, frontends: list | None = None):
+        """`workers`: serve the workers' series (the driver). `frontends`: actor frontends whose
+        request series this registry sums instead of recording its own."""
         self.registry = CollectorRegistry()
         self.transport = transport
         self.worker_stats: dict[str, dict] = {}
         r = self.registry
+        if workers:
+            r.register(_WorkerCollector(self))
+        if frontends:
+            r.register(_FrontendCollector(frontends))
+            r = CollectorRegistry()      # this process records no request of its own
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between output tokens", registry=r,
@@ -126,7 +158,13 @@ class ClusterMetrics:
         self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason", ["reason"], registry=r)
-        r.register(_WorkerCollector(self))
+        self._requests = r
+
+    def request_samples(self) -> list:
+        """The request series as plain data: (name, type, help, [(sample, labels, value)])."""
+        return [(f.name, f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples
+                                                   if not s.name.endswith("_created")])
+                for f in self._requests.collect()]
 
     def track(self, request) -> RequestTracker:
         return RequestTracker(self)

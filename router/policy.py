@@ -5,9 +5,16 @@ requests counted by the router itself, KV usage from the workers' periodic stats
 `PrefixAwarePolicy`, prefers the prefill worker that already caches most of the prompt's blocks,
 keyed by the very block hashes the workers' pools use, traded against its queue. What a worker
 caches is tracked approximately from what the router sent it (bounded LRU), with no RPC per request.
+
+Several frontends (`--frontends N`) each keep their own view, so memory alone would send one
+prefix to different workers. The policy therefore also gives every prompt a home worker that any
+frontend computes alike: rendezvous hashing of the prompt's affinity block (its block at
+`affinity_blocks`, or its last full block) over the healthy workers. A prompt no view knows goes
+home, unless home is far busier than the average (consistent hashing with bounded loads).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -70,19 +77,41 @@ class LeastLoadedPolicy:
         return min(workers, key=lambda w: (w.in_flight + w.running, -w.blocks_free))
 
 
+def rendezvous_rank(key: BlockHash, name: str) -> bytes:
+    """Highest-random-weight hashing: stable across processes (not Python's `hash`)."""
+    return hashlib.blake2b(key + name.encode(), digest_size=8).digest()
+
+
 class PrefixAwarePolicy:
-    """score = cached prompt blocks - load_weight * queued requests (prefill);
-    free KV share and running batch (decode)."""
+    """Prefill: score = cached prompt blocks - load_weight * queued requests, ties to the prompt's
+    home. Decode: the prompt's home while its load stays within `load_slack` of the mean and it has
+    free KV; otherwise free KV share and running batch."""
 
     name = "prefix_aware"
 
-    def __init__(self, load_weight: float = 4.0):
+    def __init__(self, load_weight: float = 4.0, affinity_blocks: int = 8, load_slack: float = 1.5,
+                 min_free_share: float = 0.1):
         self.load_weight = load_weight
+        self.affinity_blocks = affinity_blocks
+        self.load_slack = load_slack
+        self.min_free_share = min_free_share
+
+    def _rank(self, hashes, w) -> bytes:
+        if not hashes:
+            return b""
+        return rendezvous_rank(hashes[min(len(hashes), self.affinity_blocks) - 1], w.name)
 
     def choose_prefill(self, hashes, workers):
-        return max(workers, key=lambda w: (w.cached_prefix(hashes) - self.load_weight * w.in_flight, -w.in_flight))
+        return max(workers, key=lambda w: (w.cached_prefix(hashes) - self.load_weight * w.in_flight, -w.in_flight,
+                                           self._rank(hashes, w)))
 
     def choose_decode(self, hashes, workers):
+        if hashes:
+            load = {w.name: w.in_flight + w.running for w in workers}
+            bound = self.load_slack * sum(load.values()) / len(workers) + 1
+            for w in sorted(workers, key=lambda w: self._rank(hashes, w), reverse=True):
+                if load[w.name] <= bound and w.blocks_free >= self.min_free_share * w.blocks_total:
+                    return w
         return max(workers, key=lambda w: (w.blocks_free / max(1, w.blocks_total) - 0.05 * (w.in_flight + w.running),
                                            w.cached_prefix(hashes)))
 

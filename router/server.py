@@ -42,13 +42,16 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
 
 class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple[str, ...] = (),
-                 metrics=None):
+                 metrics=None, siblings=None):
+        """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
+        process does not own to the other frontends."""
         self.router = router
         self.limits = limits
         self.tokenize = tokenize
         self.info = info
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics = metrics
+        self.siblings = siblings
 
     async def _authorize(self, context) -> None:
         if not self.api_keys:
@@ -103,6 +106,8 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Abort(self, request, context):
         await self._authorize(context)
+        if self.siblings is not None:
+            return pb.AbortResponse(found=await self.siblings.abort_anywhere(request.request_id))
         return pb.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def ListModels(self, request, context):
