@@ -3,6 +3,8 @@ the transport handshake, the token streams to the frontends, and the stats the r
 usage, queues, prefix cache)."""
 from __future__ import annotations
 
+import os
+
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop, Poller
@@ -33,7 +35,7 @@ class EngineWorker:
 
     def stats(self) -> dict:
         pool, sched = self.engine.pool, self.engine.scheduler
-        return {"name": self.name, "role": self.role, "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
+        return {"name": self.name, "role": self.role, "pid": os.getpid(), "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
                 "blocks_free": pool.num_free, "waiting": len(sched.waiting), "running": len(sched.running),
                 "prefix_queries": pool.queries, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
                 "queue_count": sched.queue_count,

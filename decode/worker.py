@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
@@ -36,6 +38,24 @@ class _Handoff:
     sampling: SamplingParams
     handle: KVHandle
     aborted: bool = False
+    times: dict = field(default_factory=dict)   # phase -> time.time(), for `handoff_timings`
+
+
+PHASES = ("sent", "called", "pull_started", "read", "verified", "acked", "first_step")
+
+
+@dataclass(frozen=True)
+class HandoffTiming:
+    """Where one handoff's time went, from the router's send of the handle to the first decode step
+    that produced a token (wall-clock seconds between consecutive `PHASES`; one node's clock)."""
+    request_id: str
+    blocks: int
+    call: float        # router sent the handle -> the decode call runs here (Ray)
+    queue: float       # -> the engine thread takes it (waits for the step in progress)
+    read: float        # -> the transport's read has landed
+    verify: float      # -> checksums verified
+    confirm: float     # -> the producer's ACK arrived (it released its pins)
+    join: float        # -> the first decode step that includes the request has ended
 
 
 class DecodeWorker(EngineWorker):
@@ -48,6 +68,7 @@ class DecodeWorker(EngineWorker):
                                    mailbox=self.mailbox)
         self._handoffs: dict[str, _Handoff] = {}          # lease id -> handoff (engine thread only)
         self.handoffs = {"done": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self.timings: deque[HandoffTiming] = deque(maxlen=1000)
         self._start_loop([self._poll_consumer])
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -57,14 +78,16 @@ class DecodeWorker(EngineWorker):
         return last.finish_reason.value
 
     async def decode(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     handle_bytes: bytes, sink: SinkAddress, key: int) -> str:
+                     handle_bytes: bytes, sink: SinkAddress, key: int, sent_at: float = 0.0) -> str:
         """Continue a request prefilled elsewhere; streams deltas from its second token on."""
         handle = KVHandle.decode(handle_bytes)
         done = asyncio.get_running_loop().create_future()
+        times = {"sent": sent_at or time.time(), "called": time.time()}
 
         def begin(e: LLMEngine):
             self.loop.register(request_id, done, sink, key)
-            h = _Handoff(request_id, list(prompt_ids), sampling, handle)
+            times["pull_started"] = time.time()
+            h = _Handoff(request_id, list(prompt_ids), sampling, handle, times=times)
             try:
                 blocks = e.pool.allocate(len(handle.block_ids))
             except NoFreeBlocks:
@@ -106,9 +129,24 @@ class DecodeWorker(EngineWorker):
             except Exception as exc:  # noqa: BLE001 - the request's own fault: it ends here
                 e.pool.free(reversed(pull.local_blocks))
                 self.loop.fail(h.request_id, exc)
+                return
+            # pull.timings are perf_counter stamps: carry them onto the wall clock from "pull_started".
+            base = h.times["pull_started"] - t["start"]
+            for phase in ("read", "verified", "acked"):
+                h.times[phase] = base + t.get(phase, t.get("read", t["start"]))
+            self.loop.on_first_delta[h.request_id] = lambda: self._timed(h)
             return
         e.pool.free(reversed(pull.local_blocks))
         self._recompute(e, h, pull.error)
+
+    def _timed(self, h: _Handoff) -> None:
+        h.times["first_step"] = time.time()
+        gaps = [max(0.0, h.times[b] - h.times[a]) for a, b in zip(PHASES, PHASES[1:])]
+        self.timings.append(HandoffTiming(h.request_id, len(h.handle.block_ids), *gaps))
+
+    def handoff_timings(self) -> list[dict]:
+        """The last handoffs' phase times (bench/handoff_served.py reads them)."""
+        return [asdict(t) for t in self.timings]
 
     def _recompute(self, e: LLMEngine, h: _Handoff, why: str) -> None:
         self.handoffs["failed"] += 1

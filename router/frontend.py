@@ -28,10 +28,10 @@ class RayWorkerClient:
     async def prefill(self, request_id, prompt_ids, sampling):
         return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
 
-    def start(self, method: str, *args):
+    def start(self, method: str, *args, **kwargs):
         """Start a streamed request (`generate` or `decode`); its deltas come over the token stream,
         the returned ref resolves when it ends (or raises if the worker dies)."""
-        return getattr(self.handle, method).remote(*args)
+        return getattr(self.handle, method).remote(*args, **kwargs)
 
     async def abort(self, request_id):
         await self.handle.abort.remote(request_id)

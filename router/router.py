@@ -91,7 +91,11 @@ class Router:
                  or not self._healthy("prefill"))
         prefilled = None
         if not local:
-            prefilled = await self._prefill(req, hashes)
+            dec.in_flight += 1          # counted from the choice on, so requests arriving together spread
+            try:
+                prefilled = await self._prefill(req, hashes)
+            finally:
+                dec.in_flight -= 1
             if prefilled is None:
                 local = True            # every prefill worker failed: the decode worker prefills
             else:
@@ -144,7 +148,7 @@ class Router:
             try:
                 if prefill_result is not None and attempt == 1:
                     stream = self._stream(client, "decode", req.request_id, list(req.prompt_token_ids),
-                                          req.sampling, prefill_result.handle)
+                                          req.sampling, prefill_result.handle, sent_at=time.time())
                 elif not streamed:
                     stream = self._stream(client, "generate", req.request_id, list(req.prompt_token_ids),
                                           req.sampling)
@@ -170,11 +174,11 @@ class Router:
             finally:
                 view.in_flight -= 1
 
-    async def _stream(self, client, method: str, request_id: str, *args) -> AsyncIterator[TokenDelta]:
+    async def _stream(self, client, method: str, request_id: str, *args, **kwargs) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a control call, read its deltas from the token
         stream. Several deltas that arrived together leave as one (a lagging reader coalesces)."""
         key, queue = self.receiver.open(request_id, client.name)
-        call = client.start(method, request_id, *args, self.receiver.address, key)
+        call = client.start(method, request_id, *args, self.receiver.address, key, **kwargs)
         watch = asyncio.ensure_future(self._watch(call, queue))
         try:
             while True:

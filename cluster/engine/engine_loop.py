@@ -46,6 +46,7 @@ class EngineLoop:
         self.sender = sender
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
+        self.on_first_delta: dict[str, Callable[[], None]] = {}   # engine thread only (handoff timing)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -158,6 +159,10 @@ class EngineLoop:
         frames: dict[SinkAddress, list] = {}
         ended: list[tuple[_Stream, TokenDelta]] = []
         for d in deltas:
+            if self.on_first_delta:
+                hook = self.on_first_delta.pop(d.request_id, None)
+                if hook is not None:
+                    hook()
             s = self._streams.get(d.request_id)
             if s is None:
                 continue
