@@ -3,6 +3,7 @@
     python bench/router_capacity.py [--concurrency 32] [--frontends 1] [--colocated | --prefill 1 --decode 1]
                                     [--clients 2] [--duration 20] [--prompt-tokens 64] [--max-tokens 256]
                                     [--transport tcp] [--model DIR] [--dtype auto]
+                                    [--stream-interval 1] [--speculative off|ngram|draft|eagle]
 
 The cluster runs in this process (this process is the router, or with --frontends N the N frontend
 actors are). `--clients` load-generator processes keep `--concurrency` streams open between them,
@@ -75,6 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--frontends", type=int, default=1)
+    ap.add_argument("--stream-interval", type=int, default=1)
+    ap.add_argument("--speculative", default="off")
     ap.add_argument("--colocated", action="store_true")
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
@@ -102,7 +105,9 @@ def main() -> None:
     for _ in range(4 * args.concurrency):
         s = rng.randrange(0, len(pool) - args.prompt_tokens)
         prompts.append(pool[s:s + args.prompt_tokens])
-    cfg = ClusterConfig(engine=EngineConfig(model=model, dtype=args.dtype), colocated=args.colocated,
+    from cluster.config import SpeculativeConfig
+    engine = EngineConfig(model=model, dtype=args.dtype, speculative=SpeculativeConfig(method=args.speculative))
+    cfg = ClusterConfig(engine=engine, colocated=args.colocated, stream_interval=args.stream_interval,
                         num_prefill=args.prefill, num_decode=args.decode, transport=args.transport, port=0,
                         frontends=args.frontends, max_tokens_limit=max(4096, args.max_tokens))
     cluster = ClusterThread(cfg)
@@ -132,7 +137,8 @@ def main() -> None:
     router_cpu = sum(after[p] - before[p] for p in frontends)
     mode = "colocated" if args.colocated else f"{args.prefill}P{args.decode}D"
     print(f"router capacity: {mode}, transport {args.transport}, {args.frontends} frontend(s), "
-          f"{args.concurrency} streams from {args.clients} client processes, {args.duration:.0f} s window")
+          f"{args.concurrency} streams from {args.clients} client processes, {args.duration:.0f} s window, "
+          f"stream interval {args.stream_interval}, speculative {args.speculative}")
     print(f"  output tokens/s                 {tokens / args.duration:10.1f}")
     print(f"  router CPU us/token             {1e6 * router_cpu / max(1, tokens):10.1f}   "
           f"({100 * router_cpu / args.duration:.1f}% of a core, {len(frontends)} process(es))")

@@ -31,6 +31,7 @@ class ClusterConfig:
     default_max_tokens: int = 256
     max_in_flight: int = 256
     frontends: int = 1          # gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers
+    stream_interval: int = 1    # tokens per stream message (vLLM's --stream-interval)
     local_prefill_max_tokens: int = 32
     api_keys: tuple[str, ...] = ()
     metrics_port: int | None = None
@@ -170,7 +171,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
         started = True
-    wcfg = WorkerConfig(engine=cfg.engine, transport=cfg.transport)
+    wcfg = WorkerConfig(engine=cfg.engine, transport=cfg.transport, stream_interval=cfg.stream_interval)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
     env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.engine.num_threads or 1)}}
     prefill, decode = {}, {}

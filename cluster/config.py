@@ -159,3 +159,8 @@ class WorkerConfig:
     lease_seconds: float = 30.0
     transfer_timeout_s: float = 10.0
     checksums: bool = True
+    stream_interval: int = 1          # tokens per stream message (see EngineLoop); 1: each step's at once
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")

@@ -160,6 +160,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.receiver.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.receiver.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -211,6 +215,7 @@ class TokenReceiver:
         self.host = host
         self.secret = os.urandom(32)
         self.queues: dict[int, StreamQueue] = {}
+        self.connections: set[_Connection] = set()
         self._next_key = 0
         self.server: asyncio.AbstractServer | None = None
         self.address: SinkAddress | None = None
@@ -245,6 +250,9 @@ class TokenReceiver:
                 q.push(StreamBroken(str(message)))
 
     async def stop(self) -> None:
+        """Stop listening and drop every worker's connection (their streams to us then fail)."""
         if self.server is not None:
             self.server.close()
+            for conn in list(self.connections):
+                conn.transport.abort()
             await self.server.wait_closed()

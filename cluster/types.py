@@ -108,6 +108,16 @@ class TokenDelta:
         return self.finish_reason is not None
 
 
+def merge_deltas(deltas: "list[TokenDelta]") -> TokenDelta:
+    """Consecutive deltas of one request as one: tokens, text and logprobs joined; counts and the
+    finish reason of the last."""
+    if len(deltas) == 1:
+        return deltas[0]
+    from dataclasses import replace  # noqa: PLC0415
+    return replace(deltas[-1], token_ids=tuple(t for d in deltas for t in d.token_ids),
+                   text="".join(d.text for d in deltas), logprobs=tuple(lp for d in deltas for lp in d.logprobs))
+
+
 @dataclass(frozen=True)
 class Completion:
     """A whole finished request, as `LLMEngine.generate` returns it."""

@@ -25,7 +25,8 @@ class EngineWorker:
         self.mailbox = Mailbox(self.transport)
 
     def _start_loop(self, pollers: list[Poller]) -> None:
-        self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name))
+        self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name),
+                               stream_interval=self.config.stream_interval)
 
     def metadata(self) -> bytes:
         return self.transport.metadata()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import StreamBroken, TokenReceiver
-from cluster.types import GenerateRequest, TokenDelta
+from cluster.types import GenerateRequest, TokenDelta, merge_deltas
 from router.policy import WorkerView
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class Router:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                delta = items[0] if len(items) == 1 else merge_deltas(items)
+                delta = merge_deltas(items)
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -207,9 +207,3 @@ class Router:
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
 
-
-def merge_deltas(items: list) -> TokenDelta:
-    """Consecutive deltas of one request as one (the last one's counts and finish reason)."""
-    last = items[-1]
-    return replace(last, token_ids=tuple(t for d in items for t in d.token_ids), text="".join(d.text for d in items),
-                   logprobs=tuple(lp for d in items for lp in d.logprobs))

@@ -18,12 +18,12 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine.engine import LLMEngine
 from cluster.token_stream import SinkAddress, StreamBroken, TokenSender, encode_errors, encode_step
-from cluster.types import TokenDelta
+from cluster.types import TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,18 @@ class _Stream:
     sink: SinkAddress | None    # None: only the final delta is wanted (e.g. a prefill)
     key: int
     on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None   # runs on the engine thread
+    held: list = field(default_factory=list)    # deltas waiting for `stream_interval` tokens
+    sent: bool = False
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, pollers: list[Poller] | None = None, sender: TokenSender | None = None):
+    def __init__(self, engine: LLMEngine, pollers: list[Poller] | None = None, sender: TokenSender | None = None,
+                 stream_interval: int = 1):
+        """`stream_interval`: a stream's deltas leave once it has this many new tokens (its first
+        and last leave at once), as vLLM's `--stream-interval`: fewer messages per token for the
+        frontends, at the cost of burstier inter-token times."""
         self.engine = engine
+        self.stream_interval = stream_interval
         self.pollers = list(pollers or [])
         self.sender = sender
         self._commands: queue.Queue = queue.Queue()
@@ -167,6 +174,14 @@ class EngineLoop:
             if s is None:
                 continue
             if s.sink is not None:
+                if self.stream_interval > 1 and s.sent and not d.finished:
+                    s.held.append(d)
+                    if sum(len(h.token_ids) for h in s.held) < self.stream_interval:
+                        continue
+                    d, s.held = merge_deltas(s.held), []
+                elif s.held:
+                    d, s.held = merge_deltas([*s.held, d]), []
+                s.sent = True
                 frames.setdefault(s.sink, []).append((s.key, d))
             if d.finished:
                 del self._streams[d.request_id]
