@@ -47,11 +47,28 @@ def _check(cfg: "ClusterConfig") -> None:
         raise ValueError(f"frontends must be >= 1, got {cfg.frontends}")
 
 
+# Ray's own timers, slowed where nothing of ours depends on them (measured with bench/idle_cpu.py:
+# Ray's processes together from ~3.5% to ~1.5% of a core when idle; docs/serving.md lists the
+# costs). A site's own RAY_* settings win. On an existing cluster they belong in `ray start`.
+RAY_QUIET = {
+    "RAY_prestart_worker_first_driver": "0",          # our actors all set a runtime_env: never used
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",                # new log files noticed within 5 s (log_to_driver is off)
+    "RAY_object_manager_timer_freq_ms": "1000",       # our KV never travels as Ray objects
+    "RAY_local_fs_monitor_interval_ms": "1000",
+    "RAY_kill_idle_workers_interval_ms": "1000",
+    "RAY_io_context_monitor_probe_interval_ms": "10000",
+}
+
+
 def ray_environment() -> None:
-    """Ray settings that keep a local cluster on loopback (see docs: Ray rewrites 127.0.0.1 otherwise)."""
+    """Ray settings that keep a local cluster on loopback (see docs: Ray rewrites 127.0.0.1 otherwise)
+    and its idle timers quiet."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for key, value in RAY_QUIET.items():
+        os.environ.setdefault(key, value)
 
 
 @dataclass
@@ -115,11 +132,14 @@ async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> None
         await client.handle.add_peer.remote(metas[name])
 
 
-async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, period_s: float = 0.25) -> None:
+async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics) -> None:
     """Polls the workers' stats: metrics, reconnection of restarted workers, and the routing view of
     the in-process frontend (`router`; None when the frontends are actors, which poll for themselves)."""
+    from router.frontend import StatsCadence  # noqa: PLC0415
     healthy = {name: True for name in workers}
+    cadence = StatsCadence()
     while True:
+        polled = []
         for name, client in workers.items():
             view = router.views[name] if router is not None else None
             try:
@@ -133,6 +153,7 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, p
                     router.update_stats(stats)
                     view.healthy = True
                 metrics.update_worker(stats)
+                polled.append(stats)
                 healthy[name] = True
             except Exception as exc:  # noqa: BLE001 - a dead or restarting worker
                 if healthy[name]:
@@ -140,7 +161,7 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, p
                 healthy[name] = False
                 if view is not None:
                     view.healthy = False
-        await asyncio.sleep(period_s)
+        await cadence.sleep(polled, router)
 
 
 def _log_router_node(ray) -> None:

@@ -13,9 +13,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
+
+
+class StatsCadence:
+    """How often to poll the workers' stats: fast while the cluster has work (or had it in the last
+    `linger_s`), slowly when idle. Routing needs fresh load figures under load; an idle cluster
+    should not wake every worker (and Ray's io threads) several times a second for nothing."""
+
+    def __init__(self, busy_s: float = 0.25, idle_s: float = 2.0, linger_s: float = 5.0):
+        self.busy_s, self.idle_s, self.linger_s = busy_s, idle_s, linger_s
+        self.last_busy = time.monotonic()
+
+    async def sleep(self, stats: list[dict], router=None) -> None:
+        """Sleep until the next poll is due, or until `router` takes a new request."""
+        period = self.next(stats, router.in_flight if router is not None else 0)
+        if router is None:
+            await asyncio.sleep(period)
+            return
+        router.activity.clear()
+        try:
+            await asyncio.wait_for(router.activity.wait(), timeout=period)
+        except asyncio.TimeoutError:
+            pass
+
+    def next(self, stats: list[dict], in_flight: int = 0) -> float:
+        now = time.monotonic()
+        if in_flight or any(s["running"] or s["waiting"] or s["blocks_used"] or s.get("leases") for s in stats):
+            self.last_busy = now
+        return self.busy_s if now - self.last_busy < self.linger_s else self.idle_s
 
 
 class RayWorkerClient:
@@ -106,14 +135,16 @@ class Frontend:
                 stats = await asyncio.wait_for(client.stats(), timeout=5)
             except Exception:  # noqa: BLE001 - a dead or restarting worker
                 view.healthy = False
-                return
+                return None
             if not view.healthy:
                 view.cached.clear()
             self.router.update_stats(stats)
             view.healthy = True
+            return stats
+        cadence = StatsCadence(busy_s=self.cfg.poll_stats_s)
         while True:
-            await asyncio.gather(*(one(n, c) for n, c in clients.items()))
-            await asyncio.sleep(self.cfg.poll_stats_s)
+            stats = await asyncio.gather(*(one(n, c) for n, c in clients.items()))
+            await cadence.sleep([s for s in stats if s], self.router)
 
     # --- called by sibling frontends and the driver (Ray) --------------------------------------
     def set_siblings(self, siblings: list) -> None:

@@ -43,6 +43,7 @@ class Router:
         self.clients = {**prefill, **decode}
         self.views = {n: WorkerView(n, "prefill") for n in prefill} | {n: WorkerView(n, "decode") for n in decode}
         self.in_flight = 0
+        self.activity = asyncio.Event()          # set by each new request: wakes an idle stats poll
         self.metrics = metrics
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
         self.recoveries = 0                      # streams continued on another worker after a failure
@@ -66,6 +67,7 @@ class Router:
         if req.request_id in self.active:
             raise ValueError(f"request_id {req.request_id!r} is already running")
         self.in_flight += 1
+        self.activity.set()
         self.active[req.request_id] = []
         streamed: list[int] = []
         try:
