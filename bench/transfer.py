@@ -2,6 +2,8 @@
 
     python bench/transfer.py [--sizes-mib 1 4 16 64 256] [--transports nixl ucx tcp] [--layout default|llama8b]
 
+`nixl+thread` is NIXL with its busy progress thread on (the library's default, off in splitserve).
+
 A server process registers a KV arena filled with random bytes; this process pulls blocks from it
 (non-contiguous: every other block) and times each read. The memcpy column copies the same
 segments between two arenas inside one process (torch index_copy), the limit on this machine.
@@ -38,14 +40,26 @@ def server(conn, transport: str, layout_name: str, num_blocks: int) -> None:
     from cluster.transfer.registry import make_transport
     layout, arena = _arena(layout_name, num_blocks)
     arena.view(torch.int16).random_()
-    t = make_transport(transport, f"bench-server-{transport}")
+    from cluster.transfer.base import PollBackoff
+    kind, options = _kind(transport)
+    t = make_transport(kind, f"bench-server-{transport}", **options)
     t.register(arena, layout)
     conn.send_bytes(t.metadata())
     peer_meta = conn.recv_bytes()
     t.add_peer(peer_meta)
     conn.send_bytes(b"ready")
-    conn.recv_bytes()     # wait until the client is done
+    # Until the client is done, poll as a producer does while a lease is live (its polls drive UCX
+    # progress on this side: a first connection's wire-up, reads emulated over tcp).
+    backoff = PollBackoff()
+    while not conn.poll(backoff.next(True, bool(t.notifications()))):
+        pass
+    conn.recv_bytes()
     t.close()
+
+
+def _kind(transport: str) -> tuple:
+    """`nixl+thread`: NIXL with its busy progress thread (the library's default, off in splitserve)."""
+    return ("nixl", {"progress_thread": True}) if transport == "nixl+thread" else (transport, {})
 
 
 def run_transport(transport: str, layout_name: str, sizes_mib: list[int], repeats: int) -> dict[int, float]:
@@ -61,7 +75,8 @@ def run_transport(transport: str, layout_name: str, sizes_mib: list[int], repeat
     proc.start()
     _, arena = _arena(layout_name, num_blocks)
     arena.zero_()
-    t = make_transport(transport, f"bench-client-{transport}")
+    kind, options = _kind(transport)
+    t = make_transport(kind, f"bench-client-{transport}", **options)
     t.register(arena, layout)
     peer = t.add_peer(parent.recv_bytes())
     parent.send_bytes(t.metadata())

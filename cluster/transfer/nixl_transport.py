@@ -46,13 +46,16 @@ class _Peer:
 class NixlTransport:
     name = "nixl"
 
-    def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)):
+    def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name
         # No progress thread: NIXL's default one busy-polls a core per agent, forever. Our polls
         # of transfer states and notifications drive UCX progress instead, and only while a
-        # handoff is in flight (see PollBackoff); on RDMA the target side needs no progress.
-        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+        # handoff is in flight (see PollBackoff): the producer polls while a lease is live, which
+        # serves a first connection's wire-up and reads UCX emulates over tcp; RDMA and cma reads
+        # need no progress on the target. `progress_thread=True` is for benchmarks only.
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                              backends=list(backends)))
         self.peers: dict[str, _Peer] = {}
         self.arena: torch.Tensor | None = None
         self.layout: KVLayout | None = None
