@@ -64,7 +64,8 @@ def bench_hf(model_dir: Path, dtype: torch.dtype, batch: int, prompt_len: int, n
 
 def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
     from cluster.types import SamplingParams
-    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
+    vocab = engine.model_config.vocab_size     # --model may be smaller than the 32k bench shape
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
 
     def run(n, salt):
         sp = SamplingParams(max_tokens=n, ignore_eos=True, cache_salt=salt)  # salt: no cross-run cache hits
@@ -80,12 +81,13 @@ def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
 def bench_ttft(engine, repeats: int):
     from cluster.types import SamplingParams
     g = torch.Generator().manual_seed(42)
-    shared = torch.randint(3, 32000, (900,), generator=g).tolist()
+    vocab = engine.model_config.vocab_size
+    shared = torch.randint(3, vocab, (900,), generator=g).tolist()
     cold, warm = [], []
     for r in range(repeats):
         engine.pool.reset_prefix_cache()
-        a = shared + torch.randint(3, 32000, (100,), generator=g).tolist()
-        b = shared + torch.randint(3, 32000, (100,), generator=g).tolist()
+        a = shared + torch.randint(3, vocab, (100,), generator=g).tolist()
+        b = shared + torch.randint(3, vocab, (100,), generator=g).tolist()
         for prompt, sink in ((a, cold), (b, warm)):
             t0 = time.perf_counter()
             next(iter(engine.stream(prompt, SamplingParams(max_tokens=1))))
