@@ -83,13 +83,16 @@ class RequestTracker:
     def tokens(self, n: int, delta) -> None:
         now = time.perf_counter()
         if n:
+            # One inter-token gap per token after the first, however the tokens were grouped into
+            # messages (a lagging stream coalesces; tokens that arrive together are 0 s apart).
             if self.last is None:
                 self.m.ttft.observe(now - self.start)
                 self.first = now
+                gaps, gap = n - 1, 0.0
             else:
-                gap = (now - self.last) / n
-                for _ in range(n):
-                    self.m.itl.observe(gap)
+                gaps, gap = n, (now - self.last) / n
+            for _ in range(gaps):
+                self.m.itl.observe(gap)
             self.m.tokens.inc(n)
             self.last = now
         if delta.finish_reason is not None:
