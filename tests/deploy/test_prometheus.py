@@ -125,7 +125,12 @@ def prometheus_over_cluster(tmp_path_factory):
             except OSError:
                 assert prom.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()
                 time.sleep(0.3)
-        time.sleep(2)                    # a few scrapes before any request: counters start from a baseline
+        # Ready is not scraping: Prometheus hands new targets to its scrapers only every 5 s. Wait for
+        # real scrapes before any request, so every counter starts from a baseline sample.
+        while not _values(_query(base, 'count_over_time(up{job="splitserve"}[1m])')) or \
+                _values(_query(base, 'count_over_time(up{job="splitserve"}[1m])'))[0] < 2:
+            assert time.monotonic() < deadline + 30, "Prometheus never scraped the cluster"
+            time.sleep(0.5)
         from router.client import Client
         client = Client(serve.target)
         with ThreadPoolExecutor(4) as pool:
