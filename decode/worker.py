@@ -100,7 +100,11 @@ class DecodeWorker(EngineWorker):
                 self.loop.forget(request_id)
                 raise
             self._handoffs[pull.lease_id] = h
-        await self.loop.acall(begin)
+        try:
+            await self.loop.acall(begin)
+        except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
+            self.loop.call(lambda e: self._abort(e, request_id))
+            raise
         last = await self.loop.wait(request_id, done, abort=lambda e: self._abort(e, request_id))
         return last.finish_reason.value
 

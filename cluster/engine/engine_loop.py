@@ -92,7 +92,11 @@ class EngineLoop:
             except BaseException:
                 self.forget(request_id)
                 raise
-        await self.acall(begin)
+        try:
+            await self.acall(begin)
+        except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
+            self.call(lambda e: e.abort(request_id))
+            raise
         return await self.wait(request_id, done)
 
     async def wait(self, request_id: str, done: asyncio.Future, abort: Callable[[LLMEngine], Any] | None = None):
