@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import resource
 import sys
 import time
@@ -26,13 +25,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-_TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(ROOT / "bench"))
+from idle_cpu import CLK_TCK, cpu_ticks  # noqa: E402 - the one /proc reader of the benches
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return cpu_ticks(f"/proc/{pid}/stat") / CLK_TCK
 
 
 def _client(target: str, streams: int, prompts: list[list[int]], max_tokens: int, warmup: float, window: float,

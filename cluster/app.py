@@ -141,17 +141,11 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics) -
     while True:
         polled = []
         for name, client in workers.items():
-            view = router.views[name] if router is not None else None
             try:
                 stats = await asyncio.wait_for(client.stats(), timeout=5)
                 if not healthy[name]:
                     log.warning("worker %s is back; reconnecting its peers", name)
                     await _handshake(name, workers, roles, metas)
-                    if view is not None:
-                        view.cached.clear()            # a restarted worker has an empty prefix cache
-                if view is not None:
-                    router.update_stats(stats)
-                    view.healthy = True
                 metrics.update_worker(stats)
                 polled.append(stats)
                 healthy[name] = True
@@ -159,8 +153,9 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics) -
                 if healthy[name]:
                     log.warning("worker %s is unreachable (%s); routing around it", name, exc)
                 healthy[name] = False
-                if view is not None:
-                    view.healthy = False
+                stats = None
+            if router is not None:
+                router.worker_polled(name, stats)
         await cadence.sleep(polled, router)
 
 

@@ -125,11 +125,10 @@ class StreamQueue:
     cheap single-consumer queue: `take` returns everything that has arrived, so a handler that
     lags coalesces deltas instead of waking once per token."""
 
-    __slots__ = ("request_id", "items", "waiter", "worker")
+    __slots__ = ("request_id", "items", "waiter")
 
-    def __init__(self, request_id: str, worker: str):
+    def __init__(self, request_id: str):
         self.request_id = request_id
-        self.worker = worker
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
 
@@ -227,9 +226,9 @@ class TokenReceiver:
         self.address = SinkAddress(self.frontend, self.host, port, self.secret)
         return self.address
 
-    def open(self, request_id: str, worker: str) -> tuple[int, StreamQueue]:
+    def open(self, request_id: str) -> tuple[int, StreamQueue]:
         self._next_key += 1
-        q = StreamQueue(request_id, worker)
+        q = StreamQueue(request_id)
         self.queues[self._next_key] = q
         return self._next_key, q
 

@@ -130,16 +130,11 @@ class Frontend:
     async def _poll_stats(self, clients: dict) -> None:
         """The routing view of an actor frontend (the driver's supervisor does reconnection)."""
         async def one(name, client):
-            view = self.router.views[name]
             try:
                 stats = await asyncio.wait_for(client.stats(), timeout=5)
             except Exception:  # noqa: BLE001 - a dead or restarting worker
-                view.healthy = False
-                return None
-            if not view.healthy:
-                view.cached.clear()
-            self.router.update_stats(stats)
-            view.healthy = True
+                stats = None
+            self.router.worker_polled(name, stats)
             return stats
         cadence = StatsCadence(busy_s=self.cfg.poll_stats_s)
         while True:
@@ -167,9 +162,6 @@ class Frontend:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def ready(self) -> int:
-        return self.port
 
     async def stop(self) -> None:
         if self._poll_task is not None:

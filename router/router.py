@@ -51,6 +51,18 @@ class Router:
     def _healthy(self, role: str) -> list[WorkerView]:
         return [v for v in self.views.values() if v.role == role and v.healthy]
 
+    def worker_polled(self, name: str, stats: dict | None) -> None:
+        """A stats poll's outcome for the routing view: None when the worker did not answer. A
+        worker that answers again after that is a restart, whose prefix cache is empty."""
+        view = self.views[name]
+        if stats is None:
+            view.healthy = False
+            return
+        if not view.healthy:
+            view.cached.clear()
+        self.update_stats(stats)
+        view.healthy = True
+
     def update_stats(self, stats: dict) -> None:
         view = self.views.get(stats.get("name"))
         if view is not None:
@@ -179,7 +191,7 @@ class Router:
     async def _stream(self, client, method: str, request_id: str, *args, **kwargs) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a control call, read its deltas from the token
         stream. Several deltas that arrived together leave as one (a lagging reader coalesces)."""
-        key, queue = self.receiver.open(request_id, client.name)
+        key, queue = self.receiver.open(request_id)
         call = client.start(method, request_id, *args, self.receiver.address, key, **kwargs)
         watch = asyncio.ensure_future(self._watch(call, queue))
         try:

@@ -106,9 +106,6 @@ class EngineLoop:
             self.call(abort or (lambda e: e.abort(request_id)))
             raise
 
-    def abort(self, request_id: str) -> Future:
-        return self.call(lambda e: e.abort(request_id))
-
     def close(self) -> None:
         self._stop.set()
         self._commands.put(None)

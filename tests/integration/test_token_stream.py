@@ -31,7 +31,7 @@ def _prompts(n):
 async def _serve(loop_: EngineLoop, receiver: TokenReceiver, prompts, sampling):
     """Run every prompt as a stream; returns each stream's messages (lists of deltas)."""
     async def one(i, prompt):
-        key, q = receiver.open(f"r{i}", "w")
+        key, q = receiver.open(f"r{i}")
         call = asyncio.ensure_future(loop_.run(f"r{i}", lambda e: e.add_request(prompt, sampling, f"r{i}"),
                                                receiver.address, key))
         msgs = []
@@ -77,7 +77,7 @@ def test_a_frontend_that_vanishes_fails_its_streams_and_frees_blocks(engine):
     async def main():
         receiver = TokenReceiver("f")
         address = await receiver.start()
-        key, q = receiver.open("gone", "w")
+        key, q = receiver.open("gone")
         call = asyncio.ensure_future(loop_.run("gone", lambda e: e.add_request(
             _prompts(1)[0], SamplingParams(max_tokens=200, ignore_eos=True), "gone"), address, key))
         await q.take()
@@ -95,7 +95,7 @@ def test_a_peer_without_the_secret_is_cut_off_before_any_record(engine):
     async def main():
         receiver = TokenReceiver("f")
         address = await receiver.start()
-        key, q = receiver.open("x", "w")
+        key, q = receiver.open("x")
 
         def intrude():
             s = socket.create_connection((address.host, address.port))
@@ -112,3 +112,32 @@ def test_a_peer_without_the_secret_is_cut_off_before_any_record(engine):
         return closed, list(q.items)
     closed, items = asyncio.run(main())
     assert closed and items == []
+
+
+def test_an_idle_loop_sleeps_until_a_poller_or_a_command_needs_it(engine):
+    """Nothing spins when idle: with nothing in flight the engine thread turns only on commands."""
+    import time
+    from cluster.transfer.base import PollBackoff
+    turns, in_flight = [], [False]
+    backoff = PollBackoff(min_s=0.01, max_s=0.02)
+
+    def poller():
+        turns.append(time.monotonic())
+        return backoff.next(in_flight[0], progressed=False)
+    loop_ = EngineLoop(engine, pollers=[poller], sender=TokenSender("w"))
+    try:
+        time.sleep(0.5)
+        idle_turns = len(turns)
+        in_flight[0] = True                       # a handoff starts: the next command wakes the loop
+        loop_.call(lambda e: None).result(5)
+        time.sleep(0.5)
+        busy_turns = len(turns) - idle_turns
+        in_flight[0] = False
+        time.sleep(0.1)
+        settled = len(turns)
+        time.sleep(0.5)
+    finally:
+        loop_.close()
+    assert idle_turns <= 2, f"{idle_turns} turns in 0.5 s with nothing to do"
+    assert busy_turns >= 15                       # polled every 10-20 ms while something is in flight
+    assert len(turns) - settled <= 1              # and asleep again once it is not

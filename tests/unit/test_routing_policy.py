@@ -44,3 +44,17 @@ def test_cached_prefix_is_a_prefix_and_lru_bounded():
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         make_policy("fastest")
+
+
+def test_prefix_home_is_the_same_for_every_frontend_unless_overloaded():
+    prompts = [hash_prefix_blocks(list(range(i, i + 160)), 16) for i in range(20)]
+    homes = [PrefixAwarePolicy().choose_decode(h, _views("decode", 4)).name for h in prompts]
+    assert homes == [PrefixAwarePolicy().choose_decode(h, _views("decode", 4)).name for h in prompts]
+    assert len(set(homes)) > 1                          # different prefixes spread over the workers
+    shared = hash_prefix_blocks(list(range(128)) + [7] * 16, 16)
+    other = hash_prefix_blocks(list(range(128)) + [9] * 16, 16)
+    workers = _views("decode", 4)
+    home = PrefixAwarePolicy().choose_decode(shared, workers)
+    assert PrefixAwarePolicy().choose_decode(other, workers) is home   # same first 8 blocks, same home
+    home.in_flight = 10                                 # far above the mean: bounded load moves it
+    assert PrefixAwarePolicy().choose_decode(shared, workers) is not home
