@@ -10,8 +10,11 @@ from dataclasses import dataclass, field, replace
 
 from cluster.config import EngineConfig, WorkerConfig
 from cluster.metrics import ClusterMetrics
-from cluster.model.spec_compat import check_speculative_models
+from cluster.model.kernel_choice import engine_config_plan
+from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
+from cluster.model.spec_compat import check_speculative_models
+from cluster.placement import CpuShare, local_worker_shares
 
 log = logging.getLogger(__name__)
 
@@ -187,25 +190,21 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
         started = True
-    wcfg = WorkerConfig(engine=cfg.engine, transport=cfg.transport, stream_interval=cfg.stream_interval)
+    num_prefill = 0 if cfg.colocated else cfg.num_prefill
+    shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
-    env = {"env_vars": {"OMP_NUM_THREADS": str(cfg.engine.num_threads or 1)}}
     prefill, decode = {}, {}
-    if not cfg.colocated:
-        for i in range(cfg.num_prefill):
-            name = f"prefill-{i}"
-            h = ray.remote(PrefillWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
-                                                  num_gpus=cfg.worker_gpus, max_concurrency=256,
-                                                  max_restarts=-1,
-                                                  resources=cfg.prefill_resources, runtime_env=env).remote(name, wcfg)
-            prefill[name] = RayWorkerClient(name, h)
-    for i in range(cfg.num_decode):
-        name = f"decode-{i}" if not cfg.colocated else f"colocated-{i}"
-        h = ray.remote(DecodeWorker).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
-                                             num_gpus=cfg.worker_gpus, max_concurrency=256,
-                                             max_restarts=-1,
-                                             resources=cfg.decode_resources, runtime_env=env).remote(name, wcfg)
-        decode[name] = RayWorkerClient(name, h)
+    for i, share in enumerate(shares):
+        role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
+        index = i if i < num_prefill else i - num_prefill
+        name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
+        engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
+        wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval)
+        h = ray.remote(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
+                                    max_concurrency=256, max_restarts=-1,
+                                    resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
+                                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
+        (prefill if role == "prefill" else decode)[name] = RayWorkerClient(name, h)
     roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
     workers = {**prefill, **decode}
     metas: dict[str, bytes] = {}
@@ -241,6 +240,24 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                                                   metrics))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server)
+
+
+async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], KernelPlan]:
+    """Threads and cores per worker (cluster/placement.py), and the one kernel plan every worker
+    runs with: resolved here for a local cluster, on a decode node by a Ray task for a remote one
+    (the driver's CPU may not be the workers')."""
+    import ray  # noqa: PLC0415
+    if cfg.ray_address:
+        shares = [CpuShare(cfg.engine.num_threads or max(1, int(cfg.worker_cpus)), None)] * num_workers
+    else:
+        shares = local_worker_shares(num_workers, cfg.engine.num_threads)
+    if cfg.engine.kernel_plan is not None:
+        return shares, cfg.engine.kernel_plan
+    if not cfg.ray_address:
+        return shares, engine_config_plan(cfg.engine, shares[-1].threads)
+    task = ray.remote(engine_config_plan).options(num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
+                                                  resources=cfg.decode_resources)
+    return shares, await task.remote(cfg.engine, shares[-1].threads)
 
 
 async def _start_frontends(cfg: ClusterConfig, fcfg, handles: dict) -> tuple[list, int]:

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.model.kernel_plan import KernelPlan
 
 # The built-in default model ships inside the package (see cluster/model/weights/).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "weights" / "stdlib-coder"
@@ -19,6 +23,11 @@ _BACKENDS = ("auto", "torch", "triton")
 def default_model_dir() -> Path:
     """`SPLITSERVE_MODEL` overrides the shipped default model."""
     return Path(os.environ.get("SPLITSERVE_MODEL", str(DEFAULT_MODEL_DIR)))
+
+
+def cache_dir() -> Path:
+    """Where built C ops and measured kernel plans are kept (`SPLITSERVE_CACHE_DIR`)."""
+    return Path(os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve")
 
 
 def apply_ucx_defaults() -> None:
@@ -132,8 +141,11 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # "auto": triton on CUDA when available, else torch
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    num_threads: int | None = field(default_factory=default_num_threads)
-    pack_weights: bool = True         # oneDNN-packed bf16/fp16 linears on CPU
+    num_threads: int | None = field(default_factory=default_num_threads)   # None: see cluster/placement.py
+    cpus: tuple[int, ...] | None = None   # cores to pin the engine's process to (a local cluster's shares)
+    pack_weights: bool = True         # False: plain torch linears whatever the kernel plan says
+    kernels: str = "auto"             # "auto": the kernel plan measured on this machine; "torch": torch ops only
+    kernel_plan: KernelPlan | None = None   # a plan resolved elsewhere (a cluster's driver hands one to all)
     seed: int = 0                    # for requests that sample without a seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -146,6 +158,8 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
+        if self.kernels not in ("auto", "torch"):
+            raise ValueError(f"kernels must be auto or torch, got {self.kernels!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

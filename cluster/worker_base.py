@@ -42,6 +42,10 @@ class EngineWorker:
                 "queue_count": sched.queue_count,
                 "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
 
+    def compute_setup(self):
+        """The engine's kernel plan, threads and cores (cluster.placement.ComputeSetup)."""
+        return self.engine.compute_setup()
+
     def close(self) -> None:
         self.loop.close()
         self.transport.close()

@@ -21,10 +21,11 @@ from cluster.engine.sequence import Sequence
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache, plan_memory
 from cluster.model.attention import make_attention_backend
-from cluster.model.cpu_linear import pack_linears, packing_available
+from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
 from cluster.model.model_config import TORCH_DTYPES
 from cluster.model.spec_compat import check_speculative_models
+from cluster.placement import ComputeSetup, pin_process, usable_cpus
 from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -34,15 +35,17 @@ class LLMEngine:
         """`speculator_factory(engine) -> Speculator` turns on speculative decoding (decode workers
         and the single-engine CLI pass `decode.spec.make_speculator`)."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        if config.cpus:
+            pin_process(config.cpus)
+        torch.set_num_threads(config.num_threads or len(usable_cpus()))
         self.device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         self.model_config, self.model = load_model(config.model, dtype=dtype, device=self.device,
                                                    max_positions=config.max_model_len)
         self.dtype = self.model.embed_tokens.weight.dtype
-        if config.pack_weights and packing_available(self.dtype, self.device):
-            log.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+        self.kernel_plan = engine_config_plan(config)
+        log.info("kernel plan: %s", self.kernel_plan.describe())
+        apply_kernel_plan(self.model, self.kernel_plan)
         self.tokenizer = load_tokenizer(config.model)
         self.generation = load_generation_defaults(config.model)
         mc = self.model_config
@@ -59,8 +62,7 @@ class LLMEngine:
             # that its blocks carry the head's KV too.
             from cluster.model.eagle import load_eagle_head  # noqa: PLC0415
             self.eagle = load_eagle_head(config.speculative.eagle_dir, mc, self.model, self.dtype, self.device)
-            if config.pack_weights and packing_available(self.dtype, self.device):
-                pack_linears(self.eagle)
+            apply_kernel_plan(self.eagle, self.kernel_plan)
             model_id, num_layers = f"{mc.model_id}+eagle:{config.speculative.eagle_dir.name}", num_layers + 1
         self.layout = KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads,
                                head_dim=mc.head_dim, block_size=cc.block_size,
@@ -72,7 +74,7 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks, self.device)
         self.pool = BlockPool(self.memory_plan.num_blocks, cc.enable_prefix_caching)
         self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                              mc.head_dim, self.device)
+                                              mc.head_dim, self.device, self.kernel_plan)
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, self.max_model_len,
                                    self.generation.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache.arena, self.backend, cc.block_size, self.device)
@@ -96,6 +98,9 @@ class LLMEngine:
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
+
+    def compute_setup(self) -> ComputeSetup:
+        return ComputeSetup(self.kernel_plan, torch.get_num_threads(), self.config.cpus)
 
     @classmethod
     def from_model_dir(cls, model_dir, **overrides) -> "LLMEngine":

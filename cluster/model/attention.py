@@ -16,6 +16,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from cluster.model.kernel_plan import AttentionPath, KernelPlan
+from kernels import cpu_ops
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -60,6 +63,8 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Te
 @dataclass
 class _TorchDecodeMeta:
     block_table: torch.Tensor     # [B * max_blocks] block ids, padded with block 0
+    lens: torch.Tensor            # [B] context lengths (int64)
+    fused: bool                   # the kernel plan's fused C kernel, not gather + SDPA
     key_pos: torch.Tensor         # [1, L] with L = max_blocks * block_size
     query_pos: torch.Tensor       # [B, 1]
     valid: torch.Tensor           # [B, L]
@@ -84,6 +89,8 @@ class _TorchVerifyMeta:
     key_pos: torch.Tensor         # [1, 1, L]
     valid: torch.Tensor           # [B, 1, L]
     masks: dict
+    fused_tables: torch.Tensor | None = None   # fused C kernel: [rows, max_blocks], one row per query
+    fused_lens: torch.Tensor | None = None     # [rows]: each query's position + 1
 
 
 @dataclass
@@ -99,7 +106,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 plan: KernelPlan | None = None):
+        self.plan = plan          # its decode_attention choice, per bucket of decode rows
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -112,6 +121,9 @@ class TorchAttentionBackend:
         prefills = [self._prepare_prefill(span, batch.block_size) for span in batch.prefills]
         verify = self._prepare_verify(batch.verifies, batch.block_size) if batch.verifies else None
         return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills, verify=verify)
+
+    def _fused(self) -> bool:
+        return self.plan is not None and self.plan.decode_attention is AttentionPath.FUSED_C
 
     def _prepare_verify(self, spans: tuple[PrefillSpan, ...], bs: int) -> _TorchVerifyMeta:
         b = len(spans)
@@ -132,7 +144,16 @@ class TorchAttentionBackend:
         lens = torch.tensor([s.context_len for s in spans], dtype=torch.long)
         key_pos = torch.arange(max_blocks * bs, dtype=torch.long)
         dev = self.device
+        fused_tables = fused_lens = None
+        if self._fused():
+            # Each draft query is a decode row of its own: the same kernel and the same arithmetic
+            # as plain decoding at that position, so verification agrees with it bit for bit.
+            per_span = torch.tensor([s.query_len for s in spans])
+            fused_tables = table.repeat_interleave(per_span, dim=0)
+            fused_lens = torch.tensor([s.context_len - s.query_len + r + 1 for s in spans for r in range(s.query_len)],
+                                      dtype=torch.long)
         return _TorchVerifyMeta(
+            fused_tables=fused_tables, fused_lens=fused_lens,
             block_table=table.view(-1).to(dev), query_rows=torch.tensor(query_rows, device=dev),
             out_rows=torch.tensor(out_rows, device=dev), first_row=spans[0].query_start,
             num_rows=sum(s.query_len for s in spans),
@@ -156,7 +177,7 @@ class TorchAttentionBackend:
         lens_t = torch.tensor(lens, dtype=torch.long)
         key_pos = torch.arange(max_blocks * bs, dtype=torch.long)[None, :]
         return _TorchDecodeMeta(
-            block_table=table.view(-1).to(self.device), key_pos=key_pos.to(self.device),
+            block_table=table.view(-1).to(self.device), lens=lens_t, fused=self._fused(), key_pos=key_pos.to(self.device),
             query_pos=(lens_t - 1)[:, None].to(self.device),
             valid=(key_pos < lens_t[:, None]).to(self.device), masks={})
 
@@ -190,6 +211,9 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, window, dm: _TorchDecodeMeta) -> torch.Tensor:
         b = dm.query_pos.shape[0]
+        if dm.fused:   # reads the paged cache in place: no gather, no mask
+            return cpu_ops.decode_attention(q, k_cache, v_cache, dm.block_table.view(b, -1), dm.lens, window,
+                                            self.scale)
         length = dm.key_pos.shape[1]
         mask = dm.masks.get((window, q.dtype))
         if mask is None:
@@ -210,6 +234,9 @@ class TorchAttentionBackend:
     def _verify(self, q, k_cache, v_cache, window, vm: _TorchVerifyMeta) -> torch.Tensor:
         """All verifications in one SDPA call: queries padded to the widest span, each query row
         masked by its own position (causal among the drafts, over the sequence's context)."""
+        if vm.fused_tables is not None:
+            rows = q[vm.first_row:vm.first_row + vm.num_rows]
+            return cpu_ops.decode_attention(rows, k_cache, v_cache, vm.fused_tables, vm.fused_lens, window, self.scale)
         b, width = vm.query_pos.shape[:2]
         length = vm.key_pos.shape[-1]
         mask = vm.masks.get((window, q.dtype))
@@ -252,12 +279,13 @@ class TorchAttentionBackend:
 
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                           device: torch.device) -> AttentionBackend:
-    """Registry with lazy imports: optional backends load only when chosen."""
+                           device: torch.device, plan: KernelPlan | None = None) -> AttentionBackend:
+    """Registry with lazy imports: optional backends load only when chosen. The torch backend
+    follows `plan`'s decode-attention choice."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan)
     if name == "triton":
         try:
             from kernels.backend import TritonAttentionBackend  # noqa: PLC0415

@@ -37,12 +37,12 @@ class EagleHead(nn.Module):
                 kv_layer: torch.Tensor, backend, meta, logits_indices: torch.Tensor | None = None):
         """Returns (g [T, H], fp32 logits of `logits_indices` rows or None); stores the head's KV."""
         target = self.target[0]
-        u = self.fc(torch.cat((target.embed_tokens(input_ids), prev_features), dim=-1))
-        cos, sin = target.rotary.lookup(positions, u.dtype)
-        g = self.layer(u, cos, sin, kv_layer[0], kv_layer[1], backend, meta)
+        u = self.fc.forward(torch.cat((target.embed_tokens(input_ids), prev_features), dim=-1))
+        fp = target.new_pass(positions, u.dtype, backend, meta)
+        g = self.layer.forward(u, fp, kv_layer[0], kv_layer[1])
         if logits_indices is None:
             return g, None
-        return g, target.lm_head(target.norm(g.index_select(0, logits_indices))).float()
+        return g, target.lm_head.forward(target.final_norm(g.index_select(0, logits_indices), fp)).float()
 
 
 def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,

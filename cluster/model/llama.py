@@ -13,26 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.attention import AttentionBackend
+from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import ModelConfig, RopeConfig
+from cluster.model.ops import ForwardPass
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the pass's kernel plan computes it (`ForwardPass.norm`)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return self.weight * torch.rms_norm(x, self.weight.shape, eps=self.eps)
-        if x.shape[0] <= 64:
-            # Decode: one fused op (fp32 inside) instead of six. transformers rounds the normalised
-            # value to bf16 before the weight multiply; one rounding fewer is not bit-identical.
-            return torch.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
-        # Prefill: torch's fused CPU kernel is ~2x slower than the plain ops on thousands of rows.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -69,13 +61,6 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Hugging Face layout) on [T, H, D]: x*cos + rotate_half(x)*sin, with
-    rotate_half(x)*sin == cat(x2, x1) * cat(-sin, sin) bit for bit."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -83,16 +68,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, window, backend: AttentionBackend, meta):
+    def forward(self, x, fp: ForwardPass, k_cache, v_cache, window):
         cfg = self.cfg
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        qk = apply_rope(qk, cos, sin)
+        qkv = self.qkv_proj.forward(x)
+        qk = fp.rope(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        out = backend.forward(q, k, v, k_cache, v_cache, window, meta)
-        return self.o_proj(out)
+        out = fp.backend.forward(q, k, v, k_cache, v_cache, window, fp.meta)
+        return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
@@ -105,7 +89,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj.forward(F.silu(self.gate_proj.forward(x)) * self.up_proj.forward(x))
 
 
 class DecoderLayer(nn.Module):
@@ -117,9 +101,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, self.window, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, fp: ForwardPass, k_cache, v_cache):
+        """Updates x (the residual stream, [T, H]) in place and returns it. Submodules are called
+        through .forward: nn.Module.__call__'s hook machinery costs more than a small op."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        attn = self.self_attn.forward(fp.norm(x, n1.weight, n1.eps), fp, k_cache, v_cache, self.window)
+        x.add_(self.mlp.forward(fp.add_norm(attn, x, n2.weight, n2.eps)))
+        return x
 
 
 class CausalLM(nn.Module):
@@ -133,6 +121,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+        self.kernel_plan: KernelPlan | None = None   # set by cluster.model.kernels.apply_kernel_plan
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -143,11 +132,18 @@ class CausalLM(nn.Module):
         every row with `return_hidden`). `layer_hook(i)` runs once layer i's
         KV is in the cache (layer-wise KV push overlaps the transfer with the rest of the pass)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
+        fp = self.new_pass(positions, x.dtype, backend, meta)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend, meta)
+            layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
             if layer_hook is not None:
                 layer_hook(i)
-        logits = self.lm_head(self.norm(x.index_select(0, logits_indices))).float()
+        logits = self.lm_head.forward(self.final_norm(x.index_select(0, logits_indices), fp)).float()
         # The last layer's output before the norm: what an EAGLE head reads.
         return (logits, x) if return_hidden else logits
+
+    def new_pass(self, positions: torch.Tensor, dtype: torch.dtype, backend, meta) -> ForwardPass:
+        plan = self.kernel_plan or KernelPlan.reference(dtype, positions.device)
+        return ForwardPass(plan, positions, self.rotary, dtype, backend, meta)
+
+    def final_norm(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
+        return fp.norm(x, self.norm.weight, self.norm.eps)

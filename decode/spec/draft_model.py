@@ -19,7 +19,7 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
-from cluster.model.cpu_linear import pack_linears, packing_available
+from cluster.model.kernel_choice import apply_kernel_plan
 from cluster.model.loader import load_model
 from cluster.types import KVLayout
 from decode.spec.lookahead import DraftBatch, StopRule
@@ -40,8 +40,7 @@ class DraftModelProposer:
         dtype = engine.dtype
         self.model_config, self.model = load_model(config.draft_dir, dtype=dtype, device=engine.device,
                                                    max_positions=engine.max_model_len)
-        if engine.config.pack_weights and packing_available(dtype, engine.device):
-            pack_linears(self.model)
+        apply_kernel_plan(self.model, engine.kernel_plan)   # the target's choices: one plan per engine
         mc = self.model_config
         bs = engine.layout.block_size
         self.block_size = bs
@@ -54,7 +53,7 @@ class DraftModelProposer:
         self.cache = PagedKVCache(self.layout, num_blocks, engine.device)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                         mc.head_dim, engine.device)
+                                         mc.head_dim, engine.device, engine.kernel_plan)
         self.runner = ModelRunner(self.model, self.cache.arena, backend, bs, engine.device)
         self._states: dict[Sequence, _DraftState] = {}
 

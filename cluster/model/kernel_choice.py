@@ -1,0 +1,91 @@
+"""Resolve a model's kernel plan (cached, or measured once) and apply it to a loaded model.
+
+The cache key holds everything a measured choice depends on: the model's shapes, the dtype, the
+thread count, the CPU (model name and flags), torch's version and the C ops' source. A cluster's
+driver resolves the plan once and hands it to every worker in its EngineConfig.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from cluster.config import cache_dir
+from cluster.model.kernel_plan import PLAN_VERSION, KernelPlan, LinearPath
+from cluster.model.linear import apply_linear_path
+from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "torch")   # auto: measured on CPU, torch ops on other devices; torch: torch ops only
+
+
+def plan_key(mc: ModelConfig, dtype: torch.dtype, threads: int) -> str:
+    from kernels import cpu_ops  # noqa: PLC0415
+    shape = (mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
+             mc.num_layers, mc.q_size, mc.kv_size)
+    parts = [PLAN_VERSION, shape, str(dtype), threads, cpu_ops.cpu_signature(),
+             torch.__version__, hashlib.sha256(cpu_ops.SOURCE.read_bytes()).hexdigest()]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.device, mode: str,
+                        threads: int | None = None) -> KernelPlan:
+    """The plan for this model on this machine with `threads` torch threads (default: the
+    current setting, which the measurement then runs with)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+    if mode == "torch" or device.type != "cpu":
+        return KernelPlan.reference(dtype, device)
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    path = cache_dir() / "kernel_plans" / f"{plan_key(mc, dtype, threads)}.json"
+    try:
+        plan = KernelPlan.from_json(path.read_text())
+        log.info("kernel plan from %s: %s", path, plan.describe())
+        return KernelPlan(plan.linear, plan.norm, plan.rope, plan.decode_attention, plan.buckets, origin="cached")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from cluster.model.kernel_measure import measure_kernel_plan  # noqa: PLC0415
+    torch.set_num_threads(threads)
+    try:
+        plan = measure_kernel_plan(mc, dtype)
+    finally:
+        torch.set_num_threads(previous)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(plan.to_json())
+    os.replace(f.name, path)   # atomic: a concurrent reader sees the old file or the whole new one
+    return plan
+
+
+def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
+    """Lay the model's linear weights out for the plan and make its passes follow it."""
+    if plan.uses_c_ops():
+        from kernels import cpu_ops  # noqa: PLC0415
+        if cpu_ops.load(cache_dir()) is None:
+            raise RuntimeError("the kernel plan uses the fused C ops, which could not be built here "
+                               "(no C compiler?); run with kernels='torch' (--kernels torch)")
+    count = apply_linear_path(model, plan.linear)
+    if count:
+        log.info("%d linear layers laid out for the %s path", count, plan.linear.value)
+    if hasattr(model, "kernel_plan"):
+        model.kernel_plan = plan
+
+
+
+def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
+    """The plan for an EngineConfig: the one it carries, else resolved for its model, dtype,
+    device and `threads`. `pack_weights=False` keeps plain linears whatever the plan says."""
+    plan = config.kernel_plan
+    if plan is None:
+        mc = load_model_config(config.model)
+        dtype = mc.dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+        plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
+    if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
+        plan = replace(plan, linear=LinearPath.PLAIN)
+    return plan

@@ -1,0 +1,275 @@
+/* Fused CPU ops for small-batch decode, where torch's per-op dispatch costs more than the
+ * arithmetic: one call instead of the 4-7 torch ops each of these replaces.
+ *
+ * Built at first use by kernels/cpu_ops.py (gcc -O3 -march=native) and called through ctypes
+ * with raw pointers; single-threaded on purpose (a decode row is a few microseconds of work;
+ * waking an OpenMP team costs more, and a second OpenMP runtime beside torch's would fight it).
+ *
+ * Every op rounds where the torch code it replaces rounds (bf16 after each op, arithmetic in
+ * fp32), so the result is bit-identical to that torch code except rms_norm's sum of squares,
+ * whose order differs (fp32 accumulation, well inside bf16 rounding).
+ * dtype codes: 0 = float32, 1 = bfloat16.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {   /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float rnd(float x, int bf) { return bf ? bf2f(f2bf(x)) : x; }
+
+/* exp(x - m) in place over a[0..n): 2^k by the exponent, 2^f on [-0.5, 0.5] by a degree-6
+ * Taylor series (relative error ~2e-7, a few fp32 ulp). AVX-512 where the compiler targets it
+ * (gcc does not vectorise the bit tricks of a scalar version), libm's expf otherwise. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline void exp_shifted(float *a, int64_t n, float m) {
+    const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.0f);
+    const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), ln2 = _mm512_set1_ps(0.6931471805599453f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, a + j), vm), lo);
+        const __m512 t = _mm512_mul_ps(x, log2e);
+        const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, r), ln2);
+        __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 120.0f));
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 24.0f));
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f / 6.0f));
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(0.5f));
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+        p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(1.0f));
+        _mm512_mask_storeu_ps(a + j, k, _mm512_scalef_ps(p, r));
+    }
+}
+#else
+static inline void exp_shifted(float *a, int64_t n, float m) {
+    for (int64_t j = 0; j < n; j++) a[j] = expf(a[j] - m);
+}
+#endif
+
+static inline float load(const void *p, int64_t i, int bf) {
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf) {
+    if (bf) ((uint16_t *)p)[i] = f2bf(v); else ((float *)p)[i] = v;
+}
+
+/* out[r] = w * norm(x[r]), bf16 as transformers' Llama RMSNorm: normalise in fp32, round to the
+ * dtype, multiply by the weight in the dtype. With `residual` (not NULL): residual[r] += x[r]
+ * first (rounded to the dtype) and the sum is normalised: the decoder layer's residual add and
+ * the next norm in one pass. Row strides in elements. */
+#define LANES 16
+static inline __attribute__((always_inline)) void rms_norm_rows(const void *x, int64_t x_stride, void *residual, const void *w, void *out,
+                          int64_t rows, int64_t hidden, float eps, int bf) {
+    float buf[hidden];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t xo = r * x_stride, ro = r * hidden;
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = load(x, xo + i, bf);
+            if (residual) {
+                v = rnd(v + load(residual, ro + i, bf), bf);
+                store(residual, ro + i, v, bf);
+            }
+            buf[i] = v;
+        }
+        float lanes[LANES] = {0};   /* LANES partial sums: a reduction the compiler can vectorise */
+        int64_t i = 0;
+        for (; i + LANES <= hidden; i += LANES)
+            for (int l = 0; l < LANES; l++) lanes[l] += buf[i + l] * buf[i + l];
+        float ss = 0.f;
+        for (; i < hidden; i++) ss += buf[i] * buf[i];
+        for (int l = 0; l < LANES; l++) ss += lanes[l];
+        const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++)
+            store(out, ro + i, load(w, i, bf) * rnd(buf[i] * inv, bf), bf);
+    }
+}
+
+void ss_rms_norm(const void *x, int64_t x_stride, void *residual, const void *w, void *out,
+                 int64_t rows, int64_t hidden, float eps, int dtype) {
+    if (dtype == 1) rms_norm_rows(x, x_stride, residual, w, out, rows, hidden, eps, 1);
+    else rms_norm_rows(x, x_stride, residual, w, out, rows, hidden, eps, 0);
+}
+
+/* Rotate-half RoPE in place on the first `heads` heads of each row of the fused qkv projection:
+ * x*cos + cat(x2, x1)*signed_sin, each product and the sum rounded to the dtype, cos/sin read
+ * from the fp32 full-width tables at each row's position and rounded to the dtype first. */
+static inline __attribute__((always_inline)) void rope_rows(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t,
+                      const float *sin_t, int64_t rows, int64_t heads, int64_t dim, int bf) {
+    const int64_t half = dim / 2;
+    float c[dim], s[dim], v[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *cp = cos_t + positions[r] * dim, *sp = sin_t + positions[r] * dim;
+        for (int64_t i = 0; i < dim; i++) { c[i] = rnd(cp[i], bf); s[i] = rnd(sp[i], bf); }
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t o = r * row_stride + h * dim;
+            for (int64_t i = 0; i < dim; i++) v[i] = load(qkv, o + i, bf);
+            for (int64_t i = 0; i < dim; i++) {
+                const float rot = i < half ? v[i + half] : v[i - half];
+                store(qkv, o + i, rnd(v[i] * c[i], bf) + rnd(rot * s[i], bf), bf);
+            }
+        }
+    }
+}
+
+void ss_rope(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
+             int64_t rows, int64_t heads, int64_t dim, int dtype) {
+    if (dtype == 1) rope_rows(qkv, row_stride, positions, cos_t, sin_t, rows, heads, dim, 1);
+    else rope_rows(qkv, row_stride, positions, cos_t, sin_t, rows, heads, dim, 0);
+}
+
+#define CHUNK 32   /* keys per online-softmax step of decode attention */
+
+#ifdef __AVX512F__
+/* One chunk of n keys (contiguous rows key_stride apart) for the GROUP query heads of one KV
+ * head, D a multiple of 16: every key row is loaded into registers once, converted from bf16 by
+ * a shift, and serves all heads; the dots of different keys and heads are independent, so they
+ * overlap in the pipeline instead of waiting on one reduction at a time. */
+static inline __m512 load16(const void *p, int64_t i, int bf) {
+    if (bf) return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline void chunk_scores16(const float *qf, int64_t group, int64_t dim, const void *k_cache, int64_t base,
+                                  int64_t key_stride, int64_t n, float *sc /* [group][CHUNK] */, int bf) {
+    const int64_t c16 = dim / 16;
+    for (int64_t j = 0; j < n; j++) {
+        __m512 k[16];
+        for (int64_t c = 0; c < c16; c++) k[c] = load16(k_cache, base + j * key_stride + c * 16, bf);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qf + g * dim), k[0]);
+            for (int64_t c = 1; c < c16; c++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + c * 16), k[c], s);
+            sc[g * CHUNK + j] = _mm512_reduce_add_ps(s);
+        }
+    }
+}
+
+static inline void chunk_values16(float *acc, int64_t group, int64_t dim, const void *v_cache, int64_t base,
+                                  int64_t key_stride, int64_t n, const float *sc, int bf) {
+    const int64_t c16 = dim / 16;
+    for (int64_t j = 0; j < n; j++) {
+        __m512 v[16];
+        for (int64_t c = 0; c < c16; c++) v[c] = load16(v_cache, base + j * key_stride + c * 16, bf);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 w = _mm512_set1_ps(sc[g * CHUNK + j]);
+            for (int64_t c = 0; c < c16; c++) {
+                float *a = acc + g * dim + c * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a)));
+            }
+        }
+    }
+}
+#define VECTOR_DIM(dim) ((dim) % 16 == 0 && (dim) <= 256)
+#else
+#define VECTOR_DIM(dim) 0
+#endif
+
+/* Paged decode attention, one query token per sequence, all sequences in one call.
+ * q: [B, Hq, D] (row stride q_stride elements); caches: [blocks, block_size, Hkv, D];
+ * tables: [B, max_blocks] int64; lens: [B] context lengths (the query sits at lens[b]-1);
+ * window: keys with pos > qpos - window, 0 for none. out: [B, Hq, D]. Online softmax in fp32,
+ * one chunk of up to CHUNK keys of one block at a time (bounded stack whatever the context); each
+ * key row is converted to fp32 once and serves the GROUP query heads that share it; the dot
+ * products are `omp simd` reductions (vectorised without -ffast-math). The output is rounded once.
+ * FMA contraction is allowed here: no torch op's rounding is being copied. */
+#define FAST __attribute__((optimize("fp-contract=fast")))
+static inline __attribute__((always_inline)) FAST void decode_rows(
+        const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *tables,
+        int64_t max_blocks, const int64_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t dim,
+        int64_t block_size, int64_t window, float scale, void *out, int bf) {
+    const int64_t group = hq / hkv, key_stride = hkv * dim;
+    const int vector_dim = VECTOR_DIM(dim);
+    (void)vector_dim;
+    float qf[group][dim], acc[group][dim], mx[group], denom[group], sc[group][CHUNK], row[dim];
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = lens[b];
+        const int64_t first = window > 0 && len > window ? len - window : 0;
+        for (int64_t kh = 0; kh < hkv; kh++) {
+            for (int64_t g = 0; g < group; g++) {
+                for (int64_t i = 0; i < dim; i++) {
+                    qf[g][i] = load(q, b * q_stride + (kh * group + g) * dim + i, bf) * scale;
+                    acc[g][i] = 0.f;
+                }
+                mx[g] = -INFINITY;
+                denom[g] = 0.f;
+            }
+            for (int64_t p0 = first; p0 < len;) {
+                const int64_t block = p0 / block_size, in_block = p0 - block * block_size;
+                int64_t n = block_size - in_block;
+                if (n > CHUNK) n = CHUNK;
+                if (n > len - p0) n = len - p0;
+                const int64_t base = (tables[b * max_blocks + block] * block_size + in_block) * key_stride + kh * dim;
+#ifdef __AVX512F__
+                if (vector_dim) chunk_scores16(&qf[0][0], group, dim, k_cache, base, key_stride, n, &sc[0][0], bf);
+                else
+#endif
+                for (int64_t j = 0; j < n; j++) {
+                    for (int64_t i = 0; i < dim; i++) row[i] = load(k_cache, base + j * key_stride + i, bf);
+                    for (int64_t g = 0; g < group; g++) {
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t i = 0; i < dim; i++) dot += qf[g][i] * row[i];
+                        sc[g][j] = dot;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float m = mx[g];
+                    for (int64_t j = 0; j < n; j++) m = sc[g][j] > m ? sc[g][j] : m;
+                    const float rescale = mx[g] == -INFINITY ? 0.f : expf(mx[g] - m);
+                    mx[g] = m;
+                    exp_shifted(sc[g], n, m);
+                    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t j = 0; j < n; j++) sum += sc[g][j];
+                    denom[g] = denom[g] * rescale + sum;
+                    for (int64_t i = 0; i < dim; i++) acc[g][i] *= rescale;
+                }
+#ifdef __AVX512F__
+                if (vector_dim) chunk_values16(&acc[0][0], group, dim, v_cache, base, key_stride, n, &sc[0][0], bf);
+                else
+#endif
+                for (int64_t j = 0; j < n; j++) {
+                    for (int64_t i = 0; i < dim; i++) row[i] = load(v_cache, base + j * key_stride + i, bf);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float wgt = sc[g][j];
+                        float *a = acc[g];
+#pragma omp simd
+                        for (int64_t i = 0; i < dim; i++) a[i] += wgt * row[i];
+                    }
+                }
+                p0 += n;
+            }
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < dim; i++)
+                    store(out, (b * hq + kh * group + g) * dim + i, acc[g][i] / denom[g], bf);
+        }
+    }
+}
+
+FAST void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                              const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch,
+                              int64_t hq, int64_t hkv, int64_t dim, int64_t block_size, int64_t window,
+                              float scale, void *out, int dtype) {
+    if (dtype == 1)
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim, block_size,
+                    window, scale, out, 1);
+    else
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim, block_size,
+                    window, scale, out, 0);
+}

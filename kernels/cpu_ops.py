@@ -1,0 +1,130 @@
+"""The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes.
+
+The library is compiled once per source and machine (gcc -O3 -march=native) into the cache folder
+the engine passes (`SPLITSERVE_CACHE_DIR`, default `~/.cache/splitserve`) under a name that hashes
+the source, the flags and the CPU, and renamed into place atomically, so concurrent workers never
+load half a file.
+Without a C compiler `load()` returns None and the engine keeps its torch ops (the kernel plan
+only offers what is available). Tensors must be contiguous in their last dimension; callers pass
+row strides explicitly.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "ops.c"
+# No FMA contraction: products and sums round where the torch code they replace rounds.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC", "-fno-math-errno")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _F32, _P, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "ss_rms_norm": (_P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT),
+    "ss_rope": (_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT),
+    "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
+}
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cpu_signature() -> str:
+    """The CPU's model name and flags: what -march=native compiles for, and what a measured
+    kernel choice depends on."""
+    model, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model.strip():
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+def load(folder: Path | None = None) -> ctypes.CDLL | None:
+    """The compiled library, building it under `folder` if needed (the first call's folder wins);
+    None where no compiler is available."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.info("no C compiler: fused CPU ops unavailable, torch ops only")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()[:16]
+    folder = folder or Path.home() / ".cache" / "splitserve"
+    target = folder / "cpu_ops" / f"ops-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", b"") or b""
+                log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
+                return None
+            os.replace(built, target)
+    lib = ctypes.CDLL(str(target))
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = None
+    _lib = lib
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * norm(x) over the last dim of a 2-D x (rows may be strided). With `residual`:
+    residual += x in place first, and the norm is of the sum."""
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=x.dtype) if out is None else out
+    _lib.ss_rms_norm(x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                     rows, hidden, eps, _DTYPE_CODES[x.dtype])
+    return out
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          heads: int, head_dim: int) -> None:
+    """Rotate the first `heads` heads of every row of the fused projection [T, *] in place; cos
+    and sin are the fp32 [max_positions, head_dim] tables, positions int64 [T]."""
+    _lib.ss_rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 qkv.shape[0], heads, head_dim, _DTYPE_CODES[qkv.dtype])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D];
+    tables int64 [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    out = torch.empty((b, hq, d), dtype=q.dtype)
+    _lib.ss_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                             tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
+                             out.data_ptr(), _DTYPE_CODES[q.dtype])
+    return out

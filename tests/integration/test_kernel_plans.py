@@ -1,0 +1,103 @@
+"""Kernel plans: measured once per machine and cached, and every path a plan can choose computes
+the model correctly (greedy tokens equal transformers in float32; bf16 log-probabilities track
+transformers' bf16 for each linear layout)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cluster.config import CacheConfig, EngineConfig
+from cluster.engine.engine import LLMEngine
+from cluster.model.kernel_choice import resolve_kernel_plan
+from cluster.model.kernel_plan import AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
+from cluster.model.model_config import load_model_config
+from cluster.types import SamplingParams
+from kernels import cpu_ops
+
+needs_c = pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler: fused CPU ops not built")
+N = len(BatchBuckets().sizes)
+
+
+def fused_plan(linear: LinearPath) -> KernelPlan:
+    return KernelPlan(linear, (NormPath.FUSED_C,) * N, (RopePath.FUSED_C,) * N, AttentionPath.FUSED_C)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 384, (n,), generator=g).tolist() for n in (5, 16, 33, 47)]
+
+
+def test_buckets_and_plan_round_trip():
+    b = BatchBuckets((1, 4, 16))
+    assert [b.index(n) for n in (1, 2, 4, 5, 16, 99)] == [0, 1, 1, 2, 2, 2]
+    assert [b.bucket(n) for n in (1, 3, 16, 99)] == [1, 4, 16, 99]
+    with pytest.raises(ValueError):
+        BatchBuckets((4, 2))
+    plan = replace(fused_plan(LinearPath.PACKED), norm=(NormPath.FUSED_C,) * 3 + (NormPath.TORCH_OPS,) * (N - 3))
+    assert KernelPlan.from_json(plan.to_json()) == plan
+    assert "norm fused_c<=4, torch_ops" in plan.describe()
+    with pytest.raises(ValueError):
+        KernelPlan(LinearPath.PLAIN, (NormPath.FUSED_C,), (RopePath.TORCH,) * N, AttentionPath.SDPA)
+
+
+def test_plan_is_measured_once_then_read_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
+    threads_before = torch.get_num_threads()
+    mc = load_model_config(tiny_model_dir("llama"))
+    first = resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "auto", threads=1)
+    assert first.origin == "measured" and len(list((tmp_path / "kernel_plans").glob("*.json"))) == 1
+    again = resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "auto", threads=1)
+    assert again.origin == "cached" and replace(again, origin="measured") == first
+    # Another thread count is another machine setting: measured separately.
+    resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "auto", threads=2)
+    assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 2
+    assert torch.get_num_threads() == threads_before    # measured with its own threads, then restored
+    assert resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "torch").origin == "reference"
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir):
+    import transformers
+    cache = {}
+
+    def ref(kind):
+        if kind not in cache:
+            model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(kind), dtype=torch.float32)
+            cache[kind] = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                           for p in _prompts()]
+        return cache[kind]
+    return ref
+
+
+@needs_c
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("plan", ["fused", "reference"])
+def test_float32_greedy_equals_transformers_on_every_path(kind, plan, tiny_model_dir, hf_greedy):
+    chosen = fused_plan(LinearPath.PLAIN) if plan == "fused" else KernelPlan.reference(torch.float32)
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir(kind), dtype="float32", kernel_plan=chosen,
+                                    cache=CacheConfig(block_size=4, num_blocks=128)))
+    assert engine.kernel_plan == chosen
+    out = engine.generate(_prompts(), SamplingParams(max_tokens=12))
+    assert [list(c.token_ids) for c in out] == hf_greedy(kind)
+    engine.pool.check_idle()
+
+
+@needs_c
+@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST])
+def test_bfloat16_tracks_transformers_on_every_linear_path(linear, tiny_model_dir):
+    import transformers
+    model_dir = tiny_model_dir("llama")
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kernel_plan=fused_plan(linear),
+                                    cache=CacheConfig(num_blocks=32)))
+    weights = sum(b.numel() * b.element_size() for b in engine.model.buffers() if b.dim() == 2)
+    if linear is LinearPath.FP32_UPCAST:   # float32 copies of every projection: twice the bytes, counted
+        assert weights >= 2 * sum(m.in_features * m.out_features * 2 for m in engine.model.modules()
+                                  if hasattr(m, "in_features"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    for prompt in _prompts():
+        out = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+        for token, logprob in out.logprobs[0].top:
+            assert logprob == pytest.approx(float(ref[token]), abs=0.1)
+    engine.pool.check_idle()

@@ -1,0 +1,94 @@
+"""The fused C ops (kernels/cpu_ops.py) against the torch code they replace: bit for bit where the
+op copies torch's rounding (bf16 norm, RoPE), within fp32 rounding for attention, over the shapes
+the engine meets (GQA groups 1-8, head dims that are and are not multiples of 16, windows, block
+sizes, ragged lengths, rows strided inside the fused qkv projection)."""
+import pytest
+import torch
+
+from cluster.model.attention import AttentionBatch, TorchAttentionBackend
+from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
+from kernels import cpu_ops
+
+if cpu_ops.load() is None:
+    pytest.skip("no C compiler: the fused CPU ops are not built here", allow_module_level=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 384), (7, 48), (300, 512)])
+def test_rms_norm_and_fused_residual(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, hidden + 16, generator=g).to(dtype)
+    x = wide[:, :hidden]                                  # strided rows, as a slice of a wider output
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    ref = (_torch_norm_ops if dtype == torch.bfloat16 else _torch_norm_fused)(x, w, 1e-5)
+    got = cpu_ops.rms_norm(x, w, 1e-5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)          # transformers' rounding: normalise in fp32, round, times weight
+    else:
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    summed = residual + x
+    res = residual.clone()
+    got = cpu_ops.rms_norm(x, w, 1e-5, residual=res)
+    assert torch.equal(res, summed)
+    torch.testing.assert_close(got, cpu_ops.rms_norm(summed, w, 1e-5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (4, 4, 16), (8, 1, 80)])
+def test_rope_in_place_equals_torch(dtype, heads, kv_heads, dim):
+    from cluster.model.llama import RotaryTable
+    from cluster.model.model_config import RopeConfig
+    rotary = RotaryTable(RopeConfig(kind="default", theta=10000.0), dim, 512)
+    rows = 9
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (rows,), generator=g)
+    n = heads + kv_heads
+    cos, sin = rotary.lookup(positions, dtype)
+    want = apply_rope(qkv[:, : n * dim].view(rows, n, dim), cos, sin)
+    got = qkv.clone()
+    cpu_ops.rope_(got, positions, rotary.cos, rotary.sin, n, dim)
+    assert torch.equal(got[:, : n * dim].view(rows, n, dim), want)
+    assert torch.equal(got[:, n * dim:], qkv[:, n * dim:])          # values untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size,window", [
+    (6, 2, 64, 16, None), (8, 1, 128, 4, None), (4, 4, 48, 16, 23), (3, 1, 16, 1, None), (2, 2, 80, 32, 5)])
+def test_decode_attention_matches_sdpa(dtype, heads, kv_heads, dim, block_size, window):
+    g = torch.Generator().manual_seed(heads * dim)
+    lens = [1, 5, block_size, block_size + 1, 3 * block_size + 7, 70]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(tuple(perm[used:used + need]))
+        used += need
+    q = torch.randn(len(lens), heads + 2, dim, generator=g).to(dtype)[:, :heads]   # strided rows
+    backend = TorchAttentionBackend(heads, kv_heads, dim, torch.device("cpu"))
+    batch = AttentionBatch(num_decode=len(lens), decode_context_lens=tuple(lens), decode_block_tables=tuple(tables),
+                           prefills=(), slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_size=block_size)
+    meta = backend.prepare(batch).decode
+    want = backend._decode(q, k_cache, v_cache, window, meta)
+    got = cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_table.view(len(lens), -1), meta.lens, window,
+                                   dim ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_decode_attention_rows_are_batch_invariant():
+    """A row's output does not depend on the other rows of the call: bitwise, in bf16."""
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(40, 16, 2, 64, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(40, 16, 2, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(5, 6, 64, generator=g).to(torch.bfloat16)
+    tables = torch.arange(40).view(5, 8)
+    lens = torch.tensor([100, 3, 128, 17, 64])
+    together = cpu_ops.decode_attention(q, k_cache, v_cache, tables, lens, None, 0.125)
+    for i in range(5):
+        alone = cpu_ops.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], None, 0.125)
+        assert torch.equal(alone[0], together[i])
