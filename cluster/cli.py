@@ -18,7 +18,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device of the model and KV cache (cpu, cuda)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads per engine (default: the cores this process may use; a local "
+                        "cluster splits them between its workers, one core left to the router)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
+                   help="auto: the kernel plan measured once on this machine (cached); torch: torch ops only")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--speculative", default=None, choices=list(SPEC_METHODS),
                    help="speculative decoding proposer (default off; with generate --server: the server's default)")
@@ -117,6 +121,7 @@ def _engine_config(args) -> EngineConfig:
         device=args.device,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        kernels=args.kernels,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
         speculative=_speculative_config(args),
     )

@@ -125,8 +125,11 @@ def test_cancel_mid_stream_frees_every_block(cluster):
 
 def test_deadline_exceeded_stops_the_request(cluster):
     client = Client(cluster.target)
+    # A 9-token prompt goes through a prefill worker (local_prefill_max_tokens=4), and 10 ms is less
+    # than that handoff alone takes here (~11 ms): the request cannot finish first however fast the
+    # engine decodes (with a 50 ms deadline the tiny model's 64 tokens sometimes did).
     with pytest.raises(grpc.RpcError) as info:
-        list(client.stream(_prompts(1)[0], max_tokens=64, ignore_eos=True, timeout=0.05))
+        list(client.stream(_prompts(2)[1], max_tokens=64, ignore_eos=True, timeout=0.01))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = cluster.wait_idle()
     assert all(s["blocks_used"] == 0 for s in stats), stats
@@ -280,3 +283,16 @@ def test_tls_serving(tiny_model_dir, tmp_path):
             Client(c.target).generate("x", max_tokens=1, timeout=5)
     finally:
         c.stop()
+
+
+def test_every_worker_runs_the_one_kernel_plan_on_its_own_cores(cluster):
+    """The driver resolves the plan once and hands it to every worker: a prefill and a decode
+    worker never compute the same rows with different kernels. Local workers get threads and
+    (where the node has cores to spare) disjoint pinned cores."""
+    async def go():
+        return [await c.handle.compute_setup.remote() for c in cluster.cluster.workers.values()]
+    setups = cluster.run(go())
+    assert len(setups) == 2 and setups[0].plan == setups[1].plan
+    assert all(s.threads == 1 for s in setups)
+    pinned = [set(s.cpus) for s in setups if s.cpus is not None]
+    assert all(not (a & b) for i, a in enumerate(pinned) for b in pinned[i + 1:])
