@@ -1,10 +1,11 @@
 """The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes.
 
-The library is compiled once per source and machine (gcc -O3 -march=native) into the cache folder
-the engine passes (`SPLITSERVE_CACHE_DIR`, default `~/.cache/splitserve`) under a name that hashes
-the source, the flags and the CPU, and renamed into place atomically, so concurrent workers never
-load half a file.
-Without a C compiler `load()` returns None and the engine keeps its torch ops (the kernel plan
+The library is compiled once per source and machine (gcc -O3 -march=native, about a second) into
+the cache folder the engine passes (`SPLITSERVE_CACHE_DIR`, default `~/.cache/splitserve`) under a
+name that hashes the sources, the flags, the CPU and torch's version, and renamed into place
+atomically, so concurrent workers never load half a file. `cpu/parallel.cpp`, linked against
+libtorch, splits rows between torch's own threads (at::parallel_for); without a C++ compiler the
+ops run on one thread. Without a C compiler `load()` returns None and the engine keeps its torch ops (the kernel plan
 only offers what is available). Tensors must be contiguous in their last dimension; callers pass
 row strides explicitly.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import inspect
 import logging
 import os
 import platform
@@ -25,8 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "ops.c"
+PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over torch's thread pool
 # No FMA contraction: products and sums round where the torch code they replace rounds.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _F32, _P, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -34,6 +37,7 @@ _SIGNATURES = {
     "ss_rope": (_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT),
     "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
 }
+_fns: dict[str, ctypes._CFuncPtr] = {}   # op name -> the parallel entry point where built, else the serial one
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -58,6 +62,50 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
+def _build(folder: Path) -> Path | None:
+    """ops.c plus, where torch's headers and a C++ compiler are there, parallel.cpp; the name
+    hashes both sources, this recipe, the CPU and torch's version."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cc is None:
+        log.info("no C compiler: fused CPU ops unavailable, torch ops only")
+        return None
+    torch_dir = Path(torch.__file__).parent
+    key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
+                         + PARALLEL_SOURCE.read_bytes()
+                         + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
+    target = folder / "cpu_ops" / f"ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, par, built = Path(tmp) / "ops.o", Path(tmp) / "parallel.o", Path(tmp) / target.name
+        try:
+            _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
+            try:
+                if cxx is None:
+                    raise OSError("no C++ compiler")
+                # at::parallel_for is inline OpenMP: compiled with -fopenmp and linked to torch's own
+                # libgomp (the one already loaded: same soname), it runs on torch's thread team.
+                _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
+                      f"-I{torch_dir / 'include'}"])
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(par), f"-L{torch_dir / 'lib'}",
+                      "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
+                _run([cc, "-shared", "-o", str(built), str(obj), "-lm"])
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
+            return None
+        os.replace(built, target)   # atomic: a concurrent worker loads the old file or the whole new one
+    return target
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180)
+
+
 def load(folder: Path | None = None) -> ctypes.CDLL | None:
     """The compiled library, building it under `folder` if needed (the first call's folder wins);
     None where no compiler is available."""
@@ -65,31 +113,17 @@ def load(folder: Path | None = None) -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.info("no C compiler: fused CPU ops unavailable, torch ops only")
+    target = _build(folder or Path.home() / ".cache" / "splitserve")
+    if target is None:
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()[:16]
-    folder = folder or Path.home() / ".cache" / "splitserve"
-    target = folder / "cpu_ops" / f"ops-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            try:
-                subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
-                               capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", b"") or b""
-                log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
-                return None
-            os.replace(built, target)
     lib = ctypes.CDLL(str(target))
     for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = None
+        for symbol in (name, f"{name}_par"):
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                fn.argtypes = args
+                fn.restype = None
+                _fns[name] = fn
     _lib = lib
     return lib
 
@@ -104,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     residual += x in place first, and the norm is of the sum."""
     rows, hidden = x.shape
     out = torch.empty((rows, hidden), dtype=x.dtype) if out is None else out
-    _lib.ss_rms_norm(x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+    _fns["ss_rms_norm"](x.data_ptr(), x.stride(0), _ptr(residual), weight.data_ptr(), out.data_ptr(),
                      rows, hidden, eps, _DTYPE_CODES[x.dtype])
     return out
 
@@ -113,7 +147,7 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
           heads: int, head_dim: int) -> None:
     """Rotate the first `heads` heads of every row of the fused projection [T, *] in place; cos
     and sin are the fp32 [max_positions, head_dim] tables, positions int64 [T]."""
-    _lib.ss_rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    _fns["ss_rope"](qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  qkv.shape[0], heads, head_dim, _DTYPE_CODES[qkv.dtype])
 
 
@@ -124,7 +158,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     out = torch.empty((b, hq, d), dtype=q.dtype)
-    _lib.ss_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+    _fns["ss_decode_attention"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                              tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
                              out.data_ptr(), _DTYPE_CODES[q.dtype])
     return out

@@ -160,19 +160,24 @@ static inline void chunk_scores16(const float *qf, int64_t group, int64_t dim, c
     }
 }
 
+/* acc[g] += sum_j sc[g][j] * V[j]: the chunk's value rows converted once into an fp32 buffer
+ * (L1), then each head's accumulator lives in registers for the whole chunk: no store-to-load
+ * chain through memory from one key to the next. */
 static inline void chunk_values16(float *acc, int64_t group, int64_t dim, const void *v_cache, int64_t base,
                                   int64_t key_stride, int64_t n, const float *sc, int bf) {
     const int64_t c16 = dim / 16;
-    for (int64_t j = 0; j < n; j++) {
-        __m512 v[16];
-        for (int64_t c = 0; c < c16; c++) v[c] = load16(v_cache, base + j * key_stride + c * 16, bf);
-        for (int64_t g = 0; g < group; g++) {
+    float vf[CHUNK * 256] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < c16; c++)
+            _mm512_store_ps(vf + j * dim + c * 16, load16(v_cache, base + j * key_stride + c * 16, bf));
+    for (int64_t g = 0; g < group; g++) {
+        __m512 a[16];
+        for (int64_t c = 0; c < c16; c++) a[c] = _mm512_loadu_ps(acc + g * dim + c * 16);
+        for (int64_t j = 0; j < n; j++) {
             const __m512 w = _mm512_set1_ps(sc[g * CHUNK + j]);
-            for (int64_t c = 0; c < c16; c++) {
-                float *a = acc + g * dim + c * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a)));
-            }
+            for (int64_t c = 0; c < c16; c++) a[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vf + j * dim + c * 16), a[c]);
         }
+        for (int64_t c = 0; c < c16; c++) _mm512_storeu_ps(acc + g * dim + c * 16, a[c]);
     }
 }
 #define VECTOR_DIM(dim) ((dim) % 16 == 0 && (dim) <= 256)
@@ -191,16 +196,17 @@ static inline void chunk_values16(float *acc, int64_t group, int64_t dim, const 
 #define FAST __attribute__((optimize("fp-contract=fast")))
 static inline __attribute__((always_inline)) FAST void decode_rows(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *tables,
-        int64_t max_blocks, const int64_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t dim,
-        int64_t block_size, int64_t window, float scale, void *out, int bf) {
+        int64_t max_blocks, const int64_t *lens, int64_t item0, int64_t item1, int64_t hq, int64_t hkv,
+        int64_t dim, int64_t block_size, int64_t window, float scale, void *out, int bf) {
     const int64_t group = hq / hkv, key_stride = hkv * dim;
     const int vector_dim = VECTOR_DIM(dim);
     (void)vector_dim;
     float qf[group][dim], acc[group][dim], mx[group], denom[group], sc[group][CHUNK], row[dim];
-    for (int64_t b = 0; b < batch; b++) {
+    for (int64_t item = item0; item < item1; item++) {   /* item: (sequence b, KV head kh) */
+        const int64_t b = item / hkv, kh = item % hkv;
         const int64_t len = lens[b];
         const int64_t first = window > 0 && len > window ? len - window : 0;
-        for (int64_t kh = 0; kh < hkv; kh++) {
+        {
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t i = 0; i < dim; i++) {
                     qf[g][i] = load(q, b * q_stride + (kh * group + g) * dim + i, bf) * scale;
@@ -262,14 +268,24 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
     }
 }
 
-FAST void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                              const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch,
-                              int64_t hq, int64_t hkv, int64_t dim, int64_t block_size, int64_t window,
-                              float scale, void *out, int dtype) {
+/* Items [item0, item1) of the batch's (sequence, KV head) pairs: parallel.cpp splits them
+ * between threads; each item's arithmetic is the same whatever the split. */
+FAST void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                    const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
+                                    int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
+                                    int64_t window, float scale, void *out, int dtype) {
     if (dtype == 1)
-        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim, block_size,
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
                     window, scale, out, 1);
     else
-        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim, block_size,
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
                     window, scale, out, 0);
+}
+
+void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch, int64_t hq,
+                         int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale, void *out,
+                         int dtype) {
+    ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, 0, batch * hkv, hq, hkv, dim,
+                              block_size, window, scale, out, dtype);
 }

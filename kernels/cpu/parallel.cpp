@@ -1,0 +1,57 @@
+// The C ops of ops.c run over torch's own intra-op thread pool (at::parallel_for): rows (or
+// sequences) are split between the threads torch already runs, so nothing competes with torch's
+// OpenMP team for the cores. Each row's arithmetic is the same whatever the split, so the result
+// does not depend on the thread count or the batch. Built beside ops.c when torch's headers are
+// there; without them the Python side calls ops.c's serial entry points.
+#include <ATen/Parallel.h>
+#include <cstdint>
+
+extern "C" {
+void ss_rms_norm(const void *x, int64_t x_stride, void *residual, const void *w, void *out, int64_t rows,
+                 int64_t hidden, float eps, int dtype);
+void ss_rope(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
+             int64_t rows, int64_t heads, int64_t dim, int dtype);
+void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                               const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
+                               int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
+                               int64_t window, float scale, void *out, int dtype);
+}
+
+namespace {
+constexpr int64_t kRowGrain = 64;   // norm and RoPE rows per task: below this one thread is faster
+
+inline const char *at_row(const void *p, int64_t row, int64_t stride, int dtype) {
+    return static_cast<const char *>(p) + row * stride * (dtype == 1 ? 2 : 4);
+}
+inline char *at_row(void *p, int64_t row, int64_t stride, int dtype) {
+    return static_cast<char *>(p) + row * stride * (dtype == 1 ? 2 : 4);
+}
+}  // namespace
+
+extern "C" void ss_rms_norm_par(const void *x, int64_t x_stride, void *residual, const void *w, void *out,
+                                int64_t rows, int64_t hidden, float eps, int dtype) {
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+        ss_rms_norm(at_row(x, r0, x_stride, dtype), x_stride,
+                    residual ? at_row(residual, r0, hidden, dtype) : nullptr, w, at_row(out, r0, hidden, dtype),
+                    r1 - r0, hidden, eps, dtype);
+    });
+}
+
+extern "C" void ss_rope_par(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t,
+                            const float *sin_t, int64_t rows, int64_t heads, int64_t dim, int dtype) {
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+        ss_rope(at_row(qkv, r0, row_stride, dtype), row_stride, positions + r0, cos_t, sin_t, r1 - r0, heads, dim,
+                dtype);
+    });
+}
+
+extern "C" void ss_decode_attention_par(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                        const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                                        int64_t batch, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
+                                        int64_t window, float scale, void *out, int dtype) {
+    // Work items are (sequence, KV head) pairs: a single sequence still spreads over its KV heads.
+    at::parallel_for(0, batch * hkv, 1, [&](int64_t i0, int64_t i1) {
+        ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, i0, i1, hq, hkv, dim,
+                                  block_size, window, scale, out, dtype);
+    });
+}
