@@ -36,6 +36,8 @@ _SIGNATURES = {
     "ss_rms_norm": (_P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT),
     "ss_rope": (_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT),
     "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
+    "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
+    "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
 }
 _fns: dict[str, ctypes._CFuncPtr] = {}   # op name -> the parallel entry point where built, else the serial one
 _lib: ctypes.CDLL | None = None
@@ -151,6 +153,14 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
                  qkv.shape[0], heads, head_dim, _DTYPE_CODES[qkv.dtype])
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a contiguous [T, 2I] whose rows hold gate then up."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _fns["ss_silu_mul"](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype])
+    return out
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
     """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D];
@@ -162,3 +172,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                              tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
                              out.data_ptr(), _DTYPE_CODES[q.dtype])
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (rows may be strided views of the qkv projection); slots int64 [T];
+    caches [blocks, block_size, Hkv, D] contiguous."""
+    _fns["ss_store_kv"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
+                        k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k.dtype])

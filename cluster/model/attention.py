@@ -192,8 +192,11 @@ class TorchAttentionBackend:
         num_tokens = q.shape[0]
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        if self._fused() and k.stride(-1) == 1 and k.stride(-2) == self.head_dim:
+            cpu_ops.store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+        else:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
         if meta.decode is not None and not meta.prefills and meta.verify is None:   # pure decode: no scratch copy
             return self._decode(q, k_cache, v_cache, window, meta.decode).view(num_tokens, -1)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)

@@ -47,7 +47,7 @@ def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.devic
     try:
         plan = KernelPlan.from_json(path.read_text())
         log.info("kernel plan from %s: %s", path, plan.describe())
-        return KernelPlan(plan.linear, plan.norm, plan.rope, plan.decode_attention, plan.buckets, origin="cached")
+        return replace(plan, origin="cached")
     except (OSError, ValueError, KeyError, TypeError):
         pass
     from cluster.model.kernel_measure import measure_kernel_plan  # noqa: PLC0415

@@ -14,10 +14,11 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from cluster.config import cache_dir
 from cluster.model.attention import AttentionBatch, TorchAttentionBackend
-from cluster.model.kernel_plan import AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
+from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
 from cluster.model.linear import Fp32UpcastLinear, PackedLinear, packing_available
 from cluster.model.model_config import ModelConfig
 from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
@@ -58,7 +59,7 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int) -> tuple
     if len(candidates) == 1:
         return candidates[0], {}
     h, i = mc.hidden_size, mc.intermediate_size
-    shapes = [(mc.q_size + 2 * mc.kv_size, h), (h, mc.q_size), (i, h), (i, h), (h, i)]
+    shapes = [(mc.q_size + 2 * mc.kv_size, h), (h, mc.q_size), (2 * i, h), (h, i)]
     layer_bytes = sum(o * k for o, k in shapes) * dtype.itemsize
     copies = max(1, min(mc.num_layers, _WEIGHT_SPAN // max(layer_bytes, 1)))
     linears = [torch.nn.Linear(k, o, bias=False, dtype=dtype) for _ in range(copies) for o, k in shapes]
@@ -93,6 +94,15 @@ def _measure_norm(rows: int, hidden: int, dtype: torch.dtype, c_ops) -> NormPath
     if c_ops is not None:
         cands[NormPath.FUSED_C] = lambda: c_ops.rms_norm(x, w, 1e-5)
     return min(cands, key=lambda p: _best_time(cands[p]))
+
+
+def _measure_act(rows: int, inter: int, dtype: torch.dtype, c_ops) -> ActPath:
+    if c_ops is None:
+        return ActPath.TORCH
+    gate_up = torch.randn(rows, 2 * inter, dtype=dtype)
+    t_torch = _best_time(lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+    t_c = _best_time(lambda: c_ops.silu_mul(gate_up))
+    return ActPath.FUSED_C if t_c < t_torch else ActPath.TORCH
 
 
 def _measure_rope(rows: int, mc: ModelConfig, dtype: torch.dtype, rotary, c_ops) -> RopePath:
@@ -150,13 +160,17 @@ def measure_kernel_plan(mc: ModelConfig, dtype: torch.dtype, buckets: BatchBucke
     c_ops = cpu_ops if cpu_ops.supports(dtype) and cpu_ops.load(cache_dir()) is not None else None
     rotary = RotaryTable(mc.rope, mc.head_dim, min(mc.max_position_embeddings, 8192))
     linear, linear_times = _measure_linear(mc, dtype, max_rows)
-    norm, rope = [], []
+    norm, rope, act = [], [], []
     for size in buckets.sizes:
         rows = min(size, max(1, max_rows))
-        norm.append(norm[-1] if norm and rows < size else _measure_norm(rows, mc.hidden_size, dtype, c_ops))
-        rope.append(rope[-1] if rope and rows < size else _measure_rope(rows, mc, dtype, rotary, c_ops))
+        if norm and rows < size:   # above the limit: the largest measured bucket's choice
+            norm.append(norm[-1]), rope.append(rope[-1]), act.append(act[-1])
+            continue
+        norm.append(_measure_norm(rows, mc.hidden_size, dtype, c_ops))
+        rope.append(_measure_rope(rows, mc, dtype, rotary, c_ops))
+        act.append(_measure_act(rows, mc.intermediate_size, dtype, c_ops))
     attention = _measure_decode_attention(mc, dtype, c_ops, max_decode, buckets)
-    plan = KernelPlan(linear, tuple(norm), tuple(rope), attention, buckets, origin="measured")
+    plan = KernelPlan(linear, tuple(norm), tuple(rope), tuple(act), attention, buckets, origin="measured")
     log.info("kernel plan measured in %.1f s with %d threads: %s; linear us per pass at rows %s: %s",
              time.perf_counter() - t0, torch.get_num_threads(), plan.describe(),
              sorted({min(r, max_rows) for r in _LINEAR_ROWS}), linear_times)

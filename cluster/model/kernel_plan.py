@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan and stays light
     import torch
 
-PLAN_VERSION = 1   # bump when a path's meaning changes: cached plans of older versions are ignored
+PLAN_VERSION = 2   # bump when a path's meaning changes: cached plans of older versions are ignored
 
 
 class LinearPath(str, enum.Enum):
@@ -38,6 +38,11 @@ class NormPath(str, enum.Enum):
 class RopePath(str, enum.Enum):
     TORCH = "torch"
     FUSED_C = "fused_c"              # in place on the fused qkv projection, same rounding as torch
+
+
+class ActPath(str, enum.Enum):
+    TORCH = "torch"                  # F.silu(gate) * up on the halves of the fused projection
+    FUSED_C = "fused_c"              # one pass, vectorised exp (a few ulp from torch's silu)
 
 
 class AttentionPath(str, enum.Enum):
@@ -73,6 +78,7 @@ class KernelPlan:
     linear: LinearPath
     norm: tuple[NormPath, ...]                 # per bucket of rows in the pass
     rope: tuple[RopePath, ...]                 # per bucket of rows in the pass
+    act: tuple[ActPath, ...]                   # per bucket of rows in the pass
     # One choice for every batch: decode rows and speculative verification rows then compute the
     # same position with the same arithmetic whatever the batch (the C kernel is per row).
     decode_attention: AttentionPath
@@ -81,7 +87,7 @@ class KernelPlan:
 
     def __post_init__(self) -> None:
         n = len(self.buckets.sizes)
-        for name in ("norm", "rope"):
+        for name in ("norm", "rope", "act"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"kernel plan: {name} has {len(getattr(self, name))} entries for {n} buckets")
 
@@ -98,10 +104,10 @@ class KernelPlan:
         # torch's fused norm is one op but ~2x slower than the plain ops on thousands of 16-bit rows.
         norm = tuple(NormPath.TORCH_FUSED if dtype == torch.float32 or size <= 64 else NormPath.TORCH_OPS
                      for size in buckets.sizes)
-        return cls(linear, norm, (RopePath.TORCH,) * n, AttentionPath.SDPA, buckets)
+        return cls(linear, norm, (RopePath.TORCH,) * n, (ActPath.TORCH,) * n, AttentionPath.SDPA, buckets)
 
     def uses_c_ops(self) -> bool:
-        return (NormPath.FUSED_C in self.norm or RopePath.FUSED_C in self.rope
+        return (NormPath.FUSED_C in self.norm or RopePath.FUSED_C in self.rope or ActPath.FUSED_C in self.act
                 or self.decode_attention is AttentionPath.FUSED_C)
 
     def describe(self) -> str:
@@ -112,7 +118,7 @@ class KernelPlan:
                     continue
                 out.append(f"{c.value}<={sizes[i]}" if i + 1 < len(choices) else c.value)
             return ", ".join(out)
-        return (f"linear {self.linear.value}; norm {runs(self.norm)}; rope {runs(self.rope)}; "
+        return (f"linear {self.linear.value}; norm {runs(self.norm)}; rope {runs(self.rope)}; act {runs(self.act)}; "
                 f"decode attention {self.decode_attention.value} ({self.origin})")
 
     def to_json(self) -> str:
@@ -124,6 +130,6 @@ class KernelPlan:
         if raw.pop("version", None) != PLAN_VERSION:
             raise ValueError("kernel plan of another version")
         return cls(linear=LinearPath(raw["linear"]), norm=tuple(NormPath(v) for v in raw["norm"]),
-                   rope=tuple(RopePath(v) for v in raw["rope"]),
+                   rope=tuple(RopePath(v) for v in raw["rope"]), act=tuple(ActPath(v) for v in raw["act"]),
                    decode_attention=AttentionPath(raw["decode_attention"]),
                    buckets=BatchBuckets(tuple(raw["buckets"]["sizes"])), origin=raw.get("origin", "cached"))

@@ -2,14 +2,14 @@
 
 The forward pass works on a flat run of tokens (no padding) whose attention context lives in
 the paged KV cache. Projections are fused (qkv, gate+up) so a layer is a handful of large ops:
-at small batch the CPU is bound by per-op overhead, not by arithmetic.
+at small batch the CPU is bound by per-op overhead and weight reads, not by arithmetic. How each
+op runs (which kernel, per batch bucket) is the kernel plan's choice, made through `ForwardPass`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.attention import AttentionBackend
@@ -82,14 +82,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        # Separate gate and up projections: a fused one saves a call at decode, but its halves are
-        # strided views and SiLU-times-up on strided halves costs ~2x at prefill.
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        # gate and up as one projection (one weight stream, one call); its output's halves feed
+        # SiLU-times-up (a fused C op where the plan chooses it: torch's ops on the strided
+        # halves are slow at prefill).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(F.silu(self.gate_proj.forward(x)) * self.up_proj.forward(x))
+    def forward(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
+        return self.down_proj.forward(fp.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -106,7 +106,7 @@ class DecoderLayer(nn.Module):
         through .forward: nn.Module.__call__'s hook machinery costs more than a small op."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         attn = self.self_attn.forward(fp.norm(x, n1.weight, n1.eps), fp, k_cache, v_cache, self.window)
-        x.add_(self.mlp.forward(fp.add_norm(attn, x, n2.weight, n2.eps)))
+        x.add_(self.mlp.forward(fp.add_norm(attn, x, n2.weight, n2.eps), fp))
         return x
 
 

@@ -82,7 +82,7 @@ class TensorTaker:
 
 def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) -> dict[str, torch.Tensor]:
     """One decoder layer: transformers' names under `hf_prefix` onto ours under `our_prefix`,
-    q, k and v fused into one projection. `take(name)` fetches a tensor (and records a miss)."""
+    q, k and v fused into one projection, gate and up into another. `take(name)` fetches a tensor (and records a miss)."""
     a, m = hf_prefix + "self_attn.", hf_prefix + "mlp."
     out = {our_prefix + "self_attn.qkv_proj.weight": torch.cat(
         [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])}
@@ -92,10 +92,11 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) ->
     out[our_prefix + "self_attn.o_proj.weight"] = take(a + "o_proj.weight")
     if cfg.o_bias:
         out[our_prefix + "self_attn.o_proj.bias"] = take(a + "o_proj.bias")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        out[f"{our_prefix}mlp.{proj}.weight"] = take(m + proj + ".weight")
-        if cfg.mlp_bias:
-            out[f"{our_prefix}mlp.{proj}.bias"] = take(m + proj + ".bias")
+    out[f"{our_prefix}mlp.gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+    out[f"{our_prefix}mlp.down_proj.weight"] = take(m + "down_proj.weight")
+    if cfg.mlp_bias:
+        out[f"{our_prefix}mlp.gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+        out[f"{our_prefix}mlp.down_proj.bias"] = take(m + "down_proj.bias")
     out[our_prefix + "input_layernorm.weight"] = take(hf_prefix + "input_layernorm.weight")
     out[our_prefix + "post_attention_layernorm.weight"] = take(hf_prefix + "post_attention_layernorm.weight")
     return out

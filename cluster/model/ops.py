@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from cluster.model.kernel_plan import KernelPlan, NormPath, RopePath
+import torch.nn.functional as F
+
+from cluster.model.kernel_plan import ActPath, KernelPlan, NormPath, RopePath
 
 
 def _torch_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,8 +42,10 @@ class ForwardPass:
         self.rotary = rotary
         self.norm_path = plan.norm[bucket]
         self.rope_path = plan.rope[bucket]
+        self.act_path = plan.act[bucket]
         self.c_ops = None
-        if NormPath.FUSED_C in (self.norm_path,) or self.rope_path is RopePath.FUSED_C:
+        if (self.norm_path is NormPath.FUSED_C or self.rope_path is RopePath.FUSED_C
+                or self.act_path is ActPath.FUSED_C):
             from kernels import cpu_ops  # noqa: PLC0415  (built when the plan was applied)
             self.c_ops = cpu_ops
         self.cos = self.sin = None
@@ -70,3 +74,10 @@ class ForwardPass:
             self.c_ops.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, heads, head_dim)
             return qkv[:, : heads * head_dim].view(t, heads, head_dim)
         return apply_rope(qkv[:, : heads * head_dim].view(t, heads, head_dim), self.cos, self.sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [T, 2I] projection."""
+        if self.act_path is ActPath.FUSED_C:
+            return self.c_ops.silu_mul(gate_up)
+        half = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :half]) * gate_up[:, half:]

@@ -289,3 +289,44 @@ void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, c
     ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, 0, batch * hkv, hq, hkv, dim,
                               block_size, window, scale, out, dtype);
 }
+
+/* Store each row's new K and V (rows of width Hkv*D, row strides in elements, views of the fused
+ * qkv projection) at its flat cache slot: one call for both, instead of two index_copy_. */
+void ss_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
+                 int64_t rows, int64_t width, void *k_cache, void *v_cache, int dtype) {
+    const int64_t es = dtype == 1 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy((char *)k_cache + slots[r] * width * es, (const char *)k + r * k_stride * es, width * es);
+        memcpy((char *)v_cache + slots[r] * width * es, (const char *)v + r * v_stride * es, width * es);
+    }
+}
+
+/* out[r] = silu(gate) * up for rows [r0, r1) of the fused [rows, 2I] projection (gate then up),
+ * the activation rounded to the dtype before the product as F.silu(g) * u; exp as in the
+ * attention (AVX-512 polynomial: a few fp32 ulp from torch's). */
+static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, void *out, int64_t r0,
+                                                                int64_t r1, int64_t inter, int bf) {
+    float e[64];
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t go = r * 2 * inter, oo = r * inter;
+        for (int64_t i0 = 0; i0 < inter; i0 += 64) {
+            const int64_t n = inter - i0 < 64 ? inter - i0 : 64;
+            for (int64_t i = 0; i < n; i++) e[i] = -load(gate_up, go + i0 + i, bf);
+            exp_shifted(e, n, 0.f);
+            for (int64_t i = 0; i < n; i++) {
+                const float g = load(gate_up, go + i0 + i, bf);
+                const float act = rnd(g / (1.0f + e[i]), bf);
+                store(out, oo + i0 + i, act * load(gate_up, go + inter + i0 + i, bf), bf);
+            }
+        }
+    }
+}
+
+void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype) {
+    if (dtype == 1) silu_mul_rows(gate_up, out, r0, r1, inter, 1);
+    else silu_mul_rows(gate_up, out, r0, r1, inter, 0);
+}
+
+void ss_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
+    ss_silu_mul_rows(gate_up, out, 0, rows, inter, dtype);
+}

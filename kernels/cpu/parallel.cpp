@@ -11,6 +11,7 @@ void ss_rms_norm(const void *x, int64_t x_stride, void *residual, const void *w,
                  int64_t hidden, float eps, int dtype);
 void ss_rope(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
              int64_t rows, int64_t heads, int64_t dim, int dtype);
+void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
                                int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
@@ -53,5 +54,11 @@ extern "C" void ss_decode_attention_par(const void *q, int64_t q_stride, const v
     at::parallel_for(0, batch * hkv, 1, [&](int64_t i0, int64_t i1) {
         ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, i0, i1, hq, hkv, dim,
                                   block_size, window, scale, out, dtype);
+    });
+}
+
+extern "C" void ss_silu_mul_par(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
+    at::parallel_for(0, rows, kRowGrain / 4, [&](int64_t r0, int64_t r1) {
+        ss_silu_mul_rows(gate_up, out, r0, r1, inter, dtype);
     });
 }

@@ -9,7 +9,7 @@ import torch
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.model.kernel_choice import resolve_kernel_plan
-from cluster.model.kernel_plan import AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
+from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
 from cluster.model.model_config import load_model_config
 from cluster.types import SamplingParams
 from kernels import cpu_ops
@@ -19,7 +19,8 @@ N = len(BatchBuckets().sizes)
 
 
 def fused_plan(linear: LinearPath) -> KernelPlan:
-    return KernelPlan(linear, (NormPath.FUSED_C,) * N, (RopePath.FUSED_C,) * N, AttentionPath.FUSED_C)
+    return KernelPlan(linear, (NormPath.FUSED_C,) * N, (RopePath.FUSED_C,) * N, (ActPath.FUSED_C,) * N,
+                      AttentionPath.FUSED_C)
 
 
 def _prompts() -> list[list[int]]:
@@ -37,7 +38,8 @@ def test_buckets_and_plan_round_trip():
     assert KernelPlan.from_json(plan.to_json()) == plan
     assert "norm fused_c<=4, torch_ops" in plan.describe()
     with pytest.raises(ValueError):
-        KernelPlan(LinearPath.PLAIN, (NormPath.FUSED_C,), (RopePath.TORCH,) * N, AttentionPath.SDPA)
+        KernelPlan(LinearPath.PLAIN, (NormPath.FUSED_C,), (RopePath.TORCH,) * N, (ActPath.TORCH,) * N,
+                   AttentionPath.SDPA)
 
 
 def test_plan_is_measured_once_then_read_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):

@@ -92,3 +92,28 @@ def test_decode_attention_rows_are_batch_invariant():
     for i in range(5):
         alone = cpu_ops.decode_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], None, 0.125)
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_at_their_slots(dtype):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 * 2) * 16, generator=g).to(dtype)
+    k = qkv[:, 64:96].view(5, 2, 16)
+    v = qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([7, 0, 33, 12, 5])
+    want_k, want_v = torch.zeros(9, 4, 2, 16, dtype=dtype), torch.zeros(9, 4, 2, 16, dtype=dtype)
+    want_k.view(-1, 2, 16).index_copy_(0, slots, k)
+    want_v.view(-1, 2, 16).index_copy_(0, slots, v)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    cpu_ops.store_kv(k, v, slots, got_k, got_v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1024), (70, 40)])
+def test_silu_mul_of_the_fused_projection(dtype, rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = cpu_ops.silu_mul(gate_up)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2   # exp within a few fp32 ulp; bf16: one rounding step
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
