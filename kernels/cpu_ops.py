@@ -39,6 +39,11 @@ _SIGNATURES = {
     "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
 }
+# Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
+_PARALLEL_ONLY = {
+    "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                        _P, _INT),
+}
 _fns: dict[str, ctypes._CFuncPtr] = {}   # op name -> the parallel entry point where built, else the serial one
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -119,6 +124,12 @@ def load(folder: Path | None = None) -> ctypes.CDLL | None:
     if target is None:
         return None
     lib = ctypes.CDLL(str(target))
+    for name, args in _PARALLEL_ONLY.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = args
+            fn.restype = None
+            _fns[name] = fn
     for name, args in _SIGNATURES.items():
         for symbol in (name, f"{name}_par"):
             fn = getattr(lib, symbol, None)
@@ -179,3 +190,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
     caches [blocks, block_size, Hkv, D] contiguous."""
     _fns["ss_store_kv"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
                         k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k.dtype])
+
+
+def has_decode_block() -> bool:
+    return "ss_decode_block" in _fns
+
+
+def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int, window: int | None,
+                 scale: float) -> torch.Tensor:
+    """RoPE + K/V store + decode attention of one layer of a pure-decode pass (one row per
+    sequence of the fused qkv projection [B, *]); returns [B, heads * head_dim]."""
+    b = qkv.shape[0]
+    out = torch.empty((b, heads * head_dim), dtype=qkv.dtype)
+    _fns["ss_decode_block"](qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                            tables.shape[1], lens.data_ptr(), b, heads, kv_heads, head_dim, k_cache.shape[1],
+                            window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype])
+    return out

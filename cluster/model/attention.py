@@ -65,9 +65,9 @@ class _TorchDecodeMeta:
     block_table: torch.Tensor     # [B * max_blocks] block ids, padded with block 0
     lens: torch.Tensor            # [B] context lengths (int64)
     fused: bool                   # the kernel plan's fused C kernel, not gather + SDPA
-    key_pos: torch.Tensor         # [1, L] with L = max_blocks * block_size
-    query_pos: torch.Tensor       # [B, 1]
-    valid: torch.Tensor           # [B, L]
+    key_pos: torch.Tensor | None  # [1, L] with L = max_blocks * block_size (SDPA only)
+    query_pos: torch.Tensor       # [B, 1] ([B] on the fused path: only its length is read)
+    valid: torch.Tensor | None    # [B, L] (SDPA only)
     masks: dict                   # (window, dtype) -> additive [B, 1, 1, L]
 
 
@@ -122,6 +122,20 @@ class TorchAttentionBackend:
         verify = self._prepare_verify(batch.verifies, batch.block_size) if batch.verifies else None
         return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills, verify=verify)
 
+    def fused_block_ready(self, meta: _TorchMeta) -> bool:
+        """A pure-decode pass on the fused kernel: each layer's RoPE, K/V store and attention can
+        run as one C call (`decode_block`)."""
+        return (meta.decode is not None and meta.decode.fused and not meta.prefills and meta.verify is None
+                and cpu_ops.has_decode_block())
+
+    def decode_block(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, k_cache, v_cache, window,
+                     meta: _TorchMeta) -> torch.Tensor:
+        dm = meta.decode
+        b = qkv.shape[0]
+        return cpu_ops.decode_block(qkv, positions, rotary.cos, rotary.sin, meta.slot_mapping, k_cache, v_cache,
+                                    dm.block_table.view(b, -1), dm.lens, self.num_heads, self.num_kv_heads,
+                                    self.head_dim, window, self.scale)
+
     def _fused(self) -> bool:
         return self.plan is not None and self.plan.decode_attention is AttentionPath.FUSED_C
 
@@ -170,11 +184,17 @@ class TorchAttentionBackend:
         bs = batch.block_size
         lens = batch.decode_context_lens
         max_blocks = -(-max(lens) // bs)
-        table = torch.zeros((len(lens), max_blocks), dtype=torch.long)
+        # One tensor from one padded list (rows padded with block 0): no per-row tensor.
+        rows = []
         for i, row in enumerate(batch.decode_block_tables):
             n = -(-lens[i] // bs)
-            table[i, :n] = torch.tensor(row[:n], dtype=torch.long)
+            rows.extend(row[:n])
+            rows.extend((0,) * (max_blocks - n))
+        table = torch.tensor(rows, dtype=torch.long).view(len(lens), max_blocks)
         lens_t = torch.tensor(lens, dtype=torch.long)
+        if self._fused():   # the C kernel reads tables and lengths only: no positions, no masks
+            return _TorchDecodeMeta(block_table=table.view(-1), lens=lens_t, fused=True, key_pos=None,
+                                    query_pos=lens_t, valid=None, masks={})
         key_pos = torch.arange(max_blocks * bs, dtype=torch.long)[None, :]
         return _TorchDecodeMeta(
             block_table=table.view(-1).to(self.device), lens=lens_t, fused=self._fused(), key_pos=key_pos.to(self.device),

@@ -72,6 +72,9 @@ class Attention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        if fp.fused_block:
+            out = fp.backend.decode_block(qkv, fp.positions, fp.rotary, k_cache, v_cache, window, fp.meta)
+            return self.o_proj.forward(out)
         qk = fp.rope(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)

@@ -48,6 +48,9 @@ class ForwardPass:
                 or self.act_path is ActPath.FUSED_C):
             from kernels import cpu_ops  # noqa: PLC0415  (built when the plan was applied)
             self.c_ops = cpu_ops
+        # RoPE, K/V store and attention of a layer as one C call: pure decode on the fused paths.
+        ready = getattr(backend, "fused_block_ready", None)
+        self.fused_block = self.rope_path is RopePath.FUSED_C and ready is not None and ready(meta)
         self.cos = self.sin = None
         if self.rope_path is RopePath.TORCH:
             self.cos, self.sin = rotary.lookup(positions, dtype)

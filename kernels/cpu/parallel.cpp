@@ -11,6 +11,8 @@ void ss_rms_norm(const void *x, int64_t x_stride, void *residual, const void *w,
                  int64_t hidden, float eps, int dtype);
 void ss_rope(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t, const float *sin_t,
              int64_t rows, int64_t heads, int64_t dim, int dtype);
+void ss_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
+                 int64_t rows, int64_t width, void *k_cache, void *v_cache, int dtype);
 void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
@@ -61,4 +63,21 @@ extern "C" void ss_silu_mul_par(const void *gate_up, void *out, int64_t rows, in
     at::parallel_for(0, rows, kRowGrain / 4, [&](int64_t r0, int64_t r1) {
         ss_silu_mul_rows(gate_up, out, r0, r1, inter, dtype);
     });
+}
+
+// A pure-decode pass's whole attention block for one layer in one call: RoPE on the queries and
+// keys of the fused projection (in place), K/V stored at their slots, then attention for every
+// row: the same arithmetic as the three separate ops, without two Python round trips per layer.
+extern "C" void ss_decode_block(void *qkv, int64_t qkv_stride, const int64_t *positions, const float *cos_t,
+                                const float *sin_t, const int64_t *slots, void *k_cache, void *v_cache,
+                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch,
+                                int64_t hq, int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale,
+                                void *out, int dtype) {
+    ss_rope_par(qkv, qkv_stride, positions, cos_t, sin_t, batch, hq + hkv, dim, dtype);
+    const char *base = static_cast<const char *>(qkv);
+    const int64_t es = dtype == 1 ? 2 : 4;
+    ss_store_kv(base + hq * dim * es, qkv_stride, base + (hq + hkv) * dim * es, qkv_stride, slots, batch, hkv * dim,
+                k_cache, v_cache, dtype);
+    ss_decode_attention_par(qkv, qkv_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim,
+                            block_size, window, scale, out, dtype);
 }
