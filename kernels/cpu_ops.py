@@ -38,7 +38,9 @@ _SIGNATURES = {
     "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
     "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
+    "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
 }
+LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
 _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
@@ -162,6 +164,17 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     and sin are the fp32 [max_positions, head_dim] tables, positions int64 [T]."""
     _fns["ss_rope"](qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  qkv.shape[0], heads, head_dim, _DTYPE_CODES[qkv.dtype])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for up to LINEAR_MAX_ROWS rows of x (last dim contiguous), weight [N, K] contiguous
+    in x's dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype)
+    _fns["ss_linear"](x.data_ptr(), x.stride(0), weight.data_ptr(), _ptr(bias), n, k, rows, out.data_ptr(), n,
+                      _DTYPE_CODES[x.dtype])
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
         if cpu_ops.load(cache_dir()) is None:
             raise RuntimeError("the kernel plan uses the fused C ops, which could not be built here "
                                "(no C compiler?); run with kernels='torch' (--kernels torch)")
-    count = apply_linear_path(model, plan.linear)
+    count = apply_linear_path(model, plan.linear, plan.linear_c_rows)
     if count:
         log.info("%d linear layers laid out for the %s path", count, plan.linear.value)
     if hasattr(model, "kernel_plan"):
@@ -87,5 +87,5 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         dtype = mc.dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
         plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
-        plan = replace(plan, linear=LinearPath.PLAIN)
+        plan = replace(plan, linear=LinearPath.PLAIN, linear_c_rows=0)
     return plan

@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from cluster.config import cache_dir
 from cluster.model.attention import AttentionBatch, TorchAttentionBackend
 from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
-from cluster.model.linear import Fp32UpcastLinear, PackedLinear, packing_available
+from cluster.model.linear import Fp32UpcastLinear, PackedLinear, SmallBatchLinear, packing_available
 from cluster.model.model_config import ModelConfig
 from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
 
 log = logging.getLogger(__name__)
 
 _WEIGHT_SPAN = 64 << 20      # distinct weight bytes cycled through when timing linears (beyond L3)
-_LINEAR_ROWS = (1, 8, 32, 512)
+_LINEAR_ROWS = (1, 8, 32, 512)   # decode sizes, and one prefill chunk
 _CONTEXT = 256               # keys per sequence when timing decode attention
 
 
@@ -45,30 +45,30 @@ def _best_time(fn, budget_s: float = 0.005, repeats: int = 3) -> float:
     return best
 
 
-def _linear_candidates(dtype: torch.dtype) -> list[LinearPath]:
-    paths = [LinearPath.PLAIN]
+def _linear_candidates(dtype: torch.dtype, c_ops) -> dict[str, tuple[LinearPath, int]]:
+    """name -> (layout, rows up to which the C kernel runs)."""
+    cands = {"plain": (LinearPath.PLAIN, 0)}
+    if c_ops is not None:
+        cands["plain+fused_c"] = (LinearPath.PLAIN, c_ops.LINEAR_MAX_ROWS)
     if packing_available(dtype, torch.device("cpu")):
-        paths.append(LinearPath.PACKED)
+        cands["packed"] = (LinearPath.PACKED, 0)
     if dtype in (torch.bfloat16, torch.float16):
-        paths.append(LinearPath.FP32_UPCAST)
-    return paths
+        cands["fp32_upcast"] = (LinearPath.FP32_UPCAST, 0)
+    return cands
 
 
-def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int) -> tuple[LinearPath, dict]:
-    candidates = _linear_candidates(dtype)
-    if len(candidates) == 1:
-        return candidates[0], {}
+def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -> tuple[tuple[LinearPath, int], dict]:
+    candidates = _linear_candidates(dtype, c_ops)
     h, i = mc.hidden_size, mc.intermediate_size
     shapes = [(mc.q_size + 2 * mc.kv_size, h), (h, mc.q_size), (2 * i, h), (h, i)]
     layer_bytes = sum(o * k for o, k in shapes) * dtype.itemsize
     copies = max(1, min(mc.num_layers, _WEIGHT_SPAN // max(layer_bytes, 1)))
     linears = [torch.nn.Linear(k, o, bias=False, dtype=dtype) for _ in range(copies) for o, k in shapes]
     linears.append(torch.nn.Linear(h, mc.vocab_size, bias=False, dtype=dtype))
-    modules = {LinearPath.PLAIN: linears,
-               LinearPath.PACKED: [PackedLinear(m) for m in linears] if LinearPath.PACKED in candidates else None,
-               LinearPath.FP32_UPCAST: [Fp32UpcastLinear(m) for m in linears]
-               if LinearPath.FP32_UPCAST in candidates else None}
-    times: dict[LinearPath, list[float]] = {p: [] for p in candidates}
+    wraps = {LinearPath.PACKED: PackedLinear, LinearPath.FP32_UPCAST: Fp32UpcastLinear}
+    modules = {name: [SmallBatchLinear(m, c_rows) if c_rows else wraps.get(layout, lambda x: x)(m) for m in linears]
+               for name, (layout, c_rows) in candidates.items()}
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for rows in sorted({min(r, max_rows) for r in _LINEAR_ROWS}):
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (h, mc.q_size, i)}
 
@@ -76,12 +76,13 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int) -> tuple
             for m in mods:
                 m.forward(inputs[m.in_features])
         with torch.inference_mode():
-            for path in candidates:
-                times[path].append(_best_time(lambda: run(modules[path]), budget_s=0.05, repeats=3))
-    best_per_size = [min(times[p][j] for p in candidates) for j in range(len(times[candidates[0]]))]
-    # One path for every size: the least total slowdown against the best path at each size.
-    score = {p: sum(t / b for t, b in zip(times[p], best_per_size)) for p in candidates}
-    return min(candidates, key=score.__getitem__), {p.value: [round(t * 1e6, 1) for t in ts] for p, ts in times.items()}
+            for name in candidates:
+                times[name].append(_best_time(lambda: run(modules[name]), budget_s=0.05, repeats=3))
+    best_per_size = [min(ts[j] for ts in times.values()) for j in range(len(times["plain"]))]
+    # One layout for every size: the least total slowdown against the best candidate at each size.
+    score = {name: sum(t / b for t, b in zip(ts, best_per_size)) for name, ts in times.items()}
+    best = min(candidates, key=score.__getitem__)
+    return candidates[best], {name: [round(t * 1e6, 1) for t in ts] for name, ts in times.items()}
 
 
 def _measure_norm(rows: int, hidden: int, dtype: torch.dtype, c_ops) -> NormPath:
@@ -159,7 +160,7 @@ def measure_kernel_plan(mc: ModelConfig, dtype: torch.dtype, buckets: BatchBucke
     t0 = time.perf_counter()
     c_ops = cpu_ops if cpu_ops.supports(dtype) and cpu_ops.load(cache_dir()) is not None else None
     rotary = RotaryTable(mc.rope, mc.head_dim, min(mc.max_position_embeddings, 8192))
-    linear, linear_times = _measure_linear(mc, dtype, max_rows)
+    (linear, linear_c_rows), linear_times = _measure_linear(mc, dtype, max_rows, c_ops)
     norm, rope, act = [], [], []
     for size in buckets.sizes:
         rows = min(size, max(1, max_rows))
@@ -170,7 +171,8 @@ def measure_kernel_plan(mc: ModelConfig, dtype: torch.dtype, buckets: BatchBucke
         rope.append(_measure_rope(rows, mc, dtype, rotary, c_ops))
         act.append(_measure_act(rows, mc.intermediate_size, dtype, c_ops))
     attention = _measure_decode_attention(mc, dtype, c_ops, max_decode, buckets)
-    plan = KernelPlan(linear, tuple(norm), tuple(rope), tuple(act), attention, buckets, origin="measured")
+    plan = KernelPlan(linear, tuple(norm), tuple(rope), tuple(act), attention, buckets, origin="measured",
+                      linear_c_rows=linear_c_rows)
     log.info("kernel plan measured in %.1f s with %d threads: %s; linear us per pass at rows %s: %s",
              time.perf_counter() - t0, torch.get_num_threads(), plan.describe(),
              sorted({min(r, max_rows) for r in _LINEAR_ROWS}), linear_times)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan and stays light
     import torch
 
-PLAN_VERSION = 2   # bump when a path's meaning changes: cached plans of older versions are ignored
+PLAN_VERSION = 3   # bump when a path's meaning changes: cached plans of older versions are ignored
 
 
 class LinearPath(str, enum.Enum):
@@ -83,6 +83,7 @@ class KernelPlan:
     # same position with the same arithmetic whatever the batch (the C kernel is per row).
     decode_attention: AttentionPath
     buckets: BatchBuckets = BatchBuckets()
+    linear_c_rows: int = 0                     # plain layout: passes of up to this many rows use the C kernel
     origin: str = "reference"                  # "reference", "measured" or "cached": for the log
 
     def __post_init__(self) -> None:
@@ -107,7 +108,7 @@ class KernelPlan:
         return cls(linear, norm, (RopePath.TORCH,) * n, (ActPath.TORCH,) * n, AttentionPath.SDPA, buckets)
 
     def uses_c_ops(self) -> bool:
-        return (NormPath.FUSED_C in self.norm or RopePath.FUSED_C in self.rope or ActPath.FUSED_C in self.act
+        return (self.linear_c_rows > 0 or NormPath.FUSED_C in self.norm or RopePath.FUSED_C in self.rope or ActPath.FUSED_C in self.act
                 or self.decode_attention is AttentionPath.FUSED_C)
 
     def describe(self) -> str:
@@ -118,7 +119,8 @@ class KernelPlan:
                     continue
                 out.append(f"{c.value}<={sizes[i]}" if i + 1 < len(choices) else c.value)
             return ", ".join(out)
-        return (f"linear {self.linear.value}; norm {runs(self.norm)}; rope {runs(self.rope)}; act {runs(self.act)}; "
+        c = f" (fused_c<={self.linear_c_rows} rows)" if self.linear_c_rows else ""
+        return (f"linear {self.linear.value}{c}; norm {runs(self.norm)}; rope {runs(self.rope)}; act {runs(self.act)}; "
                 f"decode attention {self.decode_attention.value} ({self.origin})")
 
     def to_json(self) -> str:
@@ -132,4 +134,5 @@ class KernelPlan:
         return cls(linear=LinearPath(raw["linear"]), norm=tuple(NormPath(v) for v in raw["norm"]),
                    rope=tuple(RopePath(v) for v in raw["rope"]), act=tuple(ActPath(v) for v in raw["act"]),
                    decode_attention=AttentionPath(raw["decode_attention"]),
-                   buckets=BatchBuckets(tuple(raw["buckets"]["sizes"])), origin=raw.get("origin", "cached"))
+                   buckets=BatchBuckets(tuple(raw["buckets"]["sizes"])), origin=raw.get("origin", "cached"),
+                   linear_c_rows=int(raw.get("linear_c_rows", 0)))

@@ -5,7 +5,9 @@
   with AMX the ranking can differ, which is why the plan measures.
 - fp32_upcast: a 16-bit model's weights kept in float32 (MKL sgemm), twice the weight memory,
   which the engine's memory plan counts (the weights are buffers of these modules).
-- plain: torch's F.linear in the model's dtype (nn.Linear as loaded).
+- plain: torch's F.linear in the model's dtype (nn.Linear as loaded), optionally with the fused C
+  kernel (`kernels/cpu_ops.linear`) for passes of up to `c_rows` rows: it streams each weight row
+  once for all rows, and on a Zen 4 runs a float32 decode step's linears 3-4x faster than MKL.
 """
 from __future__ import annotations
 
@@ -14,14 +16,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.kernel_plan import LinearPath
+from kernels import cpu_ops
 
 # The op overload resolved once: calling through the OpOverloadPacket costs a lookup per call.
 _linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16, torch.float32)
             and torch.backends.mkldnn.is_available() and _linear_pointwise is not None)
+
+
+class SmallBatchLinear(nn.Module):
+    """nn.Linear's weights as they are; passes of up to `c_rows` rows through the C kernel."""
+
+    def __init__(self, linear: nn.Linear, c_rows: int):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight          # shared, not copied (a tied LM head stays tied)
+        self.bias = linear.bias
+        self.c_rows = c_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.c_rows:
+            return cpu_ops.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -49,13 +69,17 @@ class Fp32UpcastLinear(nn.Module):
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
-def apply_linear_path(model: nn.Module, path: LinearPath) -> int:
+def apply_linear_path(model: nn.Module, path: LinearPath, c_rows: int = 0) -> int:
     """Replace every nn.Linear under `model` by `path`'s module; returns how many were replaced.
     A tied lm_head (the embedding's weight) keeps the embedding table as it is: only the head's
     copy changes layout."""
-    if path is LinearPath.PLAIN:
+    if path is LinearPath.PLAIN and not c_rows:
         return 0
-    wrap = PackedLinear if path is LinearPath.PACKED else Fp32UpcastLinear
+    if path is LinearPath.PLAIN:
+        def wrap(linear):
+            return SmallBatchLinear(linear, c_rows)
+    else:
+        wrap = PackedLinear if path is LinearPath.PACKED else Fp32UpcastLinear
     count = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

@@ -330,3 +330,62 @@ void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, in
 void ss_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
     ss_silu_mul_rows(gate_up, out, 0, rows, inter, dtype);
 }
+
+/* out[r][n] = bias[n] + sum_k x[r][k] * w[n][k] for n in [n0, n1): a small-batch linear layer
+ * (rows <= LIN_ROWS) that streams each weight row once for all rows, the regime where decode is
+ * bound by reading weights. w: [N, K] in the model's dtype, row-major (torch's own layout); x and
+ * out row-strided; fp32 accumulation, one rounding at the end. AVX-512 where K is a multiple of 16. */
+#define LIN_ROWS 8
+static inline __attribute__((always_inline)) FAST void linear_rows(
+        const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1, int64_t k_dim,
+        int64_t rows, void *out, int64_t out_stride, int bf) {
+    float xf[LIN_ROWS][k_dim];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < k_dim; k++) xf[r][k] = load(x, r * x_stride + k, bf);
+    for (int64_t n = n0; n < n1; n++) {
+        float total[LIN_ROWS];
+#ifdef __AVX512F__
+        if (k_dim % 64 == 0) {
+            /* Rows in blocks of 4 (16 accumulators: no spills); the weight row stays in L1 after
+             * the first block, so it is still read from memory once. */
+            for (int64_t rb = 0; rb < rows; rb += 4) {
+                const int64_t nr = rows - rb < 4 ? rows - rb : 4;
+                __m512 acc[4][4];
+                for (int64_t r = 0; r < nr; r++)
+                    for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < k_dim; k += 64)
+                    for (int u = 0; u < 4; u++) {   /* 4 independent chains per row: latency hidden */
+                        const __m512 wv = load16(w, n * k_dim + k + 16 * u, bf);
+                        for (int64_t r = 0; r < nr; r++)
+                            acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(&xf[rb + r][k + 16 * u]), wv, acc[r][u]);
+                    }
+                for (int64_t r = 0; r < nr; r++)
+                    total[rb + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
+                                                                       _mm512_add_ps(acc[r][2], acc[r][3])));
+            }
+        } else
+#endif
+        {
+            for (int64_t r = 0; r < rows; r++) {
+                float dot = 0.f;
+                const float *xr = xf[r];
+#pragma omp simd reduction(+ : dot)
+                for (int64_t k = 0; k < k_dim; k++) dot += xr[k] * load(w, n * k_dim + k, bf);
+                total[r] = dot;
+            }
+        }
+        const float b = bias ? load(bias, n, bf) : 0.f;
+        for (int64_t r = 0; r < rows; r++) store(out, r * out_stride + n, total[r] + b, bf);
+    }
+}
+
+FAST void ss_linear_cols(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1,
+                         int64_t k_dim, int64_t rows, void *out, int64_t out_stride, int dtype) {
+    if (dtype == 1) linear_rows(x, x_stride, w, bias, n0, n1, k_dim, rows, out, out_stride, 1);
+    else linear_rows(x, x_stride, w, bias, n0, n1, k_dim, rows, out, out_stride, 0);
+}
+
+void ss_linear(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n_dim, int64_t k_dim,
+               int64_t rows, void *out, int64_t out_stride, int dtype) {
+    ss_linear_cols(x, x_stride, w, bias, 0, n_dim, k_dim, rows, out, out_stride, dtype);
+}

@@ -13,6 +13,8 @@ void ss_rope(void *qkv, int64_t row_stride, const int64_t *positions, const floa
              int64_t rows, int64_t heads, int64_t dim, int dtype);
 void ss_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                  int64_t rows, int64_t width, void *k_cache, void *v_cache, int dtype);
+void ss_linear_cols(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1,
+                    int64_t k_dim, int64_t rows, void *out, int64_t out_stride, int dtype);
 void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
@@ -80,4 +82,12 @@ extern "C" void ss_decode_block(void *qkv, int64_t qkv_stride, const int64_t *po
                 k_cache, v_cache, dtype);
     ss_decode_attention_par(qkv, qkv_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim,
                             block_size, window, scale, out, dtype);
+}
+
+extern "C" void ss_linear_par(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n_dim,
+                              int64_t k_dim, int64_t rows, void *out, int64_t out_stride, int dtype) {
+    // Output columns split between threads (each thread streams its own weight rows); 64 at least.
+    at::parallel_for(0, n_dim, 64, [&](int64_t n0, int64_t n1) {
+        ss_linear_cols(x, x_stride, w, bias, n0, n1, k_dim, rows, out, out_stride, dtype);
+    });
 }

@@ -190,8 +190,10 @@ def test_bfloat16_engine_tracks_transformers_bfloat16(tiny_model_dir):
     import transformers
     model_dir = tiny_model_dir("llama")
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", cache=CacheConfig(num_blocks=32)))
-    assert type(engine.model.lm_head).__name__ == {"packed": "PackedLinear", "plain": "Linear",
-                                                   "fp32_upcast": "Fp32UpcastLinear"}[engine.kernel_plan.linear.value]
+    plan = engine.kernel_plan
+    assert type(engine.model.lm_head).__name__ == {
+        "packed": "PackedLinear", "plain": "SmallBatchLinear" if plan.linear_c_rows else "Linear",
+        "fp32_upcast": "Fp32UpcastLinear"}[plan.linear.value]
     prompt = _ids(20, 6)
     out = engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)

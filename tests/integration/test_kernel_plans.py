@@ -73,9 +73,13 @@ def hf_greedy(tiny_model_dir):
 
 @needs_c
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("plan", ["fused", "reference"])
+@pytest.mark.parametrize("plan", ["fused", "fused+packed", "reference"])
 def test_float32_greedy_equals_transformers_on_every_path(kind, plan, tiny_model_dir, hf_greedy):
-    chosen = fused_plan(LinearPath.PLAIN) if plan == "fused" else KernelPlan.reference(torch.float32)
+    """qwen2 has q/k/v biases (the C linear adds them), mistral a sliding window (the C attention
+    honours it); 'fused' runs every linear of a decode step through the C kernel."""
+    chosen = {"fused": replace(fused_plan(LinearPath.PLAIN), linear_c_rows=cpu_ops.LINEAR_MAX_ROWS),
+              "fused+packed": fused_plan(LinearPath.PACKED),
+              "reference": KernelPlan.reference(torch.float32)}[plan]
     engine = LLMEngine(EngineConfig(model=tiny_model_dir(kind), dtype="float32", kernel_plan=chosen,
                                     cache=CacheConfig(block_size=4, num_blocks=128)))
     assert engine.kernel_plan == chosen
@@ -85,11 +89,13 @@ def test_float32_greedy_equals_transformers_on_every_path(kind, plan, tiny_model
 
 
 @needs_c
-@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST])
+@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST, "plain+c"])
 def test_bfloat16_tracks_transformers_on_every_linear_path(linear, tiny_model_dir):
     import transformers
     model_dir = tiny_model_dir("llama")
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kernel_plan=fused_plan(linear),
+    plan = (replace(fused_plan(LinearPath.PLAIN), linear_c_rows=cpu_ops.LINEAR_MAX_ROWS) if linear == "plain+c"
+            else fused_plan(linear))
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kernel_plan=plan,
                                     cache=CacheConfig(num_blocks=32)))
     weights = sum(b.numel() * b.element_size() for b in engine.model.buffers() if b.dim() == 2)
     if linear is LinearPath.FP32_UPCAST:   # float32 copies of every projection: twice the bytes, counted

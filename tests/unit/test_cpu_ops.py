@@ -117,3 +117,17 @@ def test_silu_mul_of_the_fused_projection(dtype, rows, inter):
     got = cpu_ops.silu_mul(gate_up)
     tol = 2e-6 if dtype == torch.float32 else 1e-2   # exp within a few fp32 ulp; bf16: one rounding step
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(640, 384), (33, 96), (101, 40)])   # AVX-512 blocks and the generic tail
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_small_batch_linear_equals_torch(dtype, n, k, rows):
+    g = torch.Generator().manual_seed(n + rows)
+    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, :k]          # strided rows
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    got = cpu_ops.linear(x, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
