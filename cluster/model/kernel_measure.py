@@ -54,6 +54,8 @@ def _linear_candidates(dtype: torch.dtype, c_ops) -> dict[str, tuple[LinearPath,
         cands["packed"] = (LinearPath.PACKED, 0)
     if dtype in (torch.bfloat16, torch.float16):
         cands["fp32_upcast"] = (LinearPath.FP32_UPCAST, 0)
+        if c_ops is not None:
+            cands["fp32_upcast+fused_c"] = (LinearPath.FP32_UPCAST, c_ops.LINEAR_MAX_ROWS)
     return cands
 
 
@@ -66,8 +68,11 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -
     linears = [torch.nn.Linear(k, o, bias=False, dtype=dtype) for _ in range(copies) for o, k in shapes]
     linears.append(torch.nn.Linear(h, mc.vocab_size, bias=False, dtype=dtype))
     wraps = {LinearPath.PACKED: PackedLinear, LinearPath.FP32_UPCAST: Fp32UpcastLinear}
-    modules = {name: [SmallBatchLinear(m, c_rows) if c_rows else wraps.get(layout, lambda x: x)(m) for m in linears]
-               for name, (layout, c_rows) in candidates.items()}
+    def wrap(m, layout, c_rows):
+        if layout is LinearPath.FP32_UPCAST:
+            return Fp32UpcastLinear(m, c_rows)
+        return SmallBatchLinear(m, c_rows) if c_rows else wraps.get(layout, lambda x: x)(m)
+    modules = {name: [wrap(m, layout, c_rows) for m in linears] for name, (layout, c_rows) in candidates.items()}
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for rows in sorted({min(r, max_rows) for r in _LINEAR_ROWS}):
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (h, mc.q_size, i)}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan and stays light
     import torch
 
-PLAN_VERSION = 3   # bump when a path's meaning changes: cached plans of older versions are ignored
+PLAN_VERSION = 4   # bump when a path's meaning changes: cached plans of older versions are ignored
 
 
 class LinearPath(str, enum.Enum):
@@ -83,7 +83,7 @@ class KernelPlan:
     # same position with the same arithmetic whatever the batch (the C kernel is per row).
     decode_attention: AttentionPath
     buckets: BatchBuckets = BatchBuckets()
-    linear_c_rows: int = 0                     # plain layout: passes of up to this many rows use the C kernel
+    linear_c_rows: int = 0                     # plain or fp32_upcast: passes of up to this many rows use the C kernel
     origin: str = "reference"                  # "reference", "measured" or "cached": for the log
 
     def __post_init__(self) -> None:

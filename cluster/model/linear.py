@@ -4,7 +4,9 @@
   a 32000x512 bf16 projection at batch 1 takes 1.6 ms packed against 2.7 ms plain; on a machine
   with AMX the ranking can differ, which is why the plan measures.
 - fp32_upcast: a 16-bit model's weights kept in float32 (MKL sgemm), twice the weight memory,
-  which the engine's memory plan counts (the weights are buffers of these modules).
+  which the engine's memory plan counts (the weights are buffers of these modules); optionally
+  with the C kernel below on those float32 weights for small passes. Chosen where the CPU has no
+  bf16 instructions (bf16 GEMMs are emulated there).
 - plain: torch's F.linear in the model's dtype (nn.Linear as loaded), optionally with the fused C
   kernel (`kernels/cpu_ops.linear`) for passes of up to `c_rows` rows: it streams each weight row
   once for all rows, and on a Zen 4 runs a float32 decode step's linears 3-4x faster than MKL.
@@ -58,14 +60,17 @@ class PackedLinear(nn.Module):
 
 
 class Fp32UpcastLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, c_rows: int = 0):
         super().__init__()
+        self.c_rows = c_rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.register_buffer("weight", linear.weight.detach().float().contiguous(), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.c_rows:
+            return cpu_ops.linear(x.float(), self.weight, self.bias).to(x.dtype)
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
@@ -78,8 +83,11 @@ def apply_linear_path(model: nn.Module, path: LinearPath, c_rows: int = 0) -> in
     if path is LinearPath.PLAIN:
         def wrap(linear):
             return SmallBatchLinear(linear, c_rows)
+    elif path is LinearPath.FP32_UPCAST:
+        def wrap(linear):
+            return Fp32UpcastLinear(linear, c_rows)
     else:
-        wrap = PackedLinear if path is LinearPath.PACKED else Fp32UpcastLinear
+        wrap = PackedLinear
     count = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

@@ -336,46 +336,86 @@ void ss_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, in
  * bound by reading weights. w: [N, K] in the model's dtype, row-major (torch's own layout); x and
  * out row-strided; fp32 accumulation, one rounding at the end. AVX-512 where K is a multiple of 16. */
 #define LIN_ROWS 8
+#ifdef __AVX512F__
+/* total[r * 8 + c] = dot(x row r, w row n + c) for r < NR, c < NB, as a register tile: each
+ * 16-wide weight chunk is loaded once for NR rows and each activation chunk once for NB columns
+ * (NR * NB FMAs per NR + NB loads; a core with one load per FMA to spare was load-bound with one
+ * column at a time). One accumulator per (row, column), K chunks added in order, then one
+ * horizontal sum: a row's result never depends on which rows or columns share its tile. */
+static inline __attribute__((always_inline)) void lin_tile(const float *xf, int64_t k_dim, const void *w, int64_t n,
+                                                           const int NR, const int NB, int bf, float *total) {
+    __m512 acc[4][8];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_dim; k += 16) {
+        __m512 wv[8];
+        for (int c = 0; c < NB; c++) wv[c] = load16(w, (n + c) * k_dim + k, bf);
+        for (int r = 0; r < NR; r++) {
+            const __m512 xv = _mm512_loadu_ps(xf + r * k_dim + k);
+            for (int c = 0; c < NB; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) total[r * 8 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* The tile shapes with constant sizes (so the accumulators stay in registers): 1 x 8 for a single
+ * row, NR x 4 otherwise, NR x 1 for the last columns. */
+static inline __attribute__((always_inline)) void lin_tile_any(const float *xf, int64_t k_dim, const void *w,
+                                                               int64_t n, int64_t nr, int nb, int bf, float *total) {
+    if (nb == 8) { lin_tile(xf, k_dim, w, n, 1, 8, bf, total); return; }
+    if (nb == 4) {
+        switch (nr) {
+        case 1: lin_tile(xf, k_dim, w, n, 1, 4, bf, total); return;
+        case 2: lin_tile(xf, k_dim, w, n, 2, 4, bf, total); return;
+        case 3: lin_tile(xf, k_dim, w, n, 3, 4, bf, total); return;
+        default: lin_tile(xf, k_dim, w, n, 4, 4, bf, total); return;
+        }
+    }
+    switch (nr) {
+    case 1: lin_tile(xf, k_dim, w, n, 1, 1, bf, total); return;
+    case 2: lin_tile(xf, k_dim, w, n, 2, 1, bf, total); return;
+    case 3: lin_tile(xf, k_dim, w, n, 3, 1, bf, total); return;
+    default: lin_tile(xf, k_dim, w, n, 4, 1, bf, total); return;
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) FAST void linear_rows(
         const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1, int64_t k_dim,
         int64_t rows, void *out, int64_t out_stride, int bf) {
     float xf[LIN_ROWS][k_dim];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t k = 0; k < k_dim; k++) xf[r][k] = load(x, r * x_stride + k, bf);
-    for (int64_t n = n0; n < n1; n++) {
-        float total[LIN_ROWS];
 #ifdef __AVX512F__
-        if (k_dim % 64 == 0) {
-            /* Rows in blocks of 4 (16 accumulators: no spills); the weight row stays in L1 after
-             * the first block, so it is still read from memory once. */
+    if (k_dim % 16 == 0) {
+        const int wide = rows == 1 ? 8 : 4;
+        float total[4 * 8];
+        for (int64_t n = n0; n < n1;) {
+            const int nb = n1 - n >= wide ? wide : 1;
+            /* Row blocks inside the column block: the NB weight rows stay in L1 after the first. */
             for (int64_t rb = 0; rb < rows; rb += 4) {
                 const int64_t nr = rows - rb < 4 ? rows - rb : 4;
-                __m512 acc[4][4];
+                lin_tile_any(xf[rb], k_dim, w, n, nr, nb, bf, total);
                 for (int64_t r = 0; r < nr; r++)
-                    for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
-                for (int64_t k = 0; k < k_dim; k += 64)
-                    for (int u = 0; u < 4; u++) {   /* 4 independent chains per row: latency hidden */
-                        const __m512 wv = load16(w, n * k_dim + k + 16 * u, bf);
-                        for (int64_t r = 0; r < nr; r++)
-                            acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(&xf[rb + r][k + 16 * u]), wv, acc[r][u]);
-                    }
-                for (int64_t r = 0; r < nr; r++)
-                    total[rb + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]),
-                                                                       _mm512_add_ps(acc[r][2], acc[r][3])));
+                    for (int c = 0; c < nb; c++)
+                        store(out, (rb + r) * out_stride + n + c,
+                              total[r * 8 + c] + (bias ? load(bias, n + c, bf) : 0.f), bf);
             }
-        } else
-#endif
-        {
-            for (int64_t r = 0; r < rows; r++) {
-                float dot = 0.f;
-                const float *xr = xf[r];
-#pragma omp simd reduction(+ : dot)
-                for (int64_t k = 0; k < k_dim; k++) dot += xr[k] * load(w, n * k_dim + k, bf);
-                total[r] = dot;
-            }
+            n += nb;
         }
+        return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; n++) {
         const float b = bias ? load(bias, n, bf) : 0.f;
-        for (int64_t r = 0; r < rows; r++) store(out, r * out_stride + n, total[r] + b, bf);
+        for (int64_t r = 0; r < rows; r++) {
+            float dot = 0.f;
+            const float *xr = xf[r];
+#pragma omp simd reduction(+ : dot)
+            for (int64_t k = 0; k < k_dim; k++) dot += xr[k] * load(w, n * k_dim + k, bf);
+            store(out, r * out_stride + n, dot + b, bf);
+        }
     }
 }
 

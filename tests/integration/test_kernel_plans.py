@@ -89,16 +89,17 @@ def test_float32_greedy_equals_transformers_on_every_path(kind, plan, tiny_model
 
 
 @needs_c
-@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST, "plain+c"])
+@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST, "plain+c", "fp32_upcast+c"])
 def test_bfloat16_tracks_transformers_on_every_linear_path(linear, tiny_model_dir):
     import transformers
     model_dir = tiny_model_dir("llama")
-    plan = (replace(fused_plan(LinearPath.PLAIN), linear_c_rows=cpu_ops.LINEAR_MAX_ROWS) if linear == "plain+c"
+    with_c = {"plain+c": LinearPath.PLAIN, "fp32_upcast+c": LinearPath.FP32_UPCAST}
+    plan = (replace(fused_plan(with_c[linear]), linear_c_rows=cpu_ops.LINEAR_MAX_ROWS) if linear in with_c
             else fused_plan(linear))
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kernel_plan=plan,
                                     cache=CacheConfig(num_blocks=32)))
     weights = sum(b.numel() * b.element_size() for b in engine.model.buffers() if b.dim() == 2)
-    if linear is LinearPath.FP32_UPCAST:   # float32 copies of every projection: twice the bytes, counted
+    if plan.linear is LinearPath.FP32_UPCAST:   # float32 copies of every projection: twice the bytes, counted
         assert weights >= 2 * sum(m.in_features * m.out_features * 2 for m in engine.model.modules()
                                   if hasattr(m, "in_features"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)

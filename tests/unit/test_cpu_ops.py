@@ -131,3 +131,15 @@ def test_small_batch_linear_equals_torch(dtype, n, k, rows):
     got = cpu_ops.linear(x, w, b)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(45, 96), (13, 40)])   # column tails of the 8- and 4-wide tiles
+def test_small_batch_linear_row_is_independent_of_its_batch(dtype, n, k):
+    """A row's output is bitwise the same whatever rows and tiles it shares a call with."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(cpu_ops.LINEAR_MAX_ROWS, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    alone = torch.cat([cpu_ops.linear(x[i : i + 1], w, None) for i in range(len(x))])
+    for rows in range(2, len(x) + 1):
+        assert torch.equal(cpu_ops.linear(x[:rows], w, None), alone[:rows]), rows
