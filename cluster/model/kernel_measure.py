@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cluster.config import cache_dir
 from cluster.model.attention import AttentionBatch, TorchAttentionBackend
 from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
-from cluster.model.linear import Fp32UpcastLinear, PackedLinear, SmallBatchLinear, packing_available
+from cluster.model.linear import linear_module, packing_available
 from cluster.model.model_config import ModelConfig
 from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
 
@@ -67,12 +67,8 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -
     copies = max(1, min(mc.num_layers, _WEIGHT_SPAN // max(layer_bytes, 1)))
     linears = [torch.nn.Linear(k, o, bias=False, dtype=dtype) for _ in range(copies) for o, k in shapes]
     linears.append(torch.nn.Linear(h, mc.vocab_size, bias=False, dtype=dtype))
-    wraps = {LinearPath.PACKED: PackedLinear, LinearPath.FP32_UPCAST: Fp32UpcastLinear}
-    def wrap(m, layout, c_rows):
-        if layout is LinearPath.FP32_UPCAST:
-            return Fp32UpcastLinear(m, c_rows)
-        return SmallBatchLinear(m, c_rows) if c_rows else wraps.get(layout, lambda x: x)(m)
-    modules = {name: [wrap(m, layout, c_rows) for m in linears] for name, (layout, c_rows) in candidates.items()}
+    modules = {name: [linear_module(m, layout, c_rows) for m in linears]
+               for name, (layout, c_rows) in candidates.items()}
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for rows in sorted({min(r, max_rows) for r in _LINEAR_ROWS}):
         inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (h, mc.q_size, i)}

@@ -74,24 +74,26 @@ class Fp32UpcastLinear(nn.Module):
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
+def linear_module(linear: nn.Linear, path: LinearPath, c_rows: int = 0) -> nn.Module:
+    """`linear` as `path` computes it (with the C kernel for passes of up to `c_rows` rows where
+    the path has one)."""
+    if path is LinearPath.PACKED:
+        return PackedLinear(linear)
+    if path is LinearPath.FP32_UPCAST:
+        return Fp32UpcastLinear(linear, c_rows)
+    return SmallBatchLinear(linear, c_rows) if c_rows else linear
+
+
 def apply_linear_path(model: nn.Module, path: LinearPath, c_rows: int = 0) -> int:
     """Replace every nn.Linear under `model` by `path`'s module; returns how many were replaced.
     A tied lm_head (the embedding's weight) keeps the embedding table as it is: only the head's
     copy changes layout."""
     if path is LinearPath.PLAIN and not c_rows:
         return 0
-    if path is LinearPath.PLAIN:
-        def wrap(linear):
-            return SmallBatchLinear(linear, c_rows)
-    elif path is LinearPath.FP32_UPCAST:
-        def wrap(linear):
-            return Fp32UpcastLinear(linear, c_rows)
-    else:
-        wrap = PackedLinear
     count = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, wrap(child))
+                setattr(module, child_name, linear_module(child, path, c_rows))
                 count += 1
     return count
