@@ -42,7 +42,16 @@ class ClusterConfig:
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources)
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
+    stall_timeout_s: float = 60.0   # a worker with work queued and no engine step this long is routed around
+    poll_timeout_s: float = 5.0     # a stats poll slower than this is skipped (slow is not dead)
     decode_resources: dict = field(default_factory=dict)
+
+
+def actor_class(cls):
+    """A worker class as a Ray actor with a "control" concurrency group (stats, abort, handshake)
+    beside the default group that the data calls use."""
+    import ray  # noqa: PLC0415
+    return ray.remote(concurrency_groups={"control": 16})(cls)
 
 
 def _check(cfg: "ClusterConfig") -> None:
@@ -124,42 +133,52 @@ class RunningCluster:
 async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> None:
     """(Re)connect one worker with every worker of the other role: transport metadata both ways.
     `metas` caches each worker's metadata; a worker restarted by Ray comes back with a new agent,
-    so its entry is fetched again whenever this runs for it."""
-    metas[name] = await workers[name].handle.metadata.remote()
+    so its entry is fetched again whenever this runs for it. Adding the same metadata twice is a
+    no-op on the worker (`EngineWorker.add_peer`), so pulls in flight to a live peer survive."""
+    metas[name] = await workers[name].metadata()
     for other, client in workers.items():
         if roles[other] == roles[name]:
             continue
         if other not in metas:
-            metas[other] = await client.handle.metadata.remote()
-        await workers[name].handle.add_peer.remote(metas[other])
-        await client.handle.add_peer.remote(metas[name])
+            metas[other] = await client.metadata()
+        await workers[name].add_peer(metas[other])
+        await client.add_peer(metas[name])
 
 
-async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics) -> None:
-    """Polls the workers' stats: metrics, reconnection of restarted workers, and the routing view of
-    the in-process frontend (`router`; None when the frontends are actors, which poll for themselves)."""
-    from router.frontend import StatsCadence  # noqa: PLC0415
-    healthy = {name: True for name in workers}
+async def _bring_up(name: str, stats: dict, workers: dict, roles: dict, metas: dict) -> None:
+    """A worker that answered but is not ready (just started, or restarted by Ray as a new
+    incarnation): handshake it with its peers, then tell it it may take work."""
+    if any(r != roles[name] for r in roles.values()):
+        await _handshake(name, workers, roles, metas)
+    await workers[name].set_ready(stats["incarnation"])
+
+
+async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, timeout_s: float = 5.0) -> None:
+    """Polls the workers' stats (all at once, in their control group): metrics, the bring-up of
+    restarted workers, and the routing view of the in-process frontend (`router`; None when the
+    frontends are actors, which poll for themselves). A slow poll is skipped, never a verdict."""
+    from router.frontend import StatsCadence, apply_poll, poll_workers  # noqa: PLC0415
     cadence = StatsCadence()
+    pending: dict[str, asyncio.Task] = {}
     while True:
-        polled = []
-        for name, client in workers.items():
-            try:
-                stats = await asyncio.wait_for(client.stats(), timeout=5)
-                if not healthy[name]:
-                    log.warning("worker %s is back; reconnecting its peers", name)
-                    await _handshake(name, workers, roles, metas)
-                metrics.update_worker(stats)
-                polled.append(stats)
-                healthy[name] = True
-            except Exception as exc:  # noqa: BLE001 - a dead or restarting worker
-                if healthy[name]:
-                    log.warning("worker %s is unreachable (%s); routing around it", name, exc)
-                healthy[name] = False
-                stats = None
-            if router is not None:
-                router.worker_polled(name, stats)
-        await cadence.sleep(polled, router)
+        results = await poll_workers(workers, timeout_s)
+        for name, stats in results.items():
+            if isinstance(stats, BaseException):
+                continue
+            metrics.update_worker(stats)
+            if not stats["ready"] and (name not in pending or pending[name].done()):
+                log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats["incarnation"][:8])
+                pending[name] = asyncio.ensure_future(_bring_up_logged(name, stats, workers, roles, metas))
+        got = apply_poll(router, results) if router is not None else \
+            [s for s in results.values() if not isinstance(s, BaseException)]
+        await cadence.sleep(got, router)
+
+
+async def _bring_up_logged(name, stats, workers, roles, metas) -> None:
+    try:
+        await _bring_up(name, stats, workers, roles, metas)
+    except Exception as exc:  # noqa: BLE001 - retried at the next poll
+        log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
 def _log_router_node(ray) -> None:
@@ -193,6 +212,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
     shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
+    # Data calls (a stream lasts as long as its request) get a slot each for every request the
+    # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
+    data_slots = cfg.max_in_flight * cfg.frontends + 32
     prefill, decode = {}, {}
     for i, share in enumerate(shares):
         role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
@@ -200,16 +222,13 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
         wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval)
-        h = ray.remote(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
-                                    max_concurrency=256, max_restarts=-1,
-                                    resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
+        h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
+                                     max_concurrency=data_slots, max_restarts=-1,
+                                     resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
+                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
         (prefill if role == "prefill" else decode)[name] = RayWorkerClient(name, h)
     roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
     workers = {**prefill, **decode}
-    metas: dict[str, bytes] = {}
-    for p in prefill:
-        await _handshake(p, workers, roles, metas)
     mc = load_model_config(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
     spec = cfg.engine.speculative
@@ -226,7 +245,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                           port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
                           block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
                           local_prefill_max_tokens=cfg.local_prefill_max_tokens, max_in_flight=cfg.max_in_flight,
-                          api_keys=cfg.api_keys, tls=cfg.tls, transport=cfg.transport, roles=roles)
+                          api_keys=cfg.api_keys, tls=cfg.tls, transport=cfg.transport, roles=roles,
+                          poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s)
     handles = {n: c.handle for n, c in workers.items()}
     frontend, actors = None, []
     if cfg.frontends == 1:
@@ -236,8 +256,21 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     else:
         actors, port = await _start_frontends(cfg, fcfg, handles)
         metrics = ClusterMetrics(cfg.transport, frontends=actors)
+    # The port is bound (health NOT_SERVING, requests wait); now every worker loads, is
+    # handshaken and marked ready before health turns SERVING.
+    metas: dict[str, bytes] = {}
+    first = await asyncio.gather(*(c.stats() for c in workers.values()))
+    for p in prefill:
+        await _handshake(p, workers, roles, metas)
+    await asyncio.gather(*(workers[s["name"]].set_ready(s["incarnation"]) for s in first))
+    from router.frontend import apply_poll, poll_workers  # noqa: PLC0415
+    if frontend is not None:
+        apply_poll(frontend.router, await poll_workers(workers, 60.0))
+        await frontend.wait_ready()
+    else:
+        await asyncio.gather(*(f.wait_ready.remote() for f in actors))
     supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roles, metas,
-                                                  metrics))
+                                                  metrics, fcfg.poll_timeout_s))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server)
 

@@ -1,13 +1,21 @@
 """What a prefill and a decode worker share: an engine on its own thread, a registered transport,
 the transport handshake, the token streams to the frontends, and the stats the router polls (KV
-usage, queues, prefix cache)."""
+usage, queues, prefix cache, and what its health is judged by: the incarnation, whether it has been
+handshaken, and the engine's step counter for the progress watchdog).
+
+The control methods (`stats`, `abort`, `metadata`, `add_peer`, `set_ready`, ...) are called in
+Ray's "control" concurrency group (`cluster/app.py`): they never queue behind the long streaming
+calls of the data group, and none of them blocks an event loop.
+"""
 from __future__ import annotations
 
 import os
+import uuid
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop, Poller
+from cluster.errors import RequestError
 from cluster.token_stream import TokenSender
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
@@ -23,6 +31,9 @@ class EngineWorker:
         self.transport = make_transport(config.transport, name)
         self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
         self.mailbox = Mailbox(self.transport)
+        self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation
+        self.ready = False                       # set by the driver once handshaken with its peers
+        self._peer_metadata: dict[str, bytes] = {}
 
     def _start_loop(self, pollers: list[Poller]) -> None:
         self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name),
@@ -32,15 +43,40 @@ class EngineWorker:
         return self.transport.metadata()
 
     async def add_peer(self, metadata: bytes) -> str:
-        return await self.loop.acall(lambda e: self.transport.add_peer(metadata))
+        """Connect a peer. The same metadata again is a no-op: re-adding would drop a peer whose
+        pulls may be in flight. New metadata under a known name is a restarted peer: replaced."""
+        from cluster.transfer.base import PeerMetadata  # noqa: PLC0415
+        name = PeerMetadata.decode(metadata).name
+        if self._peer_metadata.get(name) == metadata:
+            return name
+        added = await self.loop.acall(lambda e: self.transport.add_peer(metadata))
+        self._peer_metadata[name] = metadata
+        return added
+
+    def set_ready(self, incarnation: str) -> bool:
+        """The driver has handshaken this incarnation with every peer: it may take work."""
+        if incarnation == self.incarnation:
+            self.ready = True
+        return self.ready
 
     def stats(self) -> dict:
         pool, sched = self.engine.pool, self.engine.scheduler
-        return {"name": self.name, "role": self.role, "pid": os.getpid(), "blocks_used": pool.num_used, "blocks_total": pool.num_blocks,
-                "blocks_free": pool.num_free, "waiting": len(sched.waiting), "running": len(sched.running),
+        waiting, running = len(sched.waiting), len(sched.running)
+        return {"name": self.name, "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation,
+                "ready": self.ready, "steps": self.loop.steps, "has_work": bool(waiting or running),
+                "blocks_used": pool.num_used, "blocks_total": pool.num_blocks, "block_size": self.engine.layout.block_size,
+                "blocks_free": pool.num_free, "waiting": waiting, "running": running,
                 "prefix_queries": pool.queries, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
-                "queue_count": sched.queue_count,
+                "queue_count": sched.queue_count, "kv_discarded": getattr(self.engine, "kv_discarded", 0),
                 "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
+
+    def _add_request(self, e: LLMEngine, *args, **kwargs) -> str:
+        """`e.add_request`, with the engine's refusal (a bad prompt or option) typed as the
+        request's own fault, so the router answers the client and keeps this worker in routing."""
+        try:
+            return e.add_request(*args, **kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def compute_setup(self):
         """The engine's kernel plan, threads and cores (cluster.placement.ComputeSetup)."""

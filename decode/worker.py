@@ -6,8 +6,12 @@ Deltas leave once per engine step for the frontend that owns each request (`Sink
 `key` come with the call); the call itself returns when the request has ended, so the frontend
 learns of a dead worker from Ray.
 
-If the handoff fails (a dead producer, a bad checksum, no free blocks), the worker recomputes the
-prompt itself: a failed peer costs latency, never the request or a token already streamed.
+If the handoff fails (a dead producer, a bad checksum), the worker recomputes the prompt itself: a
+failed peer costs latency, never the request or a token already streamed. A handoff that finds no
+free blocks is declined at once (the producer is told and releases its pins) with `WorkerBusy`: the
+router then continues the request elsewhere or later, instead of recomputing it into a full pool.
+Blocks taken for a pull belong to its `_Handoff` until the engine owns them, and are freed on
+every path that does not get that far.
 A plain class; `cluster/app.py` runs it as a Ray actor in its own process.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
+from cluster.errors import RequestError, WorkerBusy
 from cluster.kv.block_pool import NoFreeBlocks
 from cluster.token_stream import SinkAddress
 from cluster.transfer.consumer import KVConsumer, KVPull, PullState
@@ -67,14 +72,20 @@ class DecodeWorker(EngineWorker):
                                    timeout_s=config.transfer_timeout_s, verify=config.checksums,
                                    mailbox=self.mailbox)
         self._handoffs: dict[str, _Handoff] = {}          # lease id -> handoff (engine thread only)
-        self.handoffs = {"done": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self.handoffs = {"done": 0, "failed": 0, "declined": 0, "bytes": 0, "seconds": 0.0}
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
         self._start_loop([self._poll_consumer])
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       sink: SinkAddress, key: int) -> str:
-        """Both phases here (colocated mode, or a prompt not worth a handoff)."""
-        last = await self.loop.run(request_id, lambda e: e.add_request(prompt_ids, sampling, request_id), sink, key)
+                       sink: SinkAddress, key: int, resume_samples: int = 0) -> str:
+        """Both phases here (colocated mode, or a prompt not worth a handoff). `resume_samples`: the
+        request continues one that already sampled this many tokens elsewhere (a failover), so its
+        seeded generator resumes where that one was instead of restarting from the seed."""
+        def start(e: LLMEngine):
+            self._add_request(e, prompt_ids, sampling, request_id)
+            if resume_samples:
+                e.skip_samples(request_id, resume_samples)
+        last = await self.loop.run(request_id, start, sink, key)
         return last.finish_reason.value
 
     async def decode(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -85,20 +96,25 @@ class DecodeWorker(EngineWorker):
         times = {"sent": sent_at or time.time(), "called": time.time()}
 
         def begin(e: LLMEngine):
-            self.loop.register(request_id, done, sink, key)
             times["pull_started"] = time.time()
             h = _Handoff(request_id, list(prompt_ids), sampling, handle, times=times)
+            n = len(handle.block_ids)
             try:
-                blocks = e.pool.allocate(len(handle.block_ids))
+                blocks = e.pool.allocate(n)
             except NoFreeBlocks:
-                self._recompute(e, h, "no free blocks")
-                return
+                self.consumer.decline(handle, "no free blocks")
+                self.handoffs["declined"] += 1
+                raise WorkerBusy(f"decode worker {self.name} has no room for a {n}-block handoff "
+                                 f"({e.pool.num_free} of {e.pool.num_blocks} blocks free)") from None
             try:
                 pull = self.consumer.start_pull(handle, blocks)
-            except Exception:
+            except Exception as exc:
                 e.pool.free(reversed(blocks))
-                self.loop.forget(request_id)
+                self.consumer.decline(handle, "refused")
+                if isinstance(exc, ValueError):     # a layout mismatch or a malformed handle
+                    raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
                 raise
+            self.loop.register(request_id, done, sink, key)
             self._handoffs[pull.lease_id] = h
         try:
             await self.loop.acall(begin)
@@ -117,23 +133,28 @@ class DecodeWorker(EngineWorker):
         return self.consumer.poll_interval()
 
     def _pull_ended(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
-        """Join the batch in the same turn the pull ends: no hop back through asyncio."""
+        """Join the batch in the same turn the pull ends: no hop back through asyncio. Until
+        `add_prefilled` has taken the blocks they are this function's to free, on every path."""
         if h.aborted:
             e.pool.free(reversed(pull.local_blocks))
             self.loop.emit([TokenDelta(h.request_id, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)])
             return
         if pull.state is PullState.DONE:
-            t = pull.timings
-            self.handoffs["done"] += 1
-            self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
-            self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
+            joined = False
             try:
+                t = pull.timings
+                self.handoffs["done"] += 1
+                self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
+                self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
                 e.add_prefilled(h.request_id, h.prompt_ids, h.handle.first_token, h.sampling, pull.local_blocks,
                                 h.handle.feature)
+                joined = True
             except Exception as exc:  # noqa: BLE001 - the request's own fault: it ends here
-                e.pool.free(reversed(pull.local_blocks))
-                self.loop.fail(h.request_id, exc)
+                self.loop.fail(h.request_id, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
                 return
+            finally:
+                if not joined:
+                    e.pool.free(reversed(pull.local_blocks))
             # pull.timings are perf_counter stamps: carry them onto the wall clock from "pull_started".
             base = h.times["pull_started"] - t["start"]
             for phase in ("read", "verified", "acked"):
@@ -153,13 +174,16 @@ class DecodeWorker(EngineWorker):
         return [asdict(t) for t in self.timings]
 
     def _recompute(self, e: LLMEngine, h: _Handoff, why: str) -> None:
+        """The pull failed (the producer died, a bad checksum): compute the prompt here. The
+        first token was sampled by the producer, so the generator skips that draw."""
         self.handoffs["failed"] += 1
         log.warning("handoff of %s failed (%s); recomputing here", h.request_id, why)
         rest = replace(h.sampling, max_tokens=h.sampling.max_tokens - 1)
         try:
             e.add_request([*h.prompt_ids, h.handle.first_token], rest, h.request_id)
+            e.skip_samples(h.request_id, 1)
         except Exception as exc:  # noqa: BLE001
-            self.loop.fail(h.request_id, exc)
+            self.loop.fail(h.request_id, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
 
     def _abort(self, e: LLMEngine, request_id: str) -> None:
         for lease_id, h in self._handoffs.items():

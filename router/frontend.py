@@ -47,12 +47,20 @@ class StatsCadence:
         return self.busy_s if now - self.last_busy < self.linger_s else self.idle_s
 
 
+CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/app.py)
+
+
 class RayWorkerClient:
-    """The router's view of one worker actor."""
+    """The router's view of one worker actor. Data calls (prefill, generate, decode) run in the
+    actor's default group; control calls in its "control" group, so that they never queue behind
+    the streams."""
 
     def __init__(self, name: str, handle):
         self.name = name
         self.handle = handle
+
+    def _control(self, method: str):
+        return getattr(self.handle, method).options(concurrency_group=CONTROL)
 
     async def prefill(self, request_id, prompt_ids, sampling):
         return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
@@ -63,10 +71,43 @@ class RayWorkerClient:
         return getattr(self.handle, method).remote(*args, **kwargs)
 
     async def abort(self, request_id):
-        await self.handle.abort.remote(request_id)
+        await self._control("abort").remote(request_id)
 
     async def stats(self):
-        return await self.handle.stats.remote()
+        return await self._control("stats").remote()
+
+    async def metadata(self):
+        return await self._control("metadata").remote()
+
+    async def add_peer(self, metadata: bytes):
+        return await self._control("add_peer").remote(metadata)
+
+    async def set_ready(self, incarnation: str) -> bool:
+        return await self._control("set_ready").remote(incarnation)
+
+
+async def poll_workers(clients: dict, timeout_s: float) -> dict:
+    """Every worker's stats at once (one slow worker delays no other): name -> stats, or the
+    exception its call raised (a timeout is `TimeoutError`: slow, not dead)."""
+    async def one(client):
+        try:
+            return await asyncio.wait_for(client.stats(), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - judged by the caller (router.worker_failed)
+            return exc
+    results = await asyncio.gather(*(one(c) for c in clients.values()))
+    return dict(zip(clients, results))
+
+
+def apply_poll(router, results: dict) -> list[dict]:
+    """Feed one poll round to a router's health and routing views; returns the stats that came."""
+    got = []
+    for name, result in results.items():
+        if isinstance(result, BaseException):
+            router.worker_failed(name, result)
+        else:
+            router.worker_polled(name, result)
+            got.append(result)
+    return got
 
 
 @dataclass(frozen=True)
@@ -87,6 +128,8 @@ class FrontendConfig:
     tls: tuple[bytes, bytes] | None = None
     transport: str = "nixl"
     poll_stats_s: float | None = None   # poll the workers' stats itself (actor frontends)
+    poll_timeout_s: float = 5.0         # a poll slower than this is skipped (slow is not dead)
+    stall_timeout_s: float = 60.0       # progress watchdog: work queued, no engine step this long
     roles: dict = field(default_factory=dict)   # worker name -> "prefill" | "decode"
 
 
@@ -98,7 +141,7 @@ class Frontend:
         self.siblings: list = []
         self.router = self.service = self.server = None
         self.port = 0
-        self._poll_task = None
+        self._poll_task = self._ready_task = None
 
     async def start(self) -> int:
         from cluster.metrics import ClusterMetrics  # noqa: PLC0415
@@ -117,7 +160,8 @@ class Frontend:
         await receiver.start()
         self.router = Router(RouterConfig(block_size=cfg.block_size, colocated=cfg.colocated,
                                           local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-                                          max_in_flight=cfg.max_in_flight), make_policy(cfg.policy), prefill, decode,
+                                          max_in_flight=cfg.max_in_flight, stall_timeout_s=cfg.stall_timeout_s),
+                             make_policy(cfg.policy), prefill, decode,
                              receiver, metrics=self.metrics)
         tokenizer = load_tokenizer(cfg.model_dir)
         self.service = InferenceService(self.router, cfg.limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids,
@@ -125,21 +169,24 @@ class Frontend:
         self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls)
         if cfg.poll_stats_s is not None:
             self._poll_task = asyncio.ensure_future(self._poll_stats(clients))
+        self._ready_task = asyncio.ensure_future(self._serve_when_ready())
         return self.port
+
+    async def _serve_when_ready(self) -> None:
+        """gRPC health turns SERVING once every worker is routable for the first time."""
+        while not self.router.ready:
+            await self.router._routable_changed.wait()  # noqa: SLF001 - the router's own signal
+        await self.service.set_serving(True)
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        await asyncio.wait_for(asyncio.shield(self._ready_task), timeout_s)
 
     async def _poll_stats(self, clients: dict) -> None:
         """The routing view of an actor frontend (the driver's supervisor does reconnection)."""
-        async def one(name, client):
-            try:
-                stats = await asyncio.wait_for(client.stats(), timeout=5)
-            except Exception:  # noqa: BLE001 - a dead or restarting worker
-                stats = None
-            self.router.worker_polled(name, stats)
-            return stats
         cadence = StatsCadence(busy_s=self.cfg.poll_stats_s)
         while True:
-            stats = await asyncio.gather(*(one(n, c) for n, c in clients.items()))
-            await cadence.sleep([s for s in stats if s], self.router)
+            got = apply_poll(self.router, await poll_workers(clients, self.cfg.poll_timeout_s))
+            await cadence.sleep(got, self.router)
 
     # --- called by sibling frontends and the driver (Ray) --------------------------------------
     def set_siblings(self, siblings: list) -> None:
@@ -164,7 +211,12 @@ class Frontend:
         return os.getpid()
 
     async def stop(self) -> None:
+        """Streams in flight end with UNAVAILABLE ("shutting down"), then the server stops."""
         if self._poll_task is not None:
             self._poll_task.cancel()
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+        await self.service.set_serving(False)
+        await self.router.shutdown()
         await self.server.stop(grace=1.0)
         await self.router.receiver.stop()

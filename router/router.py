@@ -5,7 +5,15 @@ pulled the KV. The decode worker's deltas arrive over the token stream (`TokenRe
 per engine step for all of this frontend's requests); the control call that started them returns
 when the request ends, and raises if the worker dies. A prefill worker that fails is replaced by another (or by the decode worker
 itself); a decode worker that fails mid-stream is replaced by another that recomputes from the
-prompt plus every token already streamed, so the client loses nothing but time.
+prompt plus every token already streamed (its seeded generator resumed past them), so the client
+loses nothing but time.
+
+Whose fault an error is decides what happens (`cluster/errors.py`): a `RequestError` goes to the
+client and leaves the worker in routing; `WorkerBusy` (no room for a handoff) continues the
+request on another worker, or on the same one once it has room; only a dead worker (Ray says so)
+leaves routing, until its new incarnation is back (`router/health.py`). Requests wait, within their
+deadline, for a worker to route to: before the cluster is ready, and while every worker of a role
+is restarting.
 """
 from __future__ import annotations
 
@@ -15,10 +23,20 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import StreamBroken, TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta, merge_deltas
+from router.health import Change, WorkerHealth, is_actor_death
 from router.policy import WorkerView
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: the stream ends with UNAVAILABLE, and the client may retry elsewhere."""
+
+
+class NoWorker(RuntimeError):
+    """No worker of a role became routable within `RouterConfig.unavailable_wait_s`."""
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +49,9 @@ class RouterConfig:
     local_prefill_cached_fraction: float = 0.9  # ... and so are prompts this cached there
     max_in_flight: int = 256
     final_delta_grace_s: float = 30.0        # after a stream's call returns, its last frame must arrive
+    stall_timeout_s: float = 60.0            # work queued and no engine step this long: stuck
+    unavailable_wait_s: float = 120.0        # how long a request waits for a routable worker
+    max_attempts: int = 8                    # decode attempts per request (failovers and busy retries)
 
 
 class Router:
@@ -41,27 +62,66 @@ class Router:
         self.receiver = receiver
         self.policy = policy
         self.clients = {**prefill, **decode}
-        self.views = {n: WorkerView(n, "prefill") for n in prefill} | {n: WorkerView(n, "decode") for n in decode}
+        self.views = {n: WorkerView(n, "prefill", healthy=False) for n in prefill} | \
+            {n: WorkerView(n, "decode", healthy=False) for n in decode}
+        self.health = {n: WorkerHealth(n, stall_s=config.stall_timeout_s) for n in self.views}
+        self._routable_changed = asyncio.Event()
+        self.closing = False
         self.in_flight = 0
         self.activity = asyncio.Event()          # set by each new request: wakes an idle stats poll
         self.metrics = metrics
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
         self.recoveries = 0                      # streams continued on another worker after a failure
+        self.busy_retries = 0                    # handoffs a full decode worker declined
 
     def _healthy(self, role: str) -> list[WorkerView]:
         return [v for v in self.views.values() if v.role == role and v.healthy]
 
-    def worker_polled(self, name: str, stats: dict | None) -> None:
-        """A stats poll's outcome for the routing view: None when the worker did not answer. A
-        worker that answers again after that is a restart, whose prefix cache is empty."""
+    @property
+    def ready(self) -> bool:
+        """Every worker has loaded and been handshaken at least once (gRPC health: SERVING)."""
+        return all(v.healthy for v in self.views.values())
+
+    def worker_polled(self, name: str, stats: dict) -> None:
+        """A stats poll answered: the routing view's load figures, and the worker's health."""
+        change = self.health[name].observe(stats)
         view = self.views[name]
-        if stats is None:
-            view.healthy = False
-            return
-        if not view.healthy:
-            view.cached.clear()
+        if change is Change.NEW_INCARNATION:
+            view.cached.clear()            # a restarted worker's prefix cache is empty
+        if change is not Change.NONE:
+            log.warning("worker %s: %s (now %s)", name, change.value, self.health[name].state.value)
         self.update_stats(stats)
-        view.healthy = True
+        self._set_routable(view)
+
+    def worker_failed(self, name: str, exc: BaseException) -> None:
+        """A call to the worker raised. Only Ray's word that the actor died takes it out of routing;
+        a timeout or an error of the call's own is not a dead worker."""
+        if is_actor_death(exc) and self.health[name].died() is Change.DIED:
+            log.warning("worker %s died (%s); routing around it until it is back", name, type(exc).__name__)
+            self._set_routable(self.views[name])
+
+    def _set_routable(self, view: WorkerView) -> None:
+        routable = self.health[view.name].routable
+        if routable != view.healthy:
+            view.healthy = routable
+            self._routable_changed.set()
+            self._routable_changed = asyncio.Event()
+
+    async def _routable(self, role: str) -> list[WorkerView]:
+        """The routable workers of `role`, waiting (within the request's deadline, which the server
+        enforces around us) while there are none: the cluster is starting, or they are restarting."""
+        limit = time.monotonic() + self.config.unavailable_wait_s
+        while not (views := self._healthy(role)):
+            if self.closing:
+                raise ShuttingDown("the server is shutting down")
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise NoWorker(f"no {role} worker became available within {self.config.unavailable_wait_s:.0f}s")
+            try:
+                await asyncio.wait_for(self._routable_changed.wait(), timeout=min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return views
 
     def update_stats(self, stats: dict) -> None:
         view = self.views.get(stats.get("name"))
@@ -69,6 +129,18 @@ class Router:
             view.blocks_free = stats["blocks_free"]
             view.blocks_total = stats["blocks_total"]
             view.running = stats.get("running", 0)
+
+    def check_capacity(self, req: GenerateRequest) -> None:
+        """Refuse, before anything is scheduled, a prompt no decode worker can ever hold (its KV
+        plus the first generated token), naming the numbers."""
+        sizes = [v.blocks_total for v in self.views.values() if v.role == "decode" and self.health[v.name].incarnation is not None]
+        if not sizes:
+            return
+        need = -(-(len(req.prompt_token_ids) + 1) // self.config.block_size)
+        if need > max(sizes):
+            raise RequestError(f"prompt: {len(req.prompt_token_ids)} tokens need {need} KV blocks of "
+                               f"{self.config.block_size} tokens, but the largest decode worker holds {max(sizes)}; "
+                               "shorten the prompt", "INVALID_ARGUMENT")
 
     async def abort(self, request_id: str) -> bool:
         workers = self.active.get(request_id, [])
@@ -78,6 +150,8 @@ class Router:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if req.request_id in self.active:
             raise ValueError(f"request_id {req.request_id!r} is already running")
+        if self.closing:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
         self.in_flight += 1
         self.activity.set()
         self.active[req.request_id] = []
@@ -94,11 +168,9 @@ class Router:
             self.active.pop(req.request_id, None)
 
     async def _generate(self, req: GenerateRequest, streamed: list[int]) -> AsyncIterator[TokenDelta]:
+        self.check_capacity(req)
         hashes = hash_prefix_blocks(req.prompt_token_ids, self.config.block_size, req.sampling.cache_salt)
-        decoders = self._healthy("decode")
-        if not decoders:
-            raise RuntimeError("no healthy decode worker")
-        dec = self.policy.choose_decode(hashes, decoders)
+        dec = self.policy.choose_decode(hashes, await self._routable("decode"))
         cached = dec.cached_prefix(hashes)
         local = (self.config.colocated or len(req.prompt_token_ids) <= self.config.local_prefill_max_tokens
                  or (hashes and cached >= self.config.local_prefill_cached_fraction * len(hashes))
@@ -111,16 +183,17 @@ class Router:
             finally:
                 dec.in_flight -= 1
             if prefilled is None:
-                local = True            # every prefill worker failed: the decode worker prefills
+                local = True            # no prefill worker could take it: the decode worker prefills
             else:
-                result, first = prefilled
+                first = prefilled[1]
                 yield first
                 if first.finished:
                     return
-        async for d in self._decode(req, dec, hashes, None if local else result, streamed):
+        async for d in self._decode(req, dec, hashes, None if local else prefilled, streamed):
             yield d
 
     async def _prefill(self, req: GenerateRequest, hashes):
+        """(result, first delta, worker name), or None when every prefill worker failed or was busy."""
         tried = set()
         while True:
             candidates = [v for v in self._healthy("prefill") if v.name not in tried]
@@ -133,11 +206,14 @@ class Router:
             t0 = time.perf_counter()
             try:
                 result = await self.clients[view.name].prefill(req.request_id, list(req.prompt_token_ids), req.sampling)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, RequestError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - a dead worker: try the next one
-                log.warning("prefill worker %s failed (%s); trying another", view.name, exc)
-                view.healthy = False
+            except WorkerBusy as exc:
+                log.info("prefill worker %s is full (%s); trying another", view.name, _cause(exc))
+                continue
+            except Exception as exc:  # noqa: BLE001 - the worker's fault: try the next one
+                log.warning("prefill worker %s failed (%s); trying another", view.name, _cause(exc))
+                self.worker_failed(view.name, exc)
                 continue
             finally:
                 view.in_flight -= 1
@@ -149,44 +225,76 @@ class Router:
                                result.num_cached_tokens)
             if result.finish_reason is not None:
                 self.active[req.request_id].remove(view.name)
-            return result, first
+            return result, first, view.name
 
-    async def _decode(self, req: GenerateRequest, dec: WorkerView, hashes, prefill_result, streamed):
-        attempt = 0
+    async def _decode(self, req: GenerateRequest, dec: WorkerView, hashes, prefilled, streamed):
+        """Attempts on decode workers until the request ends: the first continues the handoff
+        (`prefilled`) or prefills locally; a later one continues from the prompt plus every token
+        streamed so far, with the seeded generator resumed past them."""
+        failures, busy_wait = 0, 0.02
         while True:
-            attempt += 1
             view = dec
             self.active[req.request_id].append(view.name)
             view.in_flight += 1
             client = self.clients[view.name]
             try:
-                if prefill_result is not None and attempt == 1:
+                if prefilled is not None:
                     stream = self._stream(client, "decode", req.request_id, list(req.prompt_token_ids),
-                                          req.sampling, prefill_result.handle, sent_at=time.time())
+                                          req.sampling, prefilled[0].handle, sent_at=time.time())
                 elif not streamed:
                     stream = self._stream(client, "generate", req.request_id, list(req.prompt_token_ids),
                                           req.sampling)
                 else:
-                    # Recover on another worker from everything the client already has.
                     left = req.sampling.max_tokens - len(streamed)
                     stream = self._stream(client, "generate", req.request_id, [*req.prompt_token_ids, *streamed],
-                                          replace(req.sampling, max_tokens=max(1, left)))
+                                          replace(req.sampling, max_tokens=max(1, left)), resume_samples=len(streamed))
                 async for d in stream:
                     yield d
                 dec.remember(hashes)
                 return
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, RequestError, ShuttingDown):
                 raise
-            except Exception as exc:  # noqa: BLE001 - a dead worker: continue elsewhere
-                log.warning("decode worker %s failed (%s)", dec.name, exc)
-                dec.healthy = False
+            except WorkerBusy as exc:
+                # The handoff was declined (its lease is released): continue from the first token on
+                # another decode worker, or on this one once it has room.
+                self.busy_retries += 1
+                log.info("decode worker %s declined %s (%s)", view.name, req.request_id, _cause(exc))
+                prefilled = None
+                others = [v for v in self._healthy("decode") if v is not view and v.blocks_free > 0]
+                if others:
+                    dec = self.policy.choose_decode(hashes, others)
+                else:
+                    await asyncio.sleep(busy_wait)
+                    busy_wait = min(1.0, busy_wait * 2)
+                    dec = self.policy.choose_decode(hashes, await self._routable("decode"))
+            except Exception as exc:  # noqa: BLE001 - the worker's fault: continue elsewhere
+                log.warning("decode worker %s failed on %s (%s)", view.name, req.request_id, _cause(exc))
+                self.worker_failed(view.name, exc)
                 self.recoveries += 1
-                others = self._healthy("decode")
-                if not others or attempt > 3:
+                failures += 1
+                if prefilled is not None:   # the producer's pins are no use now: release them at once
+                    self._release_lease(prefilled[2], req.request_id)
+                    prefilled = None
+                if failures >= self.config.max_attempts:
                     raise
-                dec = self.policy.choose_decode(hashes, others)
+                candidates = await self._routable("decode")
+                dec = self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates)
             finally:
                 view.in_flight -= 1
+
+    def _release_lease(self, prefill_worker: str, request_id: str) -> None:
+        workers = self.active.get(request_id, [])
+        if prefill_worker in workers:
+            workers.remove(prefill_worker)
+        asyncio.ensure_future(_quietly(self.clients[prefill_worker].abort(request_id)))
+
+    async def shutdown(self) -> None:
+        """End every stream now with `ShuttingDown` (the server answers UNAVAILABLE): the workers
+        abort them as their attempts end; new requests are refused."""
+        self.closing = True
+        self._routable_changed.set()
+        for q in list(self.receiver.queues.values()):
+            q.push(ShuttingDown("the server is shutting down; retry on another replica"))
 
     async def _stream(self, client, method: str, request_id: str, *args, **kwargs) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a control call, read its deltas from the token
@@ -221,3 +329,13 @@ class Router:
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
 
+
+def _cause(exc: BaseException) -> str:
+    return error_message(exc)
+
+
+async def _quietly(coro) -> None:
+    try:
+        await coro
+    except Exception as exc:  # noqa: BLE001 - best effort: a lease also expires on its own
+        log.info("releasing a lease failed: %s", exc)

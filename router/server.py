@@ -2,7 +2,10 @@
 
 Each RPC validates first (INVALID_ARGUMENT naming the field), refuses work past the in-flight limit
 (RESOURCE_EXHAUSTED), honours the client's deadline (DEADLINE_EXCEEDED, and the request stops on
-every worker) and aborts everywhere when the client cancels.
+every worker) and aborts everywhere when the client cancels. A worker's refusal of the request
+itself (`RequestError`) keeps its own code; a server that cannot serve it (no worker, shutting
+down) answers UNAVAILABLE. gRPC health says NOT_SERVING until every worker has loaded and been
+handshaken (`set_serving`); requests that arrive before then wait for it, within their deadline.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.errors import RequestError, error_message
 from cluster.types import FinishReason, TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
 from proto.splitserve.v1 import inference_pb2_grpc as pb_grpc
@@ -52,6 +56,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.metrics = metrics
         self.siblings = siblings
+        self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in (SERVICE_NAME, ""):
+            await self.health.set(name, status)
 
     async def _authorize(self, context) -> None:
         if not self.api_keys:
@@ -93,10 +103,14 @@ class InferenceService(pb_grpc.InferenceServicer):
                 yield to_proto(delta, produced)
         except TimeoutError:
             timed_out = True
-        except (ValueError, RuntimeError) as exc:
+        except RequestError as exc:      # the request's fault, found by a worker
             if tracker:
                 tracker.finish("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
+        except Exception as exc:  # noqa: BLE001 - no worker could serve it, or the server is stopping
+            if tracker:
+                tracker.finish("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, error_message(exc))
         finally:
             await stream.aclose()               # stops the request on every worker
             if tracker and not tracker.done:
@@ -134,6 +148,6 @@ async def start_grpc_server(service: InferenceService, host: str, port: int, max
     else:
         bound = server.add_insecure_port(address)
     await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    service.health = health_servicer
+    await service.set_serving(False)
     return server, bound

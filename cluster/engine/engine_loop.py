@@ -8,7 +8,12 @@ coroutine only learns the final delta, through one future per request.
 Nothing spins when idle. The thread steps while the engine has work; otherwise it sleeps on its
 command queue until the next command or until a poller asks to run again. A poller (the KV
 producer's or consumer's) returns the seconds until it next needs a turn, or None when it has
-nothing in flight, so an idle worker blocks with no timeout at all.
+nothing in flight, so an idle worker blocks with no timeout at all. An engine that has work but
+could schedule none of it (`engine.idle_step`: e.g. the next request waits for blocks that pulls in
+flight hold) sleeps the same way until a command or a poller changes something, never spins.
+
+`steps` counts the steps that did work: the router's progress watchdog (`router/health.py`) calls a
+worker stuck when it has work and this counter stands still.
 """
 from __future__ import annotations
 
@@ -54,6 +59,8 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
         self.on_first_delta: dict[str, Callable[[], None]] = {}   # engine thread only (handoff timing)
+        self.steps = 0                  # steps that did work (read by the progress watchdog)
+        self._idle_at: tuple | None = None   # the queue sizes of an idle step: sleep until they change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -114,10 +121,14 @@ class EngineLoop:
             self.sender.close()
 
     # --- the engine thread -----------------------------------------------------------------------
+    def _queue_sizes(self) -> tuple:
+        sched = self.engine.scheduler
+        return len(sched.waiting), len(sched.running), sched.pool.num_free
+
     def _run(self) -> None:
         while not self._stop.is_set():
             wait = self._poll()
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and self._idle_at != self._queue_sizes():
                 wait = 0.0
             try:
                 item = self._commands.get(timeout=wait) if wait != 0.0 else self._commands.get_nowait()
@@ -138,6 +149,8 @@ class EngineLoop:
                 break
             if self.engine.has_unfinished():
                 self._step()
+            else:
+                self._idle_at = None
 
     def _poll(self) -> float | None:
         """Run every poller; the shortest wait any of them asks for (None: none pending)."""
@@ -159,6 +172,10 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all(exc)
             return
+        idle = getattr(self.engine, "idle_step", False) and not deltas
+        self._idle_at = self._queue_sizes() if idle else None
+        if not idle:
+            self.steps += 1
         self.emit(deltas)
 
     def emit(self, deltas: list[TokenDelta]) -> None:

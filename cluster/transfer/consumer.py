@@ -96,6 +96,11 @@ class KVConsumer:
         self.pulls[lease_id] = pull
         return pull
 
+    def decline(self, handle: KVHandle, reason: str) -> None:
+        """Refuse a handle before any pull starts (no room, a bad layout): the producer ends its
+        lease and releases its pins at once instead of holding them until the lease expires."""
+        self.transport.notify(handle.producer, Message(Kind.FAIL, handle.lease_id, ok=False, reason=reason).encode())
+
     def abort(self, lease_id: str) -> None:
         """Abort from the decode side: the producer releases; our blocks are freed by the caller
         once the pull is reported FAILED (after any read or push in flight has stopped)."""
