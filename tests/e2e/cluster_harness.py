@@ -24,14 +24,25 @@ class ClusterThread:
         return self.run(go())
 
     def wait_idle(self, timeout=15.0) -> list[dict]:
-        """Every worker's pool back to empty: no block held, no lease, nothing queued."""
+        """Every worker's pool back to empty: no block held, no lease, nothing queued. Fails the
+        test (naming each worker's figures) if that does not happen within `timeout`."""
         limit = time.monotonic() + timeout
         while True:
-            stats = self.stats()
+            try:
+                stats = self.stats()
+            except Exception:  # noqa: BLE001 - a worker restarting after a kill: not idle yet
+                if time.monotonic() > limit:
+                    raise
+                time.sleep(0.2)
+                continue
             idle = all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 and s["running"] == 0 and s["waiting"] == 0
                        for s in stats)
-            if idle or time.monotonic() > limit:
+            if idle:
                 return stats
+            if time.monotonic() > limit:
+                busy = {s["name"]: {k: s.get(k, 0) for k in ("blocks_used", "leases", "running", "waiting")}
+                        for s in stats}
+                raise AssertionError(f"the cluster is not idle after {timeout:.0f}s: {busy}")
             time.sleep(0.1)
 
     def stop(self):

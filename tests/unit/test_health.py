@@ -1,0 +1,92 @@
+"""The health model's policy: liveness and progress, not latency (router/health.py)."""
+import asyncio
+
+import pytest
+
+from router.health import Change, Liveness, WorkerHealth, is_actor_death
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _stats(inc="a", ready=True, steps=0, has_work=False):
+    return {"incarnation": inc, "ready": ready, "steps": steps, "has_work": has_work}
+
+
+def test_a_worker_is_ready_only_once_it_says_so_and_a_restart_is_a_new_incarnation():
+    h = WorkerHealth("w", clock=Clock())
+    assert h.observe(_stats(ready=False)) is Change.NEW_INCARNATION and not h.routable   # loading / handshaking
+    assert h.observe(_stats(ready=False)) is Change.NONE and not h.routable
+    assert h.observe(_stats(ready=True)) is Change.NONE and h.routable
+    assert h.died() is Change.DIED and h.state is Liveness.DEAD and not h.routable
+    assert h.observe(_stats(inc="b", ready=False)) is Change.NEW_INCARNATION and not h.routable
+    assert h.observe(_stats(inc="b", ready=True)) is Change.NONE and h.routable
+
+
+def test_a_transient_death_report_with_the_same_incarnation_recovers():
+    h = WorkerHealth("w", clock=Clock())
+    h.observe(_stats())
+    h.died()
+    assert h.observe(_stats()) is Change.RECOVERED and h.routable
+
+
+def test_a_busy_worker_that_makes_progress_is_never_stalled():
+    clock = Clock()
+    h = WorkerHealth("w", stall_s=10, clock=clock)
+    h.observe(_stats())
+    for i in range(100):              # long steps, always with work: slow but moving
+        clock.now += 9
+        assert h.observe(_stats(steps=i + 1, has_work=True)) is Change.NONE
+    assert h.routable
+
+
+def test_an_idle_worker_is_never_stalled():
+    clock = Clock()
+    h = WorkerHealth("w", stall_s=10, clock=clock)
+    h.observe(_stats(steps=5))
+    clock.now += 1000
+    assert h.observe(_stats(steps=5, has_work=False)) is Change.NONE and h.routable
+
+
+def test_work_queued_and_no_step_is_a_stall_until_it_moves_again():
+    clock = Clock()
+    h = WorkerHealth("w", stall_s=10, clock=clock)
+    h.observe(_stats(steps=5))
+    clock.now += 5
+    assert h.observe(_stats(steps=5, has_work=True)) is Change.NONE      # work just arrived
+    clock.now += 6
+    assert h.observe(_stats(steps=5, has_work=True)) is Change.STALLED and not h.routable
+    clock.now += 100
+    assert h.observe(_stats(steps=5, has_work=True)) is Change.NONE and not h.routable
+    assert h.observe(_stats(steps=6, has_work=True)) is Change.RECOVERED and h.routable
+
+
+def test_only_rays_actor_errors_count_as_death():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    assert is_actor_death(ActorDiedError())
+    assert is_actor_death(ActorUnavailableError("restarting", None))
+    assert not is_actor_death(asyncio.TimeoutError())      # slow is not dead
+    assert not is_actor_death(TimeoutError())
+    assert not is_actor_death(ValueError("bad request"))
+
+
+@pytest.mark.parametrize("exc", [TimeoutError(), RuntimeError("engine step failed"), ValueError("bad")])
+def test_the_router_keeps_routing_to_a_worker_whose_call_failed_without_dying(exc):
+    from router.policy import make_policy
+    from router.router import Router, RouterConfig
+
+    async def go():
+        r = Router(RouterConfig(), make_policy("least_loaded"), {}, {"d0": None}, receiver=None)
+        r.worker_polled("d0", {"name": "d0", **_stats(), "blocks_free": 8, "blocks_total": 8})
+        assert r.views["d0"].healthy
+        r.worker_failed("d0", exc)
+        assert r.views["d0"].healthy
+        from ray.exceptions import ActorDiedError
+        r.worker_failed("d0", ActorDiedError())
+        assert not r.views["d0"].healthy
+    asyncio.run(go())
