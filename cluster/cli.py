@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send a stream's tokens once it has this many new ones (first and last at once); "
                           "above 1 it cuts the frontends' CPU per token at the cost of burstier inter-token times")
     srv.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
+    srv.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="route around a live worker that has work queued but has made no engine step for this "
+                          "long, until it moves again (a slow worker is never routed around)")
     srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     srv.add_argument("--prefill-resources", type=_json_resources, default={}, metavar="JSON",
                      help='Ray custom resources each prefill worker needs, e.g. \'{"prefill": 1}\' (places them '
@@ -179,7 +182,7 @@ def cmd_serve(args) -> int:
                         prefill_resources=_json_resources(args.prefill_resources),
                         decode_resources=_json_resources(args.decode_resources),
                         worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus, frontends=args.frontends,
-                        stream_interval=args.stream_interval)
+                        stream_interval=args.stream_interval, stall_timeout_s=args.stall_timeout)
 
     async def run() -> None:
         cluster = await start_cluster(cfg)

@@ -43,6 +43,12 @@ class _WorkerCollector:
                                      labels=["worker", "transport"])
         c_fail = CounterMetricFamily(PREFIX + "kv_transfer_failures", "KV handoffs that failed (recomputed locally)",
                                      labels=["worker", "transport"])
+        c_declined = CounterMetricFamily(PREFIX + "kv_transfers_declined",
+                                         "KV handoffs a full decode worker declined (continued elsewhere or later)",
+                                         labels=["worker", "transport"])
+        c_discarded = CounterMetricFamily(PREFIX + "kv_discarded",
+                                          "handed-off requests whose transferred KV was freed to be recomputed "
+                                          "(KV pressure)", labels=["worker", "role"])
         queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
                                     "time requests waited for their first schedule", labels=["worker", "role"])
         spec = {key: CounterMetricFamily(PREFIX + name, text, labels=["worker", "method"]) for key, name, text in (
@@ -63,13 +69,15 @@ class _WorkerCollector:
             c_queries.add_metric([w, r], s["prefix_queries"])
             c_hits.add_metric([w, r], s["prefix_hits"])
             queue.add_metric([w, r], count_value=s.get("queue_count", 0), sum_value=s.get("queue_seconds", 0.0))
+            c_discarded.add_metric([w, r], s.get("kv_discarded", 0))
             if r == "decode":
+                c_declined.add_metric([w, transport], s.get("handoff_declined", 0))
                 c_bytes.add_metric([w, transport], s["handoff_bytes"])
                 c_secs.add_metric([w, transport], s["handoff_seconds"])
                 c_done.add_metric([w, transport], s["handoff_done"])
                 c_fail.add_metric([w, transport], s["handoff_failed"])
         yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, queue, c_bytes, c_secs, c_done,
-                    c_fail, *spec.values())
+                    c_fail, c_declined, c_discarded, *spec.values())
 
 
 class RequestTracker:
