@@ -89,6 +89,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[TokenDelta] = []
+        self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         # Called with each step's plan before it runs (the KV push binds its blocks here and
         # sets `runner.layer_hook` to stream each layer as it is computed).
@@ -162,6 +163,17 @@ class LLMEngine:
                              "decoding; start it with --speculative")
         self.speculator.check_request(sampling)
 
+    def skip_samples(self, request_id: str, n: int) -> None:
+        """Advance a queued request's generator past `n` sampled tokens: it continues a request
+        that already sampled them elsewhere (a handoff, a failover), and resumes its seeded draws
+        where that one was. One draw per plain sampled token, as `sampler.sample_row` makes; a
+        speculative request's draws depend on its acceptances, so only plain decoding resumes exactly."""
+        seq = self._seqs[request_id]
+        if seq.sampling.greedy or seq.generator is None or n <= 0:
+            return
+        for _ in range(n):
+            torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         if sampling.seed is not None:
             return torch.Generator().manual_seed(sampling.seed)
@@ -171,7 +183,8 @@ class LLMEngine:
                       sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"") -> None:
         """Join a sequence whose prompt KV already sits in `block_ids` (taken from this engine's
         pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
-        from its second token on; if it is ever preempted it is recomputed here."""
+        from its second token on, waiting with its blocks while the pool is full; if it is ever
+        preempted, or its KV is discarded to avoid a deadlock, it is recomputed here."""
         ids = self.validate_prompt(list(prompt_ids))
         self.validate_speculation(sampling)
         if request_id in self._seqs:
@@ -228,6 +241,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    @property
+    def kv_discarded(self) -> int:
+        """Handed-off requests whose transferred KV was thrown away (recomputed here instead)."""
+        return self.scheduler.kv_discarded
+
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
         out, self._pending = self._pending, []
@@ -239,6 +257,7 @@ class LLMEngine:
         if self.speculator is not None:
             for seq in plan.preempted:
                 self.speculator.release(seq)
+        self.idle_step = plan.empty and not out
         if plan.empty:
             return out
         if self.speculator is not None and plan.decodes:

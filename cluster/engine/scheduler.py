@@ -7,12 +7,22 @@ cached full block of its prompt and computes only the rest. When a running reque
 and none is free, the most recently admitted request is preempted (its blocks freed, its tokens
 recomputed later), so the oldest request always progresses and the engine cannot deadlock.
 
+A handed-off (P/D) request waits holding the blocks its KV was pulled into; it keeps them while it
+cannot get its next block, since blocks that running requests or pulls in flight hold come back.
+Transferred KV is thrown away (the waiter is recomputed from its prompt and first token; counted
+in `kv_discarded`) only when waiting could deadlock: a running request alone in the batch that
+needs a block takes them from the youngest waiters holding blocks, and so does the head of the
+queue when nothing runs. No request is cut short or stalled by blocks other requests hold; one
+waits (`StepPlan.stalled`) for blocks held outside the scheduler (pulls in flight, KV held for a
+consumer), and is ended with LENGTH, holding nothing, only when it alone outgrows the pool.
+
 Speculative decoding turns a decode into a verification of k+1 positions (`attach_draft`); its
 blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
 advance over the accepted tokens only and blocks reserved past them go back to the pool.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +32,8 @@ from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.types import FinishReason
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +54,7 @@ class StepPlan:
     decodes: list[ScheduledChunk] = field(default_factory=list)   # one token each
     prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of several tokens
     preempted: list[Sequence] = field(default_factory=list)
+    stalled: list[Sequence] = field(default_factory=list)   # running, waiting for blocks held outside
     verifies: list[ScheduledChunk] = field(default_factory=list)  # decodes with a draft to verify
     budget_left: int = 0
 
@@ -76,6 +89,7 @@ class Scheduler:
         self.hit_filter = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
+        self.kv_discarded = 0        # handed-off waiters whose transferred KV was thrown away
 
     # --- queue -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,7 +136,7 @@ class Scheduler:
                 continue
             self._add_chunk(plan, seq, n)
             budget -= n
-        if plan.preempted:
+        if plan.preempted or plan.stalled:
             return plan   # memory is tight: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -179,22 +193,58 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
-        """Make `seq` hold blocks for `num_tokens`, preempting younger requests if needed.
-        False when `seq` itself had to give way."""
+        """Make `seq` hold blocks for `num_tokens`: preempt younger requests, and once alone take
+        the blocks of handed-off waiters. False when `seq` gave way, waits or was ended."""
         need = self._blocks_for(num_tokens) - len(seq.block_ids)
         while need > self.pool.num_free:
-            victim = self.running[-1]
-            if victim is seq and len(self.running) == 1:
-                # Alone and still out of blocks: the pool cannot hold this request any longer.
-                self.finish(seq, FinishReason.LENGTH)
-                self.ended.append(seq)
-                return False
-            self._preempt(victim, plan)
-            if victim is seq:
+            if len(self.running) > 1:
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    return False
+            elif not self._discard_waiter(None, f"{seq.request_id}, alone in the batch, needs a block"):
+                if self.pool.num_used > len(seq.block_ids):
+                    plan.stalled.append(seq)   # blocks held outside come back: wait for them
+                else:
+                    self._end_out_of_blocks(seq)
                 return False
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
         return True
+
+    def _end_out_of_blocks(self, seq: Sequence) -> None:
+        """The pool cannot hold `seq` even alone: end it with LENGTH. Its blocks go back to the
+        pool, never into `held` (a partial prefill has no token to hand off)."""
+        self._release(seq)
+        self.finish(seq, FinishReason.LENGTH)
+        self.ended.append(seq)
+
+    def _discard_waiter(self, keep: Sequence | None, why: str) -> bool:
+        """Release the youngest waiter holding blocks (not `keep`): its transferred KV is thrown
+        away and it is recomputed from its tokens later. False when no waiter holds any."""
+        for w in reversed(self.waiting):
+            if w.block_ids and w is not keep:
+                log.warning("discarding the transferred KV of %s (%d blocks): %s", w.request_id,
+                            len(w.block_ids), why)
+                self._release(w)
+                self.kv_discarded += 1
+                return True
+        return False
+
+    def _make_room(self, head: Sequence, need: int) -> bool:
+        """With nothing running, the head of the queue would wait forever on blocks that waiters
+        behind it hold: take them, youngest first. Only when that is enough for the head;
+        otherwise it waits for blocks held outside (pulls in flight, KV held for a consumer)."""
+        if self.running:
+            return False   # running requests give their blocks back: wait for them
+        # A waiter's blocks are its own (pulled into fresh blocks, never published to the cache).
+        behind = sum(len(w.block_ids) for w in self.waiting if w is not head)
+        if self.pool.num_free + behind < need:
+            return False
+        why = f"{head.request_id}, at the head of the queue with nothing running, needs {need} blocks"
+        while need > self.pool.num_free and self._discard_waiter(head, why):
+            pass
+        return need <= self.pool.num_free
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
@@ -214,8 +264,10 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
         need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
-        if (n < remaining and not self.config.enable_chunked_prefill) or need > self.pool.num_free:
-            self._release(seq)
+        if (n < remaining and not self.config.enable_chunked_prefill) or (
+                need > self.pool.num_free and not self._make_room(seq, need)):
+            if not handed_off:   # a handoff keeps its transferred KV while it waits
+                self._release(seq)
             return 0
         seq.block_ids.extend(self.pool.allocate(need))
         if seq.num_preemptions == 0:

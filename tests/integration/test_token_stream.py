@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 
 import msgpack
 import pytest
@@ -141,3 +142,36 @@ def test_an_idle_loop_sleeps_until_a_poller_or_a_command_needs_it(engine):
     assert idle_turns <= 2, f"{idle_turns} turns in 0.5 s with nothing to do"
     assert busy_turns >= 15                       # polled every 10-20 ms while something is in flight
     assert len(turns) - settled <= 1              # and asleep again once it is not
+
+
+def test_a_loop_whose_work_waits_for_blocks_held_elsewhere_sleeps_instead_of_spinning(engine):
+    """A request that cannot be admitted because blocks are held outside the scheduler (pulls in
+    flight) makes every step idle: the thread sleeps until something changes, then serves it."""
+    import asyncio
+    import time
+    steps = [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+    engine.step = counted
+    loop_ = EngineLoop(engine, sender=TokenSender("w"))
+    try:
+        held = loop_.call(lambda e: e.pool.allocate(e.pool.num_blocks)).result(5)   # as pulls in flight do
+
+        async def run():
+            return await loop_.run("r", lambda e: e.add_request(_prompts(1)[0], SamplingParams(max_tokens=3), "r"))
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("last", asyncio.run(run())))
+        t.start()
+        time.sleep(0.5)
+        idle_steps = steps[0]
+        loop_.call(lambda e: e.pool.free(reversed(held))).result(5)            # the pulls end
+        t.join(10)
+    finally:
+        loop_.close()
+        engine.step = step
+    assert idle_steps <= 3, f"{idle_steps} engine steps in 0.5 s while waiting for blocks"
+    assert result["last"].finish_reason is FinishReason.LENGTH and result["last"].num_output_tokens == 3
+    engine.pool.check_idle()
