@@ -139,6 +139,11 @@ class DecodeWorker(EngineWorker):
             e.pool.free(reversed(pull.local_blocks))
             self.loop.emit([TokenDelta(h.request_id, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)])
             return
+        if not self.loop.has_stream(h.request_id):
+            # Its stream ended meanwhile (its frontend vanished, or every stream failed): nobody
+            # waits for this request, and a retry may already run elsewhere under its id.
+            e.pool.free(reversed(pull.local_blocks))
+            return
         if pull.state is PullState.DONE:
             joined = False
             try:

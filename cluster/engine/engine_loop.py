@@ -82,6 +82,10 @@ class EngineLoop:
         prefill publishes its KV there, without waiting for another turn of the loop)."""
         self._streams[request_id] = _Stream(done.get_loop(), done, sink, key, on_end)
 
+    def has_stream(self, request_id: str) -> bool:
+        """Engine thread only: the request is still registered (its caller waits for its end)."""
+        return request_id in self._streams
+
     def forget(self, request_id: str) -> None:
         """Engine thread only: the request never started (its start failed)."""
         self._streams.pop(request_id, None)

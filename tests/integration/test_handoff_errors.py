@@ -1,0 +1,112 @@
+"""A handoff's error paths with the real worker classes in one process (no Ray; the loopback
+transport): a full decode worker declines at once and the producer's pins go with it; a handoff
+that fails between the pull and the batch frees its blocks; errors are typed by whose fault."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from cluster.config import CacheConfig, EngineConfig, WorkerConfig
+from cluster.errors import RequestError, WorkerBusy
+from cluster.token_stream import TokenReceiver
+from cluster.types import SamplingParams
+from decode.worker import DecodeWorker
+from prefill.worker import PrefillWorker
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def pair(tiny_model_dir):
+    cfg = WorkerConfig(engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
+                                           cache=CacheConfig(block_size=4, num_blocks=64)), transport="loopback")
+    n = next(_names)
+    prefill, decode = PrefillWorker(f"p{n}", cfg), DecodeWorker(f"d{n}", cfg)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+async def _connect(prefill, decode) -> TokenReceiver:
+    await decode.add_peer(prefill.metadata())
+    await prefill.add_peer(decode.metadata())
+    assert await decode.add_peer(prefill.metadata())          # the same metadata again: a no-op
+    receiver = TokenReceiver("f")
+    await receiver.start()
+    return receiver
+
+
+async def _released(prefill, timeout=2.0) -> bool:
+    limit = time.monotonic() + timeout
+    while time.monotonic() < limit:
+        if prefill.stats()["leases"] == 0 and prefill.stats()["blocks_used"] == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+PROMPT = list(range(5, 45))
+SAMPLING = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def test_a_full_decode_worker_declines_at_once_and_the_producer_releases(pair):
+    prefill, decode = pair
+
+    async def go():
+        receiver = await _connect(prefill, decode)
+        try:
+            held = await decode.loop.acall(lambda e: e.pool.allocate(e.pool.num_blocks))   # a full pool
+            result = await prefill.prefill("r1", PROMPT, SAMPLING)
+            assert prefill.stats()["leases"] == 1
+            key, _ = receiver.open("r1")
+            with pytest.raises(WorkerBusy, match="no room for a 10-block handoff"):
+                await decode.decode("r1", PROMPT, SAMPLING, result.handle, receiver.address, key)
+            # Told at once: the pins go long before the 30 s lease would have run out.
+            assert await _released(prefill), prefill.stats()
+            assert decode.stats()["handoff_declined"] == 1 and decode.stats()["handoff_failed"] == 0
+            await decode.loop.acall(lambda e: e.pool.free(reversed(held)))
+            await decode.loop.acall(lambda e: e.pool.check_idle())
+        finally:
+            await receiver.stop()
+    asyncio.run(go())
+
+
+def test_a_handoff_that_fails_between_pull_and_batch_frees_its_blocks(pair):
+    prefill, decode = pair
+
+    def refuse(*args, **kwargs):
+        raise ValueError("this engine cannot continue that request")
+    decode.engine.add_prefilled = refuse
+
+    async def go():
+        receiver = await _connect(prefill, decode)
+        try:
+            result = await prefill.prefill("r2", PROMPT, SAMPLING)
+            key, _ = receiver.open("r2")
+            with pytest.raises(RequestError, match="cannot continue"):
+                await decode.decode("r2", PROMPT, SAMPLING, result.handle, receiver.address, key)
+            await decode.loop.acall(lambda e: e.pool.check_idle())
+            assert await _released(prefill)
+        finally:
+            await receiver.stop()
+    asyncio.run(go())
+
+
+def test_a_bad_request_is_typed_as_the_requests_fault(pair):
+    prefill, decode = pair
+
+    async def go():
+        receiver = await _connect(prefill, decode)
+        try:
+            key, _ = receiver.open("r3")
+            with pytest.raises(RequestError, match="token ids must be in"):
+                await decode.generate("r3", [1, 10_000], SAMPLING, receiver.address, key)
+            with pytest.raises(RequestError, match="token ids must be in"):
+                await prefill.prefill("r4", [1, 10_000], SAMPLING)
+            assert decode.stats()["ready"] is False            # not handshaken by a driver: no work for it yet
+        finally:
+            await receiver.stop()
+    asyncio.run(go())
