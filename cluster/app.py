@@ -15,6 +15,7 @@ from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
+from router.health import is_actor_death
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +131,36 @@ class RunningCluster:
             ray.shutdown()
 
 
-async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> None:
-    """(Re)connect one worker with every worker of the other role: transport metadata both ways.
-    `metas` caches each worker's metadata; a worker restarted by Ray comes back with a new agent,
-    so its entry is fetched again whenever this runs for it. Adding the same metadata twice is a
-    no-op on the worker (`EngineWorker.add_peer`), so pulls in flight to a live peer survive."""
+PEER_CALL_S = 30.0      # a peer still loading answers within this; one restarting is skipped
+
+
+async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> list[str]:
+    """(Re)connect one worker with every worker of the other role: transport metadata both ways,
+    each peer's fetched afresh (a worker restarted by Ray comes back with a new agent; `metas`
+    keeps the last seen). Adding the same metadata twice is a no-op on the worker
+    (`EngineWorker.add_peer`), so pulls in flight to a live peer survive.
+    A peer that cannot be reached now (dead, restarting) is skipped and named in the result: its
+    own bring-up connects the two when it is back. Raises only when `name` itself fails."""
     metas[name] = await workers[name].metadata()
+    skipped = []
     for other, client in workers.items():
         if roles[other] == roles[name]:
             continue
-        if other not in metas:
-            metas[other] = await client.metadata()
-        await workers[name].add_peer(metas[other])
-        await client.add_peer(metas[name])
+        try:
+            metas[other] = await asyncio.wait_for(client.metadata(), PEER_CALL_S)
+            await asyncio.wait_for(client.add_peer(metas[name]), PEER_CALL_S)
+        except Exception as exc:  # noqa: BLE001 - the peer's problem, not this worker's
+            log.info("handshake %s -> %s skipped (%s)", name, other, type(exc).__name__)
+            skipped.append(other)
+            continue
+        try:
+            await workers[name].add_peer(metas[other])
+        except Exception as exc:  # noqa: BLE001
+            if is_actor_death(exc):
+                raise
+            log.info("handshake %s <- %s skipped (%s)", name, other, type(exc).__name__)
+            skipped.append(other)
+    return skipped
 
 
 async def _bring_up(name: str, stats: dict, workers: dict, roles: dict, metas: dict) -> None:

@@ -175,7 +175,7 @@ class Frontend:
     async def _serve_when_ready(self) -> None:
         """gRPC health turns SERVING once every worker is routable for the first time."""
         while not self.router.ready:
-            await self.router._routable_changed.wait()  # noqa: SLF001 - the router's own signal
+            await self.router.routing_changed()
         await self.service.set_serving(True)
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:

@@ -100,6 +100,10 @@ class Router:
             log.warning("worker %s died (%s); routing around it until it is back", name, type(exc).__name__)
             self._set_routable(self.views[name])
 
+    async def routing_changed(self) -> None:
+        """Returns at the next change of any worker's routability."""
+        await self._routable_changed.wait()
+
     def _set_routable(self, view: WorkerView) -> None:
         routable = self.health[view.name].routable
         if routable != view.healthy:
@@ -133,7 +137,8 @@ class Router:
     def check_capacity(self, req: GenerateRequest) -> None:
         """Refuse, before anything is scheduled, a prompt no decode worker can ever hold (its KV
         plus the first generated token), naming the numbers."""
-        sizes = [v.blocks_total for v in self.views.values() if v.role == "decode" and self.health[v.name].incarnation is not None]
+        sizes = [v.blocks_total for v in self.views.values()
+                 if v.role == "decode" and self.health[v.name].incarnation is not None]   # answered once
         if not sizes:
             return
         need = -(-(len(req.prompt_token_ids) + 1) // self.config.block_size)

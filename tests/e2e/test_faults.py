@@ -188,10 +188,10 @@ def test_decode_worker_killed_during_pulls(cluster, reference):
 
 def test_seeded_request_continued_on_another_worker_resumes_its_generator(cluster, reference):
     prompt = _prompts(1, [20], seed=51)[0]
-    ref = reference([prompt], max_tokens=200, ignore_eos=True, **SEEDED)[0]
+    ref = reference([prompt], max_tokens=150, ignore_eos=True, **SEEDED)[0]     # 170 tokens: fits 48 blocks
     tokens, killed = [], None
     before = cluster.cluster.router.recoveries
-    for msg in Client(cluster.target).stream(prompt, timeout=120, max_tokens=200, ignore_eos=True, **SEEDED):
+    for msg in Client(cluster.target).stream(prompt, timeout=120, max_tokens=150, ignore_eos=True, **SEEDED):
         tokens.extend(msg.token_ids)
         # The second token comes from the decode worker: kill it as early as that, so that the
         # request cannot have ended first however slowly this client reads.
