@@ -131,20 +131,24 @@ class RunningCluster:
             ray.shutdown()
 
 
-PEER_CALL_S = 30.0      # a peer still loading answers within this; one restarting is skipped
+PEER_CALL_S = 5.0       # a live peer answers a control call within this; one that does not is skipped
 
 
-async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> list[str]:
+async def _handshake(name: str, workers: dict, roles: dict, metas: dict, alive: set | None = None) -> list[str]:
     """(Re)connect one worker with every worker of the other role: transport metadata both ways,
     each peer's fetched afresh (a worker restarted by Ray comes back with a new agent; `metas`
     keeps the last seen). Adding the same metadata twice is a no-op on the worker
     (`EngineWorker.add_peer`), so pulls in flight to a live peer survive.
-    A peer that cannot be reached now (dead, restarting) is skipped and named in the result: its
-    own bring-up connects the two when it is back. Raises only when `name` itself fails."""
+    A peer that cannot be reached now (not in `alive`: its last poll failed; or slow to answer) is
+    skipped and named in the result: its own bring-up connects the two when it is back, so no
+    worker waits on a peer that is restarting. Raises only when `name` itself fails."""
     metas[name] = await workers[name].metadata()
     skipped = []
     for other, client in workers.items():
         if roles[other] == roles[name]:
+            continue
+        if alive is not None and other not in alive:
+            skipped.append(other)
             continue
         try:
             metas[other] = await asyncio.wait_for(client.metadata(), PEER_CALL_S)
@@ -163,12 +167,22 @@ async def _handshake(name: str, workers: dict, roles: dict, metas: dict) -> list
     return skipped
 
 
-async def _bring_up(name: str, stats: dict, workers: dict, roles: dict, metas: dict) -> None:
-    """A worker that answered but is not ready (just started, or restarted by Ray as a new
-    incarnation): handshake it with its peers, then tell it it may take work."""
-    if any(r != roles[name] for r in roles.values()):
-        await _handshake(name, workers, roles, metas)
-    await workers[name].set_ready(stats["incarnation"])
+async def _bring_up(name: str, incarnation: str | None, workers: dict, roles: dict, metas: dict, peers: set,
+                    unpaired: dict) -> None:
+    """Handshake `name` with `peers` (the live ones), remember those it could not reach
+    (`unpaired`, retried while both live), and, for a worker that is not ready yet (just started,
+    or restarted by Ray as a new incarnation), tell it it may take work."""
+    try:
+        if any(r != roles[name] for r in roles.values()):
+            skipped = set(await _handshake(name, workers, roles, metas, peers))
+            if incarnation is not None:      # a new incarnation: every peer it missed
+                unpaired[name] = skipped
+            else:                            # a retry of some: those still missed
+                unpaired[name] = (unpaired.get(name, set()) - peers) | (skipped & peers)
+        if incarnation is not None:
+            await workers[name].set_ready(incarnation)
+    except Exception as exc:  # noqa: BLE001 - retried at the next poll
+        log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
 async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, timeout_s: float = 5.0) -> None:
@@ -178,25 +192,24 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, t
     from router.frontend import StatsCadence, apply_poll, poll_workers  # noqa: PLC0415
     cadence = StatsCadence()
     pending: dict[str, asyncio.Task] = {}
+    unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
     while True:
         results = await poll_workers(workers, timeout_s)
-        for name, stats in results.items():
-            if isinstance(stats, BaseException):
-                continue
+        alive = {n for n, r in results.items() if not isinstance(r, BaseException)}
+        for name in alive:
+            stats = results[name]
             metrics.update_worker(stats)
-            if not stats["ready"] and (name not in pending or pending[name].done()):
+            if name in pending and not pending[name].done():
+                continue
+            if not stats["ready"]:
                 log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats["incarnation"][:8])
-                pending[name] = asyncio.ensure_future(_bring_up_logged(name, stats, workers, roles, metas))
-        got = apply_poll(router, results) if router is not None else \
-            [s for s in results.values() if not isinstance(s, BaseException)]
+                pending[name] = asyncio.ensure_future(
+                    _bring_up(name, stats["incarnation"], workers, roles, metas, alive - {name}, unpaired))
+            elif unpaired.get(name, set()) & alive:
+                pending[name] = asyncio.ensure_future(
+                    _bring_up(name, None, workers, roles, metas, unpaired[name] & alive, unpaired))
+        got = apply_poll(router, results) if router is not None else [results[n] for n in alive]
         await cadence.sleep(got, router)
-
-
-async def _bring_up_logged(name, stats, workers, roles, metas) -> None:
-    try:
-        await _bring_up(name, stats, workers, roles, metas)
-    except Exception as exc:  # noqa: BLE001 - retried at the next poll
-        log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
 def _log_router_node(ray) -> None:

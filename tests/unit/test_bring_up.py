@@ -1,0 +1,49 @@
+"""The driver's bring-up of a (re)started worker (cluster/app.py): it never waits on a peer that
+is down, and pairs with it once both are live. Fake worker clients: this is the policy only."""
+import asyncio
+
+from cluster.app import _bring_up
+
+
+class FakeWorker:
+    def __init__(self, name, up=True):
+        self.name, self.up = name, up
+        self.peers: list[bytes] = []
+        self.ready_as = None
+
+    async def metadata(self):
+        if not self.up:
+            raise ConnectionError(f"{self.name} is restarting")
+        return self.name.encode()
+
+    async def add_peer(self, meta):
+        if not self.up:
+            raise ConnectionError(f"{self.name} is restarting")
+        self.peers.append(meta)
+        return meta.decode()
+
+    async def set_ready(self, incarnation):
+        self.ready_as = incarnation
+        return True
+
+
+def test_a_worker_is_ready_without_waiting_for_a_peer_that_is_down_and_pairs_with_it_later():
+    workers = {"prefill-0": FakeWorker("prefill-0", up=False), "decode-0": FakeWorker("decode-0"),
+               "decode-1": FakeWorker("decode-1")}
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    unpaired, metas = {}, {}
+
+    async def go():
+        # decode-0 restarted; prefill-0 is restarting too (its last poll failed: not among the live peers).
+        await _bring_up("decode-0", "inc-2", workers, roles, metas, {"decode-1"}, unpaired)
+        assert workers["decode-0"].ready_as == "inc-2" and unpaired["decode-0"] == {"prefill-0"}
+        assert workers["decode-0"].peers == []
+        # prefill-0 answers again but its call fails this time (slow or down): still unpaired.
+        await _bring_up("decode-0", None, workers, roles, metas, {"prefill-0"}, unpaired)
+        assert unpaired["decode-0"] == {"prefill-0"}
+        workers["prefill-0"].up = True
+        await _bring_up("decode-0", None, workers, roles, metas, {"prefill-0"}, unpaired)
+        assert unpaired["decode-0"] == set()
+        assert workers["decode-0"].peers == [b"prefill-0"] and workers["prefill-0"].peers == [b"decode-0"]
+        assert workers["decode-1"].peers == []        # same role: never paired
+    asyncio.run(go())
