@@ -214,10 +214,10 @@ class Router:
             except (asyncio.CancelledError, RequestError):
                 raise
             except WorkerBusy as exc:
-                log.info("prefill worker %s is full (%s); trying another", view.name, _cause(exc))
+                log.info("prefill worker %s is full (%s); trying another", view.name, error_message(exc))
                 continue
             except Exception as exc:  # noqa: BLE001 - the worker's fault: try the next one
-                log.warning("prefill worker %s failed (%s); trying another", view.name, _cause(exc))
+                log.warning("prefill worker %s failed (%s); trying another", view.name, error_message(exc))
                 self.worker_failed(view.name, exc)
                 continue
             finally:
@@ -263,7 +263,7 @@ class Router:
                 # The handoff was declined (its lease is released): continue from the first token on
                 # another decode worker, or on this one once it has room.
                 self.busy_retries += 1
-                log.info("decode worker %s declined %s (%s)", view.name, req.request_id, _cause(exc))
+                log.info("decode worker %s declined %s (%s)", view.name, req.request_id, error_message(exc))
                 prefilled = None
                 others = [v for v in self._healthy("decode") if v is not view and v.blocks_free > 0]
                 if others:
@@ -273,7 +273,7 @@ class Router:
                     busy_wait = min(1.0, busy_wait * 2)
                     dec = self.policy.choose_decode(hashes, await self._routable("decode"))
             except Exception as exc:  # noqa: BLE001 - the worker's fault: continue elsewhere
-                log.warning("decode worker %s failed on %s (%s)", view.name, req.request_id, _cause(exc))
+                log.warning("decode worker %s failed on %s (%s)", view.name, req.request_id, error_message(exc))
                 self.worker_failed(view.name, exc)
                 self.recoveries += 1
                 failures += 1
@@ -333,10 +333,6 @@ class Router:
             return
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
-
-
-def _cause(exc: BaseException) -> str:
-    return error_message(exc)
 
 
 async def _quietly(coro) -> None:
