@@ -146,6 +146,9 @@ class EngineConfig:
     pack_weights: bool = True         # False: plain torch linears whatever the kernel plan says
     kernels: str = "auto"             # "auto": the kernel plan measured on this machine; "torch": torch ops only
     kernel_plan: KernelPlan | None = None   # a plan resolved elsewhere (a cluster's driver hands one to all)
+    # Batch-invariant mode: a request's tokens (and logits) bitwise independent of what shares its
+    # batch, its prefill chunking and where it was prefilled (docs/determinism.md).
+    deterministic: bool = False
     seed: int = 0                    # for requests that sample without a seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

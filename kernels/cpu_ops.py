@@ -40,7 +40,7 @@ _SIGNATURES = {
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
     "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
 }
-LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c
+LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
 _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
@@ -167,8 +167,9 @@ def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for up to LINEAR_MAX_ROWS rows of x (last dim contiguous), weight [N, K] contiguous
-    in x's dtype."""
+    """F.linear for any number of rows of x (last dim contiguous), weight [N, K] contiguous in x's
+    dtype. Each row's result is the same whatever the rows beside it; the weights are streamed
+    once per LINEAR_MAX_ROWS rows, so it beats BLAS only for small passes."""
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype)

@@ -117,6 +117,8 @@ class TorchAttentionBackend:
         self.device = device
 
     def prepare(self, batch: AttentionBatch) -> _TorchMeta:
+        if self.plan is not None and self.plan.batch_invariant:
+            return _TorchMeta(slot_mapping=batch.slot_mapping, decode=self._prepare_every_row(batch), prefills=[])
         decode = self._prepare_decode(batch) if batch.num_decode else None
         prefills = [self._prepare_prefill(span, batch.block_size) for span in batch.prefills]
         verify = self._prepare_verify(batch.verifies, batch.block_size) if batch.verifies else None
@@ -174,6 +176,29 @@ class TorchAttentionBackend:
             query_pos=torch.tensor(query_pos, dtype=torch.long).view(b, width, 1).to(dev),
             key_pos=key_pos.view(1, 1, -1).to(dev), valid=(key_pos[None, :] < lens[:, None])[:, None, :].to(dev),
             masks={})
+
+    def _prepare_every_row(self, batch: AttentionBatch) -> _TorchDecodeMeta:
+        """Batch-invariant mode: every token of the pass (decode, verification, prefill chunk) as
+        a decode row of its own, attending its own prefix through the fused C kernel, so a
+        position's attention is the same arithmetic however the token was batched or chunked.
+        The pass then runs as a pure decode pass (RoPE, K/V store and attention in one call per
+        layer: each row's own K/V is stored before any row attends)."""
+        bs = batch.block_size
+        spans = [(i, 1, n, t) for i, (n, t) in enumerate(zip(batch.decode_context_lens, batch.decode_block_tables))]
+        spans += [(s.query_start, s.query_len, s.context_len, s.block_table) for s in (*batch.verifies, *batch.prefills)]
+        spans.sort()
+        width = max(-(-ctx // bs) for _, _, ctx, _ in spans)
+        tables, lens, row = [], [], 0
+        for start, q_len, ctx, table in spans:
+            assert start == row, "the flat batch's spans must be contiguous"
+            n = -(-ctx // bs)
+            padded = torch.tensor((*table[:n], *(0,) * (width - n)), dtype=torch.long)
+            tables.append(padded.expand(q_len, width))
+            lens.append(torch.arange(ctx - q_len + 1, ctx + 1, dtype=torch.long))
+            row += q_len
+        lens_t = torch.cat(lens)
+        return _TorchDecodeMeta(block_table=torch.cat(tables).reshape(-1), lens=lens_t, fused=True, key_pos=None,
+                                query_pos=lens_t, valid=None, masks={})
 
     def _slots(self, block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.long)
@@ -304,7 +329,7 @@ class TorchAttentionBackend:
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                            device: torch.device, plan: KernelPlan | None = None) -> AttentionBackend:
     """Registry with lazy imports: optional backends load only when chosen. The torch backend
-    follows `plan`'s decode-attention choice."""
+    follows `plan`'s decode-attention choice; both follow its batch-invariant mode."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
@@ -316,7 +341,8 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
             raise ValueError(
                 "attention backend 'triton' is not available in this build "
                 f"({exc}); use --attention-backend torch") from exc
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device)
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device,
+                                      invariant=plan is not None and plan.batch_invariant)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
 
 

@@ -78,14 +78,31 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
 
 
 
+def invariant_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
+    """The batch-invariant plan, or a clear error where its kernels cannot run."""
+    from kernels import cpu_ops  # noqa: PLC0415
+    if device.type == "cpu" and not cpu_ops.supports(dtype):
+        raise ValueError(f"deterministic mode on CPU runs float32 or bfloat16, not {dtype}; "
+                         "pass --dtype bfloat16 or float32")
+    if device.type == "cpu" and cpu_ops.load(cache_dir()) is None:
+        raise ValueError("deterministic mode on CPU needs the fused C ops, which could not be built here "
+                         "(no C compiler?)")
+    return KernelPlan.invariant(dtype, device)
+
+
 def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
     """The plan for an EngineConfig: the one it carries, else resolved for its model, dtype,
-    device and `threads`. `pack_weights=False` keeps plain linears whatever the plan says."""
+    device and `threads` (the batch-invariant plan with `deterministic`, never measured).
+    `pack_weights=False` keeps plain linears whatever a measured plan says."""
     plan = config.kernel_plan
     if plan is None:
         mc = load_model_config(config.model)
         dtype = mc.dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+        if config.deterministic:
+            return invariant_plan(dtype, torch.device(config.device))
         plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
+    if plan.batch_invariant:
+        return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
         plan = replace(plan, linear=LinearPath.PLAIN, linear_c_rows=0)
     return plan

@@ -25,6 +25,7 @@ PLAN_VERSION = 4   # bump when a path's meaning changes: cached plans of older v
 
 class LinearPath(str, enum.Enum):
     PLAIN = "plain"                  # torch F.linear in the model's dtype
+    INVARIANT = "invariant"          # one fixed reduction order per row at any row count (batch-invariant mode)
     PACKED = "packed"                # oneDNN-packed 16-bit weights (CPU)
     FP32_UPCAST = "fp32_upcast"      # 16-bit model, weights kept in float32 (2x weight memory)
 
@@ -33,6 +34,7 @@ class NormPath(str, enum.Enum):
     TORCH_FUSED = "torch_fused"      # torch.rms_norm (weight multiply in fp32 for 16-bit inputs)
     TORCH_OPS = "torch_ops"          # transformers' sequence: fp32 normalise, round, times weight
     FUSED_C = "fused_c"              # kernels/cpu_ops.py, transformers' rounding, residual add fused
+    TRITON = "triton"                # kernels/batch_invariant.py: one program per row (CUDA, batch-invariant mode)
 
 
 class RopePath(str, enum.Enum):
@@ -85,6 +87,10 @@ class KernelPlan:
     buckets: BatchBuckets = BatchBuckets()
     linear_c_rows: int = 0                     # plain or fp32_upcast: passes of up to this many rows use the C kernel
     origin: str = "reference"                  # "reference", "measured" or "cached": for the log
+    # Batch-invariant mode: every row's result is bitwise independent of the rest of the pass.
+    # Attention then computes every token (decode, verification, prefill chunk) as a decode row
+    # of its own, so a position's logits never depend on how it was batched or chunked.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.buckets.sizes)
@@ -106,6 +112,21 @@ class KernelPlan:
         norm = tuple(NormPath.TORCH_FUSED if dtype == torch.float32 or size <= 64 else NormPath.TORCH_OPS
                      for size in buckets.sizes)
         return cls(linear, norm, (RopePath.TORCH,) * n, (ActPath.TORCH,) * n, AttentionPath.SDPA, buckets)
+
+    @classmethod
+    def invariant(cls, dtype: torch.dtype, device: torch.device | str = "cpu",
+                  buckets: BatchBuckets = BatchBuckets()) -> KernelPlan:
+        """The batch-invariant plan: one choice for every row count, never measured (a measured
+        choice could differ between buckets). On CPU every op is a per-row C kernel (linears too,
+        at any row count); on CUDA linears and norms are the Triton kernels of
+        kernels/batch_invariant.py and the rest torch's elementwise ops."""
+        import torch  # noqa: PLC0415
+        n = len(buckets.sizes)
+        if torch.device(device).type == "cpu":
+            return cls(LinearPath.INVARIANT, (NormPath.FUSED_C,) * n, (RopePath.FUSED_C,) * n, (ActPath.FUSED_C,) * n,
+                       AttentionPath.FUSED_C, buckets, origin="batch-invariant", batch_invariant=True)
+        return cls(LinearPath.INVARIANT, (NormPath.TRITON,) * n, (RopePath.TORCH,) * n, (ActPath.TORCH,) * n,
+                   AttentionPath.SDPA, buckets, origin="batch-invariant", batch_invariant=True)
 
     def uses_c_ops(self) -> bool:
         return (self.linear_c_rows > 0 or NormPath.FUSED_C in self.norm or RopePath.FUSED_C in self.rope or ActPath.FUSED_C in self.act
@@ -135,4 +156,5 @@ class KernelPlan:
                    rope=tuple(RopePath(v) for v in raw["rope"]), act=tuple(ActPath(v) for v in raw["act"]),
                    decode_attention=AttentionPath(raw["decode_attention"]),
                    buckets=BatchBuckets(tuple(raw["buckets"]["sizes"])), origin=raw.get("origin", "cached"),
-                   linear_c_rows=int(raw.get("linear_c_rows", 0)))
+                   linear_c_rows=int(raw.get("linear_c_rows", 0)),
+                   batch_invariant=bool(raw.get("batch_invariant", False)))

@@ -10,6 +10,10 @@
 - plain: torch's F.linear in the model's dtype (nn.Linear as loaded), optionally with the fused C
   kernel (`kernels/cpu_ops.linear`) for passes of up to `c_rows` rows: it streams each weight row
   once for all rows, and on a Zen 4 runs a float32 decode step's linears 3-4x faster than MKL.
+- invariant (batch-invariant mode): every row computed with one fixed reduction order whatever
+  the number of rows: the C kernel at any row count on CPU, the fixed-tile Triton matmul of
+  kernels/batch_invariant.py on CUDA. BLAS and oneDNN choose their blocking (and split K) by
+  shape, so a row's rounding there depends on how many rows share the call.
 """
 from __future__ import annotations
 
@@ -46,6 +50,26 @@ class SmallBatchLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class InvariantLinear(nn.Module):
+    """nn.Linear's weights as they are; every pass through a kernel whose per-row arithmetic does
+    not depend on the row count."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight          # shared, not copied (a tied LM head stays tied)
+        self.bias = linear.bias
+        if self.weight.device.type == "cpu":
+            self._fn = cpu_ops.linear
+        else:
+            from kernels.batch_invariant import matmul  # noqa: PLC0415  (Triton: CUDA only)
+            self._fn = matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fn(x, self.weight, self.bias)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -79,6 +103,8 @@ def linear_module(linear: nn.Linear, path: LinearPath, c_rows: int = 0) -> nn.Mo
     the path has one)."""
     if path is LinearPath.PACKED:
         return PackedLinear(linear)
+    if path is LinearPath.INVARIANT:
+        return InvariantLinear(linear)
     if path is LinearPath.FP32_UPCAST:
         return Fp32UpcastLinear(linear, c_rows)
     return SmallBatchLinear(linear, c_rows) if c_rows else linear

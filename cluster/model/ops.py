@@ -44,6 +44,10 @@ class ForwardPass:
         self.rope_path = plan.rope[bucket]
         self.act_path = plan.act[bucket]
         self.c_ops = None
+        self.triton_norm = None
+        if self.norm_path is NormPath.TRITON:
+            from kernels.batch_invariant import rms_norm  # noqa: PLC0415  (Triton: CUDA only)
+            self.triton_norm = rms_norm
         if (self.norm_path is NormPath.FUSED_C or self.rope_path is RopePath.FUSED_C
                 or self.act_path is ActPath.FUSED_C):
             from kernels import cpu_ops  # noqa: PLC0415  (built when the plan was applied)
@@ -58,6 +62,8 @@ class ForwardPass:
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm_path is NormPath.FUSED_C:
             return self.c_ops.rms_norm(x, weight, eps)
+        if self.norm_path is NormPath.TRITON:
+            return self.triton_norm(x, weight, eps)
         if self.norm_path is NormPath.TORCH_OPS:
             return _torch_norm_ops(x, weight, eps)
         return _torch_norm_fused(x, weight, eps)
@@ -66,6 +72,8 @@ class ForwardPass:
         """residual += delta (in place, rounded to the dtype), then the norm of the sum."""
         if self.norm_path is NormPath.FUSED_C:
             return self.c_ops.rms_norm(delta, weight, eps, residual=residual)
+        if self.norm_path is NormPath.TRITON:
+            return self.triton_norm(delta, weight, eps, residual=residual)
         residual.add_(delta)
         return self.norm(residual, weight, eps)
 

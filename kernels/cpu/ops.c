@@ -331,10 +331,12 @@ void ss_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, in
     ss_silu_mul_rows(gate_up, out, 0, rows, inter, dtype);
 }
 
-/* out[r][n] = bias[n] + sum_k x[r][k] * w[n][k] for n in [n0, n1): a small-batch linear layer
- * (rows <= LIN_ROWS) that streams each weight row once for all rows, the regime where decode is
- * bound by reading weights. w: [N, K] in the model's dtype, row-major (torch's own layout); x and
- * out row-strided; fp32 accumulation, one rounding at the end. AVX-512 where K is a multiple of 16. */
+/* out[r][n] = bias[n] + sum_k x[r][k] * w[n][k] for n in [n0, n1): a linear layer that streams
+ * each weight row once per block of LIN_ROWS rows, the regime where decode is bound by reading
+ * weights. w: [N, K] in the model's dtype, row-major (torch's own layout); x and out row-strided;
+ * fp32 accumulation over K in one fixed order, one rounding at the end. AVX-512 where K is a
+ * multiple of 16. Any number of rows: a row's result is the same whatever the rows beside it
+ * (no shape-dependent choice of algorithm), which the batch-invariant mode relies on. */
 #define LIN_ROWS 8
 #ifdef __AVX512F__
 /* total[r * 8 + c] = dot(x row r, w row n + c) for r < NR, c < NB, as a register tile: each
@@ -381,7 +383,7 @@ static inline __attribute__((always_inline)) void lin_tile_any(const float *xf, 
 }
 #endif
 
-static inline __attribute__((always_inline)) FAST void linear_rows(
+static inline __attribute__((always_inline)) FAST void linear_block(
         const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1, int64_t k_dim,
         int64_t rows, void *out, int64_t out_stride, int bf) {
     float xf[LIN_ROWS][k_dim];
@@ -416,6 +418,22 @@ static inline __attribute__((always_inline)) FAST void linear_rows(
             for (int64_t k = 0; k < k_dim; k++) dot += xr[k] * load(w, n * k_dim + k, bf);
             store(out, r * out_stride + n, dot + b, bf);
         }
+    }
+}
+
+/* Columns [n0, n1) in chunks of LIN_COLS (a chunk's weight rows stay in L2 while every block of
+ * rows passes over them); rows in blocks of LIN_ROWS. */
+#define LIN_COLS 256
+static inline __attribute__((always_inline)) void linear_rows(
+        const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1, int64_t k_dim,
+        int64_t rows, void *out, int64_t out_stride, int bf) {
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t c0 = n0; c0 < n1; c0 += LIN_COLS) {
+        const int64_t c1 = n1 - c0 < LIN_COLS ? n1 : c0 + LIN_COLS;
+        for (int64_t r0 = 0; r0 < rows; r0 += LIN_ROWS)
+            linear_block((const char *)x + r0 * x_stride * es, x_stride, w, bias, c0, c1, k_dim,
+                         rows - r0 < LIN_ROWS ? rows - r0 : LIN_ROWS, (char *)out + r0 * out_stride * es,
+                         out_stride, bf);
     }
 }
 

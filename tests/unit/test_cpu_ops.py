@@ -143,3 +143,21 @@ def test_small_batch_linear_row_is_independent_of_its_batch(dtype, n, k):
     alone = torch.cat([cpu_ops.linear(x[i : i + 1], w, None) for i in range(len(x))])
     for rows in range(2, len(x) + 1):
         assert torch.equal(cpu_ops.linear(x[:rows], w, None), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(300, 96), (70, 40)])   # several column chunks; the generic path
+def test_linear_at_any_row_count_is_batch_invariant(dtype, n, k):
+    """The batch-invariant mode's linear: a pass of any length (blocks of LINEAR_MAX_ROWS rows,
+    ragged last block, strided rows) gives every row bitwise its result alone, close to F.linear."""
+    g = torch.Generator().manual_seed(k)
+    wide = torch.randn(37, k + 8, generator=g).to(dtype)
+    x = wide[:, :k]
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    alone = torch.cat([cpu_ops.linear(x[i : i + 1], w, b) for i in range(len(x))])
+    for rows in (9, 16, 23, 37):
+        assert torch.equal(cpu_ops.linear(x[:rows], w, b), alone[:rows]), rows
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=tol, atol=tol)
