@@ -271,7 +271,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
             "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
-            "num_speculative_tokens": str(spec.num_speculative_tokens)}
+            "num_speculative_tokens": str(spec.num_speculative_tokens),
+            "deterministic": cfg.engine.deterministic}
     fcfg = FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, host=cfg.host,
                           port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
                           block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,

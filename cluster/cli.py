@@ -24,6 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
                    help="auto: the kernel plan measured once on this machine (cached); torch: torch ops only")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant mode: a request's tokens are bitwise independent of what shares its "
+                        "batch, of its prefill chunking and of where it was prefilled (costs some speed; "
+                        "docs/determinism.md)")
     p.add_argument("--speculative", default=None, choices=list(SPEC_METHODS),
                    help="speculative decoding proposer (default off; with generate --server: the server's default)")
     p.add_argument("--num-speculative-tokens", default=None, type=parse_lookahead, metavar="K|auto",
@@ -125,6 +129,7 @@ def _engine_config(args) -> EngineConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         kernels=args.kernels,
+        deterministic=args.deterministic,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
         speculative=_speculative_config(args),
     )

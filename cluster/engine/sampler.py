@@ -23,6 +23,20 @@ def apply_repetition_penalty(row: torch.Tensor, token_ids: Seq[int], penalty: fl
     return row
 
 
+_SERIAL = 32768   # torch's grain size: shorter reductions run on one thread
+
+
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of a 1-D tensor in an order that never depends on torch's thread count (a long
+    reduction is otherwise split between threads, so a prefill and a decode worker with different
+    thread counts would round the same row's normaliser differently): fixed chunks of 1024, each
+    summed by one thread, then the chunk sums."""
+    n = x.shape[0]
+    if n < _SERIAL:
+        return x.sum()
+    return torch.nn.functional.pad(x, (0, -n % 1024)).view(-1, 1024).sum(-1).sum()
+
+
 def warp_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p applied to one row of fp32 logits; returns probabilities."""
     row = row / sp.temperature
@@ -37,7 +51,7 @@ def warp_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
     if sp.min_p > 0.0:
         probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    return probs / ordered_sum(probs)
 
 
 def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:

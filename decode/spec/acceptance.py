@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from cluster.engine.sampler import ordered_sum
+
 
 def accept_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]:
     """target_logits: [k+1, V] at the positions after each proposed prefix. Returns the tokens to
@@ -38,7 +40,7 @@ def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, propos
             out.append(tok)
             continue
         residual = torch.clamp(target_probs[i] - draft_probs[i], min=0)
-        total = residual.sum()
+        total = ordered_sum(residual)
         dist = residual / total if total > 0 else target_probs[i]
         out.append(int(torch.multinomial(dist, 1, generator=generator)))
         return out

@@ -153,7 +153,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "mode", "prefill_workers", "decode_workers", "kv_transport", "max_tokens_limit", "speculative", "num_speculative_tokens")
+    __slots__ = ("version", "mode", "prefill_workers", "decode_workers", "kv_transport", "max_tokens_limit", "speculative", "num_speculative_tokens", "deterministic")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class ServerInfoResponse(_message.Message):
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     prefill_workers: int
@@ -170,4 +171,5 @@ class ServerInfoResponse(_message.Message):
     max_tokens_limit: int
     speculative: str
     num_speculative_tokens: str
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., kv_transport: _Optional[str] = ..., max_tokens_limit: _Optional[int] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[str] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., kv_transport: _Optional[str] = ..., max_tokens_limit: _Optional[int] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
