@@ -110,10 +110,11 @@ def test_the_check_has_teeth(alone, target, monkeypatch):
     assert compared and differ, "a batch-variant linear went unnoticed"
 
 
-def test_speculative_verification_rows_equal_decode_rows(alone):
-    """n-gram speculation in the invariant mode: rows computed inside verification spans equal
-    the plain decode rows of the same positions, so greedy output equals plain decoding."""
-    engine = _engine(spec="ngram", budget=64)
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
+def test_speculative_verification_rows_equal_decode_rows(method):
+    """Speculation in the invariant mode: rows computed inside verification spans equal the plain
+    decode rows of the same positions, so greedy output equals plain decoding."""
+    engine = _engine(spec=method, budget=64)
     tok = engine.tokenizer
     code = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
     prompt = tok.encode(code).ids
@@ -121,7 +122,8 @@ def test_speculative_verification_rows_equal_decode_rows(alone):
     plain_rec = LogitsRecorder(plain)
     want = plain.generate([prompt], GREEDY)[0]
     rec = LogitsRecorder(engine)
-    outs = engine.generate([prompt, *_prompts(3, 8000, 5, prompt)], GREEDY)
+    outs = engine.generate([prompt, *_prompts(3, 8000, 5, prompt)], SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, speculative=method, num_speculative_tokens=4))
     assert list(outs[0].token_ids) == list(want.token_ids)
     compared, differ = plain_rec.compare(rec, prompt + list(want.token_ids))
     assert compared == MAX_TOKENS and differ == []
@@ -143,3 +145,14 @@ def test_tiny_checkpoints_in_bf16(kind, tiny_model_dir):
     compared, differ = ref.compare(rec, target + list(want.token_ids))
     assert compared == MAX_TOKENS and differ == []
     assert list(outs[-1].token_ids) == list(want.token_ids)
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(target):
+    """A seeded request draws the same tokens alone and beside others (its own generator; rows
+    bitwise equal, so the same probabilities meet the same noise)."""
+    sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1234)
+    want = _engine().generate([target], sp)[0].token_ids
+    neighbours = _prompts(7, 8000, 21, target)
+    outs = _engine(budget=48).generate([*neighbours, target],
+                                       [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7)] * 7 + [sp])
+    assert outs[-1].token_ids == want
