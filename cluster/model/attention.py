@@ -333,6 +333,9 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
+        if plan is not None and plan.batch_invariant and device.type != "cpu":
+            raise ValueError("deterministic mode on a GPU runs the triton attention backend "
+                             "(--attention-backend triton or auto), not torch")
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan)
     if name == "triton":
         try:
