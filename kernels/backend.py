@@ -5,6 +5,11 @@ is a leaf package and never imports cluster), packs every block table, length an
 ONE int32 tensor (one host-to-device copy per step), and picks the split-KV partition. `forward`
 runs per layer with no host work beyond slicing: store_kv, then one launch per section of the
 flat batch, which is laid out as decodes, then verification spans, then prefill spans.
+
+Batch-invariant mode (`invariant=True`): every token of the step, whatever its kind, is a decode
+row of its own over its prefix (context = its position + 1), in one decode section with a fixed
+partition and config. A position's attention is then the same arithmetic however its token was
+batched, chunked or verified.
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels._common import head_block, interpreting
-from kernels.decode import MAX_ROWS, default_partition, paged_decode_attention, paged_verify_attention
+from kernels.decode import (INVARIANT_PARTITION, MAX_ROWS, default_partition, paged_decode_attention,
+                            paged_verify_attention)
 from kernels.prefill import block_m_for, prefill_attention, prefill_tiles
+from kernels.rows import every_token_rows
 from kernels.store_kv import store_kv
 
 
@@ -44,7 +51,7 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 partition_size: int | None = None):
+                 partition_size: int | None = None, invariant: bool = False):
         device = torch.device(device)
         if device.type != "cuda" and not interpreting():
             raise ValueError(f"the triton attention backend runs on CUDA devices, not {device.type} "
@@ -56,8 +63,13 @@ class TritonAttentionBackend:
         self.scale = head_dim ** -0.5
         self.device = device
         self.partition_size = partition_size   # None: chosen per step for the device
+        self.invariant = invariant
+        if invariant and self.group > MAX_ROWS:
+            raise ValueError(f"batch-invariant attention holds at most {MAX_ROWS} query heads per KV head")
 
     def prepare(self, batch) -> TritonMeta:
+        if self.invariant:
+            return self._prepare_every_row(batch)
         bs = batch.block_size
         # Every sequence as (query start, query len, context len, block table), sections in flat order.
         groups = []
@@ -112,6 +124,26 @@ class TritonAttentionBackend:
             lo = hi
         return TritonMeta(batch.slot_mapping, sections)
 
+    def _prepare_every_row(self, batch) -> TritonMeta:
+        """Invariant mode: one decode section of every token in flat order, each with its own
+        context length and its sequence's block table, split by a partition that never follows
+        the step (the constructor's, else INVARIANT_PARTITION)."""
+        if not batch.slot_mapping.numel():
+            return TritonMeta(batch.slot_mapping, [])
+        tables, lens, max_context = every_token_rows(batch, torch.int32)
+        row, width = tables.shape
+        flat = torch.cat([tables.reshape(-1), lens]).to(self.device, non_blocking=True)
+        ctx_lens = flat[row * width:]
+        part = self.partition_size or INVARIANT_PARTITION
+        need = row * self.num_heads * -(-max_context // part)
+        sec = _Section(kind="decode", first_row=0, num_rows=row, tables=flat[:row * width].view(row, width),
+                       ctx_lens=ctx_lens, q_starts=ctx_lens, q_lens=ctx_lens, max_query_len=1,
+                       max_context=max_context, partition=part,
+                       workspace=(torch.empty(need * head_block(self.head_dim), dtype=torch.float32,
+                                              device=self.device),
+                                  torch.empty(need, dtype=torch.float32, device=self.device)))
+        return TritonMeta(batch.slot_mapping, [sec])
+
     def _plan_split(self, sec: _Section, num_seqs: int) -> None:
         part = self.partition_size
         if part is None:
@@ -132,7 +164,7 @@ class TritonAttentionBackend:
             rows = slice(s.first_row, s.first_row + s.num_rows)
             if s.kind == "decode":
                 paged_decode_attention(q[rows], k_cache, v_cache, s.tables, s.ctx_lens, self.scale, window,
-                                       s.max_context, s.partition, out[rows], s.workspace)
+                                       s.max_context, s.partition, out[rows], s.workspace, self.invariant)
             elif s.kind == "verify":
                 paged_verify_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
                                        s.max_query_len, self.scale, window, s.max_context, s.partition, out[rows],

@@ -105,6 +105,37 @@ def _merge_kernel(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
              mask=offs_d < HEAD_DIM)
 
 
+@triton.jit
+def _ordered_merge_kernel(part_o, part_lse, out_ptr, num_splits, stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The batch-invariant merge: partitions one at a time in index order (the max lse, then
+    sum_s w_s o_s and sum_s w_s). The step's partition count follows its longest context, but a
+    row's empty partitions weigh exactly 0 and add exact zeros to its sums; _merge_kernel's tree
+    sum is compiled per BLOCK_S, with no promise of the same grouping for another count."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (tok * tl.num_programs(1) + head) * num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.load(part_lse + base)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(part_lse + base + s))
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    den = 0.0
+    for s in range(0, num_splits):
+        w = tl.math.exp2(tl.load(part_lse + base + s) - m)
+        acc += w * tl.load(part_o + (base + s) * BLOCK_D + offs_d)
+        den += w
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, (acc / den).to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# Batch-invariant mode: one split-KV config and one partition size whatever the batch, so a row's
+# arithmetic never follows the step's shape (the autotuner and `choose_partition` both would).
+INVARIANT_PARTITION = PART_ALIGN
+INVARIANT_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=1) if interpreting() else \
+    dict(BLOCK_N=64, num_warps=4, num_stages=2)
+
+
 def choose_partition(max_context: int, num_seqs: int, num_kv_heads: int, num_sms: int,
                      min_partition: int = 512, align: int = PART_ALIGN) -> int | None:
     """Context partition for split-KV, or None for one pass. Split only while (sequences x KV
@@ -118,7 +149,7 @@ def choose_partition(max_context: int, num_seqs: int, num_kv_heads: int, num_sms
 
 
 def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, rows, max_context, scale,
-            window, partition_size, out, workspace, is_decode):
+            window, partition_size, out, workspace, is_decode, invariant=False):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -127,7 +158,8 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
         out = torch.empty_like(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    split = partition_size is not None and partition_size < max_context
+    # Invariant: always split (one partition too), so every row takes the same path to its output.
+    split = partition_size is not None and (invariant or partition_size < max_context)
     num_splits = triton.cdiv(max_context, partition_size) if split else 1
     part = partition_size if split else triton.cdiv(max(max_context, 1), PART_ALIGN) * PART_ALIGN
     if split:
@@ -139,7 +171,9 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
     else:
         part_o = part_lse = out   # unused
     precision, upcast = dot_flags(q.dtype)
-    _split_kv_kernel[(num_seqs, num_kv_heads, num_splits)](
+    # The JIT function under the autotuner with the fixed config: no choice by shape.
+    kernel, config = (_split_kv_kernel.fn, INVARIANT_CONFIG) if invariant else (_split_kv_kernel, {})
+    kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
         scale, window or 0, part, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
@@ -147,8 +181,11 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
         v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(rows * group)),
         BLOCK_SIZE=k_cache.shape[1], IS_DECODE=is_decode, SPLIT=split, HAS_WINDOW=window is not None,
-        PRECISION=precision, UPCAST=upcast)
-    if split:
+        PRECISION=precision, UPCAST=upcast, **config)
+    if invariant:
+        _ordered_merge_kernel[(num_tokens, num_heads)](
+            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d)
+    elif split:
         _merge_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)))
@@ -156,12 +193,20 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=None,
-                           max_context=None, partition_size=None, out=None, workspace=None):
+                           max_context=None, partition_size=None, out=None, workspace=None, invariant=False):
     """q: [B, Hq, D], one query per sequence at position context_lens[b] - 1 (its own K/V already
     stored). block_tables: [B, max_blocks] int32; context_lens: [B] int32. `max_context` (a host
-    int, avoids a device sync) and `partition_size` (None: one pass) size the split. Returns [B, Hq, D]."""
+    int, avoids a device sync) and `partition_size` (None: one pass) size the split. `invariant`:
+    each row's bits independent of the batch (fixed config, always split by `partition_size`,
+    INVARIANT_PARTITION if None, merged in order). Returns [B, Hq, D]."""
     if max_context is None:
         max_context = int(context_lens.max())
+    if invariant:
+        if q.shape[1] // k_cache.shape[2] > MAX_ROWS:
+            raise ValueError(f"batch-invariant decode holds at most {MAX_ROWS} query heads per KV head")
+        return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, context_lens, q.shape[0], 1,
+                       max_context, scale, window, partition_size or INVARIANT_PARTITION, out, workspace, True,
+                       invariant=True)
     if q.shape[1] // k_cache.shape[2] > MAX_ROWS:   # more packed rows than one program holds
         ones = torch.ones_like(context_lens)
         return prefill_attention(q, k_cache, v_cache, block_tables, torch.cumsum(ones, 0) - 1, ones, context_lens,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from cluster.model.kernel_plan import AttentionPath, KernelPlan
 from kernels import cpu_ops
+from kernels.rows import every_token_rows
 
 
 @dataclass(frozen=True)
@@ -183,21 +184,8 @@ class TorchAttentionBackend:
         position's attention is the same arithmetic however the token was batched or chunked.
         The pass then runs as a pure decode pass (RoPE, K/V store and attention in one call per
         layer: each row's own K/V is stored before any row attends)."""
-        bs = batch.block_size
-        spans = [(i, 1, n, t) for i, (n, t) in enumerate(zip(batch.decode_context_lens, batch.decode_block_tables))]
-        spans += [(s.query_start, s.query_len, s.context_len, s.block_table) for s in (*batch.verifies, *batch.prefills)]
-        spans.sort()
-        width = max(-(-ctx // bs) for _, _, ctx, _ in spans)
-        tables, lens, row = [], [], 0
-        for start, q_len, ctx, table in spans:
-            assert start == row, "the flat batch's spans must be contiguous"
-            n = -(-ctx // bs)
-            padded = torch.tensor((*table[:n], *(0,) * (width - n)), dtype=torch.long)
-            tables.append(padded.expand(q_len, width))
-            lens.append(torch.arange(ctx - q_len + 1, ctx + 1, dtype=torch.long))
-            row += q_len
-        lens_t = torch.cat(lens)
-        return _TorchDecodeMeta(block_table=torch.cat(tables).reshape(-1), lens=lens_t, fused=True, key_pos=None,
+        tables, lens_t, _ = every_token_rows(batch)
+        return _TorchDecodeMeta(block_table=tables.reshape(-1), lens=lens_t, fused=True, key_pos=None,
                                 query_pos=lens_t, valid=None, masks={})
 
     def _slots(self, block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
