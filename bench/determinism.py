@@ -2,6 +2,7 @@
 
     python bench/determinism.py [--model bench|default|DIR] [--batches 1 8 32] [--threads 2]
     python bench/determinism.py --cluster      # + the served matrix (1P1D, 2P2D, colocated x spec methods)
+    python bench/determinism.py --device cuda --model bench   # on a GPU: the Triton kernels' mode
 
 1. Throughput with the mode off and on, side by side (engine in-process, bf16, greedy, eos
    ignored; decode tok/s = B * (new - 1) / (t(new) - t(1)), prefill tok/s = B * prompt / t(1),
@@ -31,20 +32,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from engine_vs_transformers import bench_ours, make_bench_model  # noqa: E402
 
 
-def _engine(model_dir, deterministic: bool, threads: int, spec: str = "off"):
+def _engine(model_dir, deterministic: bool, threads: int, spec: str = "off", device: str = "cpu"):
     from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from cluster.engine.engine import LLMEngine
     from decode.spec.speculator import make_speculator
     kwargs = {} if model_dir is None else {"model": model_dir}
-    return LLMEngine(EngineConfig(**kwargs, dtype="bfloat16", num_threads=threads, deterministic=deterministic,
+    return LLMEngine(EngineConfig(**kwargs, dtype="bfloat16", device=device, num_threads=threads,
+                                  deterministic=deterministic,
                                   cache=CacheConfig(memory_budget_bytes=4 << 30),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=2048),
                                   speculative=SpeculativeConfig(method=spec, num_speculative_tokens=4)),
                      speculator_factory=make_speculator)
 
 
-def throughput(model_dir, threads, batches, prompt_len, new, repeats) -> None:
-    engines = {mode: _engine(model_dir, mode == "on", threads) for mode in ("off", "on")}
+def throughput(model_dir, threads, batches, prompt_len, new, repeats, device) -> None:
+    engines = {mode: _engine(model_dir, mode == "on", threads, device=device) for mode in ("off", "on")}
     print(f"# throughput, bf16, {threads} threads, prompt {prompt_len}, {new} new tokens")
     print(f"{'batch':>5} | {'decode off':>10} | {'decode on':>9} | {'on/off':>6} | {'prefill off':>11} | "
           f"{'prefill on':>10} | {'on/off':>6}")
@@ -66,12 +68,12 @@ def _divergence_prompts(vocab: int) -> list[list[int]]:
     return prompts + prompts
 
 
-def divergence(model_dir, threads) -> None:
+def divergence(model_dir, threads, device) -> None:
     from cluster.types import SamplingParams
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     print("# divergence: 20 greedy requests in one batch vs each alone (48 tokens)")
     for mode in ("off", "on"):
-        engine = _engine(model_dir, mode == "on", threads)
+        engine = _engine(model_dir, mode == "on", threads, device=device)
         prompts = _divergence_prompts(engine.model_config.vocab_size)
         alone = [list(engine.generate([p], sp)[0].token_ids) for p in prompts]
         engine.pool.reset_prefix_cache()
@@ -131,6 +133,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cluster", action="store_true", help="also the served matrix (several minutes)")
+    ap.add_argument("--device", default="cpu", help="the engine's device (cuda: the Triton kernels)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -139,8 +142,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (None if args.model == "default" else
                      make_bench_model(Path(tmp), torch.bfloat16) if args.model == "bench" else Path(args.model))
-        throughput(model_dir, args.threads, args.batches, args.prompt_len, args.new_tokens, args.repeats)
-        divergence(model_dir, args.threads)
+        throughput(model_dir, args.threads, args.batches, args.prompt_len, args.new_tokens, args.repeats,
+                   args.device)
+        divergence(model_dir, args.threads, args.device)
     if args.cluster:
         _cluster_matrix(args.threads)
 

@@ -56,3 +56,27 @@ def test_speculative_verification(tiny_model_dir, hf_greedy):
     steps = _count_steps(engine)
     _check(engine, "llama", _prompts()[:3], hf_greedy)
     assert sum(v for _, v, _, _ in steps) >= 3
+
+
+def test_deterministic_mode_rows_are_batch_invariant(tiny_model_dir):
+    """`deterministic` with the Triton backend (bf16): a prompt's logits rows alone and beside a
+    chunked neighbour sharing its prefix are bitwise equal (every token a decode row with the
+    fixed partition and config)."""
+    from cluster.types import SamplingParams
+    from logits_recorder import LogitsRecorder
+    prompts = _prompts(shared_prefix=8)
+    target, neighbour = prompts[3], prompts[4]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    runs = []
+    for batch, budget in (([target], 2048), ([neighbour, target], 12)):
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype="bfloat16", attention_backend="triton",
+                                        deterministic=True, cache=CacheConfig(block_size=4, num_blocks=128),
+                                        scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+        assert engine.backend.invariant
+        rec = LogitsRecorder(engine)
+        out = engine.generate(batch, sp)[-1]
+        engine.pool.check_idle()
+        runs.append((rec, list(out.token_ids)))
+    (alone, tokens), (batched, batched_tokens) = runs
+    assert batched_tokens == tokens
+    assert alone.compare(batched, target + tokens) == (4, [])
