@@ -62,7 +62,8 @@ def bench_hf(model_dir: Path, dtype: torch.dtype, batch: int, prompt_len: int, n
     return batch * prompt_len / t1, batch * (new - 1) / (tn - t1)
 
 
-def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
+def time_ours(engine, batch: int, prompt_len: int, new: int, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds for 1 and for `new` tokens of `batch` prompts."""
     from cluster.types import SamplingParams
     vocab = engine.model_config.vocab_size     # --model may be smaller than the 32k bench shape
     ids = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).tolist()
@@ -75,6 +76,11 @@ def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
     t1 = _best(lambda: run(1, f"r{next(counter)}"), repeats)
     tn = _best(lambda: run(new, f"r{next(counter)}"), repeats)
     engine.pool.check_idle()
+    return t1, tn
+
+
+def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
+    t1, tn = time_ours(engine, batch, prompt_len, new, repeats)
     return batch * prompt_len / t1, batch * (new - 1) / (tn - t1)
 
 

@@ -156,3 +156,14 @@ def test_seeded_sampling_is_the_same_in_any_batch(target):
     outs = _engine(budget=48).generate([*neighbours, target],
                                        [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7)] * 7 + [sp])
     assert outs[-1].token_ids == want
+
+
+def test_the_invariant_plan_is_one_choice_for_every_row_count():
+    from cluster.model.kernel_choice import invariant_plan
+    from cluster.model.kernel_plan import KernelPlan, LinearPath
+    plan = invariant_plan(torch.bfloat16, torch.device("cpu"))
+    assert plan.batch_invariant and plan.linear is LinearPath.INVARIANT
+    assert len(set(plan.norm)) == len(set(plan.rope)) == len(set(plan.act)) == 1
+    assert KernelPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        invariant_plan(torch.float16, torch.device("cpu"))

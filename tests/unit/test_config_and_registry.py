@@ -33,3 +33,15 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
     cfg.write_text("prefil: 2\n")
     with pytest.raises(ValueError, match="unknown option"):
         _apply_config_file(build_parser(), ["serve", "--config", str(cfg)])
+
+
+def test_deterministic_from_yaml_and_the_command_line(tmp_path):
+    from cluster.cli import _engine_config
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("deterministic: true\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(cfg)]
+    _apply_config_file(parser, argv)
+    assert _engine_config(parser.parse_args(argv)).deterministic
+    assert not _engine_config(build_parser().parse_args(["serve"])).deterministic
+    assert _engine_config(build_parser().parse_args(["generate", "--deterministic", "x"])).deterministic
