@@ -3,6 +3,7 @@
     python bench/determinism.py [--model bench|default|DIR] [--batches 1 8 32] [--threads 2]
     python bench/determinism.py --cluster      # the served matrix instead (1P1D, 2P2D, colocated x spec methods)
     python bench/determinism.py --device cuda --model bench   # on a GPU: the Triton kernels' mode
+    python bench/determinism.py --profile-prefill             # where the prefill cost goes (8 x 512 tokens)
 
 1. Throughput with the mode off and on, side by side (engine in-process, bf16, greedy, eos
    ignored; decode tok/s = B * (new - 1) / (t(new) - t(1)), prefill tok/s = B * prompt / t(1),
@@ -85,6 +86,50 @@ def divergence(model_dir, threads, device) -> None:
               flush=True)
 
 
+def profile_prefill(model_dir, threads, device) -> None:
+    """One prefill pass of 8 x 512 tokens per mode, timed inside the linears and the layers'
+    attention and MLP modules (best of 3)."""
+    import collections
+    import time
+
+    from cluster.model import linear
+    from cluster.model.llama import MLP, Attention
+    from cluster.types import SamplingParams
+    print("# prefill of 8 x 512 tokens, best of 3: total, inside linears, the rest of attention + MLP")
+    for mode in ("off", "on"):
+        engine = _engine(model_dir, mode == "on", threads, device=device)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(5, engine.model_config.vocab_size, (512,), generator=g).tolist() for _ in range(8)]
+        engine.generate(prompts, SamplingParams(max_tokens=1, cache_salt="warm"))
+        spent = collections.Counter()
+        patched = []
+        for cls, key in ((linear.InvariantLinear, "linear"), (linear.Fp32UpcastLinear, "linear"),
+                         (linear.SmallBatchLinear, "linear"), (linear.PackedLinear, "linear"),
+                         (torch.nn.Linear, "linear"), (Attention, "layers"), (MLP, "layers")):
+            def timed(self, *a, _orig=cls.forward, _key=key, **k):
+                t0 = time.perf_counter()
+                out = _orig(self, *a, **k)
+                spent[_key] += time.perf_counter() - t0
+                return out
+            patched.append((cls, cls.forward))
+            cls.forward = timed
+        try:
+            best = None
+            for r in range(3):
+                spent.clear()
+                t0 = time.perf_counter()
+                engine.generate(prompts, SamplingParams(max_tokens=1, cache_salt=f"r{r}"))
+                total = time.perf_counter() - t0
+                if best is None or total < best[0]:
+                    best = (total, spent["linear"], spent["layers"] - spent["linear"])
+        finally:
+            for cls, orig in patched:
+                cls.forward = orig
+        total, lin, rest = best
+        print(f"mode {mode:>3}: {total * 1e3:.0f} ms; linears {lin * 1e3:.0f} ms; attention and elementwise "
+              f"{rest * 1e3:.0f} ms", flush=True)
+
+
 def _cluster_matrix(threads) -> None:
     from cluster.app import ClusterConfig
     from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
@@ -135,6 +180,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cluster", action="store_true", help="the served matrix only (about 10 minutes)")
     ap.add_argument("--device", default="cpu", help="the engine's device (cuda: the Triton kernels)")
+    ap.add_argument("--profile-prefill", action="store_true", help="only the prefill time breakdown")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -146,6 +192,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = (None if args.model == "default" else
                      make_bench_model(Path(tmp), torch.bfloat16) if args.model == "bench" else Path(args.model))
+        if args.profile_prefill:
+            profile_prefill(model_dir, args.threads, args.device)
+            return
         throughput(model_dir, args.threads, args.batches, args.prompt_len, args.new_tokens, args.repeats,
                    args.device)
         divergence(model_dir, args.threads, args.device)
