@@ -84,12 +84,15 @@ class Router:
 
     def worker_polled(self, name: str, stats: dict) -> None:
         """A stats poll answered: the routing view's load figures, and the worker's health."""
+        first_start = self.health[name].incarnation is None
         change = self.health[name].observe(stats)
         view = self.views[name]
         if change is Change.NEW_INCARNATION:
             view.cached.clear()            # a restarted worker's prefix cache is empty
         if change is not Change.NONE:
-            log.warning("worker %s: %s (now %s)", name, change.value, self.health[name].state.value)
+            # A worker's first incarnation is the cluster starting, not news an operator must act on.
+            (log.info if first_start else log.warning)("worker %s: %s (now %s)", name, change.value,
+                                                       self.health[name].state.value)
         self.update_stats(stats)
         self._set_routable(view)
 
