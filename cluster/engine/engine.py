@@ -171,13 +171,21 @@ class LLMEngine:
         seq = self._seqs[request_id]
         if seq.sampling.greedy or seq.generator is None or n <= 0:
             return
+        self._skip_draws(seq.generator, n)
+
+    def _skip_draws(self, generator: torch.Generator, n: int) -> None:
+        """The draws of n plain sampled tokens, made as the sampler makes them: on the engine's
+        device, whose generator the request holds (a CUDA generator does not advance for a draw
+        on a CPU tensor, and a CPU one cannot draw on a CUDA tensor)."""
         for _ in range(n):
-            torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+            torch.empty(self.model_config.vocab_size, device=generator.device).exponential_(generator=generator)
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
-        if sampling.seed is not None:
-            return torch.Generator().manual_seed(sampling.seed)
-        return torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
+        """The request's own generator, on the engine's device (the sampler draws noise there)."""
+        seed = sampling.seed
+        if seed is None:   # the engine's seed source stays on the host: one draw per request
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
                       sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"") -> None:
@@ -205,7 +213,7 @@ class LLMEngine:
         if not sampling.greedy and seq.generator is not None:
             # The producer drew the first token from the same seed: skip that draw so a seeded
             # request samples the same tokens as it would in one engine.
-            torch.empty(self.model_config.vocab_size).exponential_(generator=seq.generator)
+            self._skip_draws(seq.generator, 1)
         self._seqs[request_id] = seq
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
         detok.add([int(first_token)])   # replays the producer's text state; its text was streamed there

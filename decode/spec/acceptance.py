@@ -35,7 +35,7 @@ def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, propos
     out = []
     for i, tok in enumerate(proposal):
         p, q = float(target_probs[i, tok]), float(draft_probs[i, tok])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=target_probs.device))
         if q > 0 and u < min(1.0, p / q):
             out.append(tok)
             continue

@@ -131,7 +131,9 @@ class SpecDecoder:
                 tokens = accept_greedy(rows, list(draft.tokens))
             else:
                 target = torch.stack([warp_probs(r, sp) for r in rows])
-                proposal = draft.probs if draft.probs is not None else _one_hot(draft.tokens, target.shape[-1])
+                proposal = draft.probs
+                if proposal is None:
+                    proposal = _one_hot(draft.tokens, target.shape[-1], target.device)
                 tokens = accept_sampled(target, proposal, list(draft.tokens), seq.generator)
         method, look = self._state(seq)
         accepted = len(tokens) - 1
@@ -155,9 +157,10 @@ class SpecDecoder:
         return {m: dict(c) for m, c in self.counts.items()}
 
 
-def _one_hot(tokens: tuple[int, ...], vocab: int) -> torch.Tensor:
-    q = torch.zeros(len(tokens), vocab)
-    q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+def _one_hot(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """A deterministic proposer's distributions, on the device of the target's (they are subtracted)."""
+    q = torch.zeros(len(tokens), vocab, device=device)
+    q[torch.arange(len(tokens), device=device), torch.tensor(tokens, device=device)] = 1.0
     return q
 
 

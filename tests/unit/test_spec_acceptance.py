@@ -55,7 +55,7 @@ def test_deterministic_proposals_keep_the_target_distribution():
     always = torch.zeros(6)
     for i in range(20000):
         guess = (1, 3)[i % 2]
-        counts[accept_sampled(torch.stack([p, p]), _one_hot((guess,), 6), [guess], generator=g)[0]] += 1
+        counts[accept_sampled(torch.stack([p, p]), _one_hot((guess,), 6, p.device), [guess], generator=g)[0]] += 1
         always[_accept_every_guess(torch.stack([p, p]), [guess], g)[0]] += 1
     assert _chi_square(counts, p) < 20.5
     assert _chi_square(always, p) > 20.5      # the same test catches a rule that accepts every guess
