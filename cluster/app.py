@@ -36,6 +36,7 @@ class ClusterConfig:
     max_in_flight: int = 256
     frontends: int = 1          # gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers
     stream_interval: int = 1    # tokens per stream message (vLLM's --stream-interval)
+    kv_checksums: bool = True   # per-block checksums on every handoff (xxh3 on host memory, a sum on device)
     local_prefill_max_tokens: int = 32
     api_keys: tuple[str, ...] = ()
     metrics_port: int | None = None
@@ -252,7 +253,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
-        wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval)
+        wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval,
+                            checksums=cfg.kv_checksums)
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
                                      max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,

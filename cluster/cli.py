@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stream-interval", type=int, default=1,
                      help="send a stream's tokens once it has this many new ones (first and last at once); "
                           "above 1 it cuts the frontends' CPU per token at the cost of burstier inter-token times")
+    srv.add_argument("--kv-checksums", default="on", choices=["on", "off"],
+                     help="per-block checksums of every KV handoff, verified by the decode worker (default on; "
+                          "off saves their cost where the transport already guarantees integrity)")
     srv.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "least_loaded", "round_robin"])
     srv.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                      help="route around a live worker that has work queued but has made no engine step for this "
@@ -173,21 +176,36 @@ def cmd_generate_remote(args) -> int:
     return 0
 
 
+def _switch(value, name: str) -> bool:
+    """An on/off option from the command line ("on"/"off") or YAML (which reads on/off as booleans)."""
+    if value in ("on", True):
+        return True
+    if value in ("off", False):
+        return False
+    raise ValueError(f"{name} must be on or off, got {value!r}")
+
+
+def _cluster_config(args):
+    from cluster.app import ClusterConfig  # noqa: PLC0415
+    return ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
+                         colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
+                         policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
+                         api_keys=tuple(args.api_key), metrics_port=args.metrics_port,
+                         local_prefill_max_tokens=args.local_prefill_max_tokens,
+                         tls=_read_tls(args.tls_cert, args.tls_key),
+                         prefill_resources=_json_resources(args.prefill_resources),
+                         decode_resources=_json_resources(args.decode_resources),
+                         worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus, frontends=args.frontends,
+                         stream_interval=args.stream_interval, stall_timeout_s=args.stall_timeout,
+                         kv_checksums=_switch(args.kv_checksums, "kv-checksums"))
+
+
 def cmd_serve(args) -> int:
     import asyncio  # noqa: PLC0415
     import signal  # noqa: PLC0415
-    from cluster.app import ClusterConfig, start_cluster  # noqa: PLC0415
+    from cluster.app import start_cluster  # noqa: PLC0415
 
-    cfg = ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
-                        colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
-                        policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
-                        api_keys=tuple(args.api_key), metrics_port=args.metrics_port,
-                        local_prefill_max_tokens=args.local_prefill_max_tokens,
-                        tls=_read_tls(args.tls_cert, args.tls_key),
-                        prefill_resources=_json_resources(args.prefill_resources),
-                        decode_resources=_json_resources(args.decode_resources),
-                        worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus, frontends=args.frontends,
-                        stream_interval=args.stream_interval, stall_timeout_s=args.stall_timeout)
+    cfg = _cluster_config(args)
 
     async def run() -> None:
         cluster = await start_cluster(cfg)

@@ -92,11 +92,13 @@ class KVProducer:
 
     # --- pull ----------------------------------------------------------------------------
     def publish(self, request_id: str, block_ids, num_tokens: int, first_token: int) -> KVHandle:
+        # The checksums first: a lease exists only once its handle is complete, so a failure in
+        # between pins nothing for the lease time.
+        checksums = self._checksums(block_ids)
         lease = self._new_lease(request_id, block_ids, num_tokens, first_token)
         return KVHandle(request_id=request_id, producer=self.transport.agent_name, lease_id=lease.lease_id,
                         block_ids=tuple(lease.block_ids), num_tokens=num_tokens, first_token=int(first_token),
-                        layout_hash=self.layout_hash, checksums=self._checksums(lease.block_ids),
-                        lease_seconds=self.lease_seconds)
+                        layout_hash=self.layout_hash, checksums=checksums, lease_seconds=self.lease_seconds)
 
     # --- push ----------------------------------------------------------------------------
     def begin_push(self, request_id: str, consumer: str, remote_blocks, block_ids, num_tokens: int) -> str:

@@ -45,3 +45,16 @@ def test_deterministic_from_yaml_and_the_command_line(tmp_path):
     assert _engine_config(parser.parse_args(argv)).deterministic
     assert not _engine_config(build_parser().parse_args(["serve"])).deterministic
     assert _engine_config(build_parser().parse_args(["generate", "--deterministic", "x"])).deterministic
+
+
+@pytest.mark.parametrize("line,want", [("kv-checksums: off\n", False), ("kv-checksums: on\n", True), ("", True)])
+def test_kv_checksums_switch_from_yaml(tmp_path, line, want):
+    """YAML reads on/off as booleans; the switch takes both spellings."""
+    from cluster.cli import _cluster_config
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(line)
+    parser = build_parser()
+    argv = ["serve", "--config", str(cfg)]
+    _apply_config_file(parser, argv)
+    assert _cluster_config(parser.parse_args(argv)).kv_checksums is want
+    assert _cluster_config(build_parser().parse_args(["serve", "--kv-checksums", "off"])).kv_checksums is False
