@@ -49,12 +49,19 @@ class PeerMetadata:
     num_blocks: int
     base_address: int
     payload: bytes           # transport specific (NIXL agent metadata, a TCP address, ...)
+    memory: str = "DRAM"     # where the peer's arena lives: "DRAM" (host) or "VRAM" (a GPU)
+    device_id: int = 0       # the peer's GPU ordinal for VRAM (its own numbering)
+
+    def __post_init__(self) -> None:
+        if self.memory not in ("DRAM", "VRAM"):
+            raise ValueError(f"peer memory must be DRAM or VRAM, got {self.memory!r}")
 
     def encode(self) -> bytes:
         return msgpack.packb({
             "name": self.name, "transport": self.transport, "protocol_version": self.protocol_version,
             "layout": {f.name: getattr(self.layout, f.name) for f in fields(KVLayout)},
             "num_blocks": self.num_blocks, "base_address": self.base_address, "payload": self.payload,
+            "memory": self.memory, "device_id": self.device_id,
         })
 
     @classmethod
@@ -64,7 +71,8 @@ class PeerMetadata:
             return cls(name=str(raw["name"]), transport=str(raw["transport"]),
                        protocol_version=int(raw["protocol_version"]), layout=KVLayout(**raw["layout"]),
                        num_blocks=int(raw["num_blocks"]), base_address=int(raw["base_address"]),
-                       payload=bytes(raw["payload"]))
+                       payload=bytes(raw["payload"]), memory=str(raw.get("memory", "DRAM")),
+                       device_id=int(raw.get("device_id", 0)))
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
             raise TransferError(f"malformed peer metadata: {exc}") from exc
 

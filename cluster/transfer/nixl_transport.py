@@ -65,6 +65,12 @@ class NixlTransport:
     def _mem_type(self) -> str:
         return "VRAM" if self.arena.is_cuda else "DRAM"
 
+    def _device_id(self) -> int:
+        """The arena's GPU ordinal as this process numbers it (NIXL's descriptor device id)."""
+        if not self.arena.is_cuda:
+            return 0
+        return self.arena.device.index if self.arena.device.index is not None else torch.cuda.current_device()
+
     def _descs(self, base: int, geo: ArenaGeometry, device_id: int) -> np.ndarray:
         n = geo.num_layers * 2 * geo.num_blocks
         arr = np.empty((n, 3), dtype=np.int64)
@@ -77,13 +83,14 @@ class NixlTransport:
         self.arena, self.layout = arena, layout
         self.geometry = ArenaGeometry.of(arena)
         self._reg = self.agent.register_memory([arena])
-        dev = arena.device.index or 0
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._descs(arena.data_ptr(), self.geometry, dev),
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                                 self._descs(arena.data_ptr(), self.geometry, self._device_id()),
                                                  self._mem_type())
 
     def metadata(self) -> bytes:
         return PeerMetadata(self.agent_name, self.name, PROTOCOL_VERSION, self.layout, self.geometry.num_blocks,
-                            self.arena.data_ptr(), self.agent.get_agent_metadata()).encode()
+                            self.arena.data_ptr(), self.agent.get_agent_metadata(), memory=self._mem_type(),
+                            device_id=self._device_id()).encode()
 
     def add_peer(self, metadata: bytes) -> str:
         peer = PeerMetadata.decode(metadata)
@@ -93,7 +100,9 @@ class NixlTransport:
         name = self.agent.add_remote_agent(peer.payload)
         name = name.decode() if isinstance(name, bytes) else name
         geo = ArenaGeometry(self.geometry.num_layers, peer.num_blocks, self.geometry.segment_bytes)
-        dlist = self.agent.prep_xfer_dlist(name, self._descs(peer.base_address, geo, 0), self._mem_type())
+        # The peer's blocks in the peer's memory, on the peer's device: a DRAM decode worker can read
+        # a VRAM producer (and the reverse) where the backend supports it.
+        dlist = self.agent.prep_xfer_dlist(name, self._descs(peer.base_address, geo, peer.device_id), peer.memory)
         self.peers[name] = _Peer(peer, geo, dlist)
         return name
 
