@@ -42,7 +42,10 @@ class ClusterConfig:
     metrics_port: int | None = None
     tls: tuple[bytes, bytes] | None = None   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
-    worker_gpus: float = 0.0    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources)
+    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources). None: one GPU each
+    # when the engine runs on CUDA (Ray then sets each actor's CUDA_VISIBLE_DEVICES), none on CPU;
+    # a fraction shares a GPU between workers on purpose.
+    worker_gpus: float | None = None
     prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
     stall_timeout_s: float = 60.0   # a worker with work queued and no engine step this long is routed around
     poll_timeout_s: float = 5.0     # a stats poll slower than this is skipped (slow is not dead)
@@ -56,9 +59,27 @@ def actor_class(cls):
     return ray.remote(concurrency_groups={"control": 16})(cls)
 
 
+def gpus_per_worker(cfg: "ClusterConfig") -> float:
+    """The Ray GPUs each worker asks for. A CUDA engine without any would see every GPU of its
+    node and run on cuda:0, every worker on the same one."""
+    cuda = cfg.engine.device.startswith("cuda")
+    if cuda and ":" in cfg.engine.device:
+        raise ValueError(f"--device {cfg.engine.device}: give --device cuda; Ray gives each worker its own GPU "
+                         "(--worker-gpus)")
+    if cfg.worker_gpus is None:
+        return 1.0 if cuda else 0.0
+    if cuda and cfg.worker_gpus <= 0:
+        raise ValueError("--device cuda needs --worker-gpus above 0: 1 gives each worker its own GPU, a fraction "
+                         "(0.5) shares one between workers")
+    if cfg.worker_gpus < 0:
+        raise ValueError(f"worker_gpus must be >= 0, got {cfg.worker_gpus}")
+    return cfg.worker_gpus
+
+
 def _check(cfg: "ClusterConfig") -> None:
     if cfg.frontends < 1:
         raise ValueError(f"frontends must be >= 1, got {cfg.frontends}")
+    gpus_per_worker(cfg)
 
 
 # Ray's own timers, slowed where nothing of ours depends on them (measured with bench/idle_cpu.py:
@@ -255,8 +276,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
         wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval,
                             checksums=cfg.kv_checksums)
-        h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
-                                     max_concurrency=data_slots, max_restarts=-1,
+        h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
+                                     num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
         (prefill if role == "prefill" else decode)[name] = RayWorkerClient(name, h)
@@ -322,7 +343,7 @@ async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple
         return shares, cfg.engine.kernel_plan
     if not cfg.ray_address:
         return shares, engine_config_plan(cfg.engine, shares[-1].threads)
-    task = ray.remote(engine_config_plan).options(num_cpus=cfg.worker_cpus, num_gpus=cfg.worker_gpus,
+    task = ray.remote(engine_config_plan).options(num_cpus=cfg.worker_cpus, num_gpus=gpus_per_worker(cfg),
                                                   resources=cfg.decode_resources)
     return shares, await task.remote(cfg.engine, shares[-1].threads)
 

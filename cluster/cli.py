@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode-resources", type=_json_resources, default={}, metavar="JSON",
                      help='Ray custom resources each decode worker needs, e.g. \'{"decode": 1}\'')
     srv.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs each worker actor takes")
-    srv.add_argument("--worker-gpus", type=float, default=0.0, help="Ray GPUs each worker actor takes")
+    srv.add_argument("--worker-gpus", type=float, default=None,
+                     help="Ray GPUs each worker actor takes (default: 1 with --device cuda, each worker its own "
+                          "GPU; a fraction shares one between workers; 0 on CPU)")
     srv.add_argument("--max-tokens-limit", type=int, default=4096)
     srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
     srv.add_argument("--metrics-port", type=int, default=None,
