@@ -6,8 +6,8 @@ import json
 import logging
 import sys
 
-from cluster.config import (SPEC_METHODS, CacheConfig, EngineConfig, SpeculativeConfig, default_model_dir,
-                            parse_lookahead)
+from cluster.config import (SPEC_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig,
+                            default_model_dir, parse_lookahead)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "torch"],
                    help="auto: the kernel plan measured once on this machine (cached); torch: torch ops only")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--memory-fraction", type=float, default=CacheConfig.memory_fraction,
+                   help="share of the memory still free once the weights are loaded (the GPU's with --device "
+                        "cuda, the host's on CPU) that activations and KV blocks may take (default %(default)s)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="a fixed number of KV blocks per engine instead of planning them from memory")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="requests batched at once per engine (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="tokens per engine step, shared by decodes and prefill chunks (default %(default)s)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant mode: a request's tokens are bitwise independent of what shares its "
                         "batch, of its prefill chunking and of where it was prefilled (costs some speed; "
@@ -135,7 +144,9 @@ def _engine_config(args) -> EngineConfig:
         num_threads=args.num_threads,
         kernels=args.kernels,
         deterministic=args.deterministic,
-        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching),
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          memory_fraction=args.memory_fraction, num_blocks=args.num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         speculative=_speculative_config(args),
     )
 

@@ -30,6 +30,11 @@ from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, To
 
 log = logging.getLogger(__name__)
 
+def _resident_bytes(module: torch.nn.Module) -> int:
+    """Weights as they sit in memory: parameters and buffers (packed or upcast layouts, tables)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, speculator_factory=None):
         """`speculator_factory(engine) -> Speculator` turns on speculative decoding (decode workers
@@ -67,9 +72,17 @@ class LLMEngine:
         self.layout = KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads,
                                head_dim=mc.head_dim, block_size=cc.block_size,
                                dtype=str(self.dtype).removeprefix("torch."))
-        weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        self.draft_model = self.draft_model_config = None
+        if config.speculative.method == "draft" and speculator_factory is not None:
+            # Loaded with the target, before the plan, so its real size is planned (the proposer runs
+            # it; an engine without a speculator, a prefill worker's, needs no draft).
+            self.draft_model_config, self.draft_model = load_model(config.speculative.draft_dir, dtype=self.dtype,
+                                                                   device=self.device, max_positions=self.max_model_len)
+            apply_kernel_plan(self.draft_model, self.kernel_plan)
+        weight_bytes = _resident_bytes(self.model)
+        draft_per_block, draft_bytes = self._draft_footprint()
         self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
-                                       self.max_model_len, self.device)
+                                       self.max_model_len, self.device, draft_per_block, draft_bytes)
         log.info("%s", self.memory_plan.describe())
         self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks, self.device)
         self.pool = BlockPool(self.memory_plan.num_blocks, cc.enable_prefix_caching)
@@ -99,6 +112,19 @@ class LLMEngine:
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
+
+    def _draft_footprint(self) -> tuple[int, int]:
+        """What the draft model takes beside the target (decode/spec/draft_model.py runs it): a draft
+        KV block for every target block plus lookahead room for every sequence, and its weights as
+        laid out for the kernel plan. Planned here so the draft is inside the budget."""
+        if self.draft_model is None:
+            return 0, 0
+        spec, dmc = self.config.speculative, self.draft_model_config
+        bs = self.config.cache.block_size
+        per_block = KVLayout(model_id=dmc.model_id, num_layers=dmc.num_layers, num_kv_heads=dmc.num_kv_heads,
+                             head_dim=dmc.head_dim, block_size=bs, dtype=self.layout.dtype).bytes_per_block()
+        lookahead_blocks = self.config.scheduler.max_num_seqs * -(-(spec.max_speculative_tokens + 1) // bs)
+        return per_block, _resident_bytes(self.draft_model) + lookahead_blocks * per_block
 
     def compute_setup(self) -> ComputeSetup:
         return ComputeSetup(self.kernel_plan, torch.get_num_threads(), self.config.cpus)

@@ -49,13 +49,18 @@ def available_memory(device: torch.device) -> int:
 
 
 def plan_memory(model_cfg: ModelConfig, layout: KVLayout, cache: CacheConfig, sched: SchedulerConfig,
-                dtype: torch.dtype, weight_bytes: int, max_model_len: int, device: torch.device) -> MemoryPlan:
+                dtype: torch.dtype, weight_bytes: int, max_model_len: int, device: torch.device,
+                companion_per_block: int = 0, companion_bytes: int = 0) -> MemoryPlan:
+    """`companion_per_block`: bytes another cache keeps for every block of this one (a draft
+    model's KV); `companion_bytes`: memory it needs besides (its weights, its own spare blocks).
+    Both come out of the same budget, so the pool is sized for everything the engine allocates."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = (4 * model_cfg.hidden_size + model_cfg.q_size + 2 * model_cfg.kv_size
                  + 3 * model_cfg.intermediate_size) * itemsize
     logits = sched.max_num_seqs * model_cfg.vocab_size * 4 * 3   # fp32 logits + sampler copies
     activation = sched.max_num_batched_tokens * per_token + logits
-    per_block = layout.bytes_per_block()
+    per_block = layout.bytes_per_block() + companion_per_block
+    weight_bytes += companion_bytes
     blocks_per_seq = -(-max_model_len // cache.block_size)
     ceiling = sched.max_num_seqs * blocks_per_seq + 1
     if cache.num_blocks is not None:

@@ -19,8 +19,6 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
-from cluster.model.kernel_choice import apply_kernel_plan
-from cluster.model.loader import load_model
 from cluster.types import KVLayout
 from decode.spec.lookahead import DraftBatch, StopRule
 
@@ -37,10 +35,8 @@ class DraftModelProposer:
     def __init__(self, engine, config: SpeculativeConfig):
         self.engine = engine
         self.config = config
-        dtype = engine.dtype
-        self.model_config, self.model = load_model(config.draft_dir, dtype=dtype, device=engine.device,
-                                                   max_positions=engine.max_model_len)
-        apply_kernel_plan(self.model, engine.kernel_plan)   # the target's choices: one plan per engine
+        # Loaded by the engine with the target, before its memory plan, on the target's kernel plan.
+        self.model_config, self.model = engine.draft_model_config, engine.draft_model
         mc = self.model_config
         bs = engine.layout.block_size
         self.block_size = bs
