@@ -58,3 +58,19 @@ def test_kv_checksums_switch_from_yaml(tmp_path, line, want):
     _apply_config_file(parser, argv)
     assert _cluster_config(parser.parse_args(argv)).kv_checksums is want
     assert _cluster_config(build_parser().parse_args(["serve", "--kv-checksums", "off"])).kv_checksums is False
+
+
+def test_memory_plan_and_batch_limits_from_the_command_line(tmp_path):
+    from cluster.cli import _engine_config
+    args = build_parser().parse_args(["serve", "--memory-fraction", "0.2", "--num-kv-blocks", "100",
+                                      "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
+    cfg = _engine_config(args)
+    assert (cfg.cache.memory_fraction, cfg.cache.num_blocks) == (0.2, 100)
+    assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens) == (8, 512)
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("max-num-seqs: 4\nmemory-fraction: 0.5\n")
+    parser = build_parser()
+    argv = ["serve", "--config", str(yaml_file)]
+    _apply_config_file(parser, argv)
+    cfg = _engine_config(parser.parse_args(argv))
+    assert (cfg.scheduler.max_num_seqs, cfg.cache.memory_fraction, cfg.cache.num_blocks) == (4, 0.5, None)
