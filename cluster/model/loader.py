@@ -57,19 +57,35 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no model.safetensors nor model.safetensors.index.json")
 
 
-def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in _weight_files(Path(model_dir)):
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    return tensors
+class LazyCheckpoint:
+    """A checkpoint's tensors by name, each read from its shard straight onto `device` when it is
+    taken: a checkpoint is never whole in host memory on its way to a GPU (safetensors reads into
+    the device tensor), and on CPU the host holds one copy, not a checkpoint plus its conversion."""
+
+    def __init__(self, model_dir: Path, device: str | torch.device = "cpu"):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._handles = [safe_open(str(f), framework="pt", device=str(device)) for f in _weight_files(Path(model_dir))]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+        self.reads = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads += 1
+        return self._where[name].get_tensor(name)
+
+
+def read_checkpoint(model_dir: Path, device: str | torch.device = "cpu") -> LazyCheckpoint:
+    return LazyCheckpoint(model_dir, device)
 
 
 class TensorTaker:
     """Fetches checkpoint tensors by name, recording the missing ones so that one error names them all."""
 
-    def __init__(self, hf: dict[str, torch.Tensor]):
+    def __init__(self, hf: LazyCheckpoint | dict[str, torch.Tensor]):
         self.hf = hf
         self.missing: list[str] = []
 
@@ -102,7 +118,7 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) ->
     return out
 
 
-def _our_state_dict(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map transformers' parameter names onto ours, fusing q, k and v into one projection."""
     take = TensorTaker(hf)
     missing = take.missing
@@ -125,13 +141,14 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = load_model_config(model_dir)
     dtype = dtype or cfg.dtype
-    state = _our_state_dict(cfg, read_checkpoint(model_dir))
+    state = _our_state_dict(cfg, read_checkpoint(model_dir, device))   # read onto the device, fused there
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
     model = model.to_empty(device=device)
     # Built on the meta device to skip random init; the rotary table is computed, not loaded.
     model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(device)
-    converted = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    # One tensor at a time: each source is dropped as soon as its converted copy exists.
+    converted = {k: state.pop(k).to(device=device, dtype=dtype) for k in list(state)}
     result = model.load_state_dict(converted, strict=False, assign=True)
     unexpected = [k for k in result.missing_keys if not k.startswith("rotary.") and k != "lm_head.weight"]
     if unexpected:
