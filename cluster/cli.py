@@ -33,6 +33,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="requests batched at once per engine (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                    help="tokens per engine step, shared by decodes and prefill chunks (default %(default)s)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="decode steps replayed from CUDA graphs captured at start (auto: on CUDA devices)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant mode: a request's tokens are bitwise independent of what shares its "
                         "batch, of its prefill chunking and of where it was prefilled (costs some speed; "
@@ -144,6 +146,7 @@ def _engine_config(args) -> EngineConfig:
         num_threads=args.num_threads,
         kernels=args.kernels,
         deterministic=args.deterministic,
+        cuda_graphs=args.cuda_graphs,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
                           memory_fraction=args.memory_fraction, num_blocks=args.num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),

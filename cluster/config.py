@@ -149,6 +149,9 @@ class EngineConfig:
     # Batch-invariant mode: a request's tokens (and logits) bitwise independent of what shares its
     # batch, its prefill chunking and where it was prefilled (docs/determinism.md).
     deterministic: bool = False
+    # Decode steps from CUDA graphs captured at start (cluster/engine/graphs.py): "auto" on CUDA,
+    # "on" also on CPU (eager replays of the same static buffers: for tests), "off".
+    cuda_graphs: str = "auto"
     seed: int = 0                    # for requests that sample without a seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -161,6 +164,8 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be auto or torch, got {self.kernels!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

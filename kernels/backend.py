@@ -49,6 +49,7 @@ class TritonMeta:
 
 class TritonAttentionBackend:
     name = "triton"
+    table_dtype = torch.int32   # of the tables and lengths the kernels read
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  partition_size: int | None = None, invariant: bool = False):
@@ -134,15 +135,25 @@ class TritonAttentionBackend:
         row, width = tables.shape
         flat = torch.cat([tables.reshape(-1), lens]).to(self.device, non_blocking=True)
         ctx_lens = flat[row * width:]
-        part = self.partition_size or INVARIANT_PARTITION
-        need = row * self.num_heads * -(-max_context // part)
-        sec = _Section(kind="decode", first_row=0, num_rows=row, tables=flat[:row * width].view(row, width),
-                       ctx_lens=ctx_lens, q_starts=ctx_lens, q_lens=ctx_lens, max_query_len=1,
-                       max_context=max_context, partition=part,
-                       workspace=(torch.empty(need * head_block(self.head_dim), dtype=torch.float32,
-                                              device=self.device),
-                                  torch.empty(need, dtype=torch.float32, device=self.device)))
+        sec = self._decode_section(flat[:row * width].view(row, width), ctx_lens, max_context)
         return TritonMeta(batch.slot_mapping, [sec])
+
+    def static_decode_meta(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                           max_context: int) -> TritonMeta:
+        """A decode step's meta over static buffers (CUDA-graph decode, cluster/engine/graphs.py):
+        one row per sequence, the partition and workspace sized for `max_context`, so every
+        replay launches the same grid whatever the contexts it is fed."""
+        return TritonMeta(slots, [self._decode_section(tables, lens, max_context)])
+
+    def _decode_section(self, tables: torch.Tensor, ctx_lens: torch.Tensor, max_context: int) -> _Section:
+        rows = tables.shape[0]
+        sec = _Section(kind="decode", first_row=0, num_rows=rows, tables=tables, ctx_lens=ctx_lens, q_starts=ctx_lens,
+                       q_lens=ctx_lens, max_query_len=1, max_context=max_context)
+        if self.invariant:   # always split, by a partition that never follows the step
+            self._set_partition(sec, self.partition_size or INVARIANT_PARTITION)
+        else:
+            self._plan_split(sec, rows)
+        return sec
 
     def _plan_split(self, sec: _Section, num_seqs: int) -> None:
         part = self.partition_size
@@ -150,6 +161,9 @@ class TritonAttentionBackend:
             part = default_partition(sec.max_context, num_seqs, self.num_kv_heads, self.device)
         if part is None or part >= sec.max_context:
             return
+        self._set_partition(sec, part)
+
+    def _set_partition(self, sec: _Section, part: int) -> None:
         sec.partition = part
         # Partial outputs live for the whole step: every layer reuses them in stream order.
         need = sec.num_rows * self.num_heads * -(-sec.max_context // part)

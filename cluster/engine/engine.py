@@ -13,6 +13,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.runner import ModelRunner
 from cluster.engine.sampler import logprob_entry, sample
 from cluster.engine.scheduler import Scheduler, StepPlan
@@ -84,7 +85,10 @@ class LLMEngine:
         self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
                                        self.max_model_len, self.device, draft_per_block, draft_bytes)
         log.info("%s", self.memory_plan.describe())
-        self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks, self.device)
+        replay = replay_factory(self.device, config.cuda_graphs)
+        # Decode graphs pad their batches into one block past the pool's (never allocated).
+        pad_blocks = 1 if replay is not None else 0
+        self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks + pad_blocks, self.device)
         self.pool = BlockPool(self.memory_plan.num_blocks, cc.enable_prefix_caching)
         self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                               mc.head_dim, self.device, self.kernel_plan)
@@ -108,6 +112,12 @@ class LLMEngine:
         # sets `runner.layer_hook` to stream each layer as it is computed).
         self.plan_hooks: list = []
         self.speculator: Speculator | None = speculator_factory(self) if speculator_factory else None
+        if replay is not None and self.eagle is None:   # the EAGLE head runs over every token: eager
+            bs = cc.block_size
+            limit = config.scheduler.max_num_seqs
+            sizes = [s for s in self.kernel_plan.buckets.sizes if s < limit] + [self.kernel_plan.buckets.bucket(limit)]
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.arena, self.backend, bs, self.device, sizes,
+                                              -(-self.max_model_len // bs), self.memory_plan.num_blocks, replay)
         self._drafts: dict[Sequence, Draft] = {}
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,

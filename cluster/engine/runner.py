@@ -64,10 +64,15 @@ class ModelRunner:
         self.feature_valid: list[bool] = []   # per block: written by this engine since the block was allocated
         self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
         self.last_hidden: torch.Tensor | None = None
+        self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
         whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
+        if self.graphs is not None and self.eagle is None and self.layer_hook is None:
+            bucket = self.graphs.bucket_for(plan)
+            if bucket is not None:
+                return self.graphs.run(plan, bucket)
         layout = BatchLayout(self.block_size, self.device)
         logits_rows: list[int] = []
         sampled: list[Sequence] = []

@@ -106,6 +106,7 @@ class TorchAttentionBackend:
     """Reference attention: gathers each sequence's blocks and calls SDPA."""
 
     name = "torch"
+    table_dtype = torch.long   # of the tables and lengths the C kernel reads
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  plan: KernelPlan | None = None):
@@ -124,6 +125,16 @@ class TorchAttentionBackend:
         prefills = [self._prepare_prefill(span, batch.block_size) for span in batch.prefills]
         verify = self._prepare_verify(batch.verifies, batch.block_size) if batch.verifies else None
         return _TorchMeta(slot_mapping=batch.slot_mapping, decode=decode, prefills=prefills, verify=verify)
+
+    def static_decode_meta(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                           max_context: int) -> _TorchMeta:
+        """A decode step's meta over static buffers (decode graphs, cluster/engine/graphs.py): the
+        fused C kernel reads tables and lengths in place, whatever their contents."""
+        if not (self._fused() or (self.plan is not None and self.plan.batch_invariant)):
+            raise ValueError("decode graphs on the torch backend need the fused C decode kernel "
+                             "(a kernel plan with decode attention fused_c; not --kernels torch)")
+        return _TorchMeta(slot_mapping=slots, prefills=[], decode=_TorchDecodeMeta(
+            block_table=tables.view(-1), lens=lens, fused=True, key_pos=None, query_pos=lens, valid=None, masks={}))
 
     def fused_block_ready(self, meta: _TorchMeta) -> bool:
         """A pure-decode pass on the fused kernel: each layer's RoPE, K/V store and attention can

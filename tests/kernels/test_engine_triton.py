@@ -80,3 +80,18 @@ def test_deterministic_mode_rows_are_batch_invariant(tiny_model_dir):
     (alone, tokens), (batched, batched_tokens) = runs
     assert batched_tokens == tokens
     assert alone.compare(batched, target + tokens) == (4, [])
+
+
+def test_decode_graph_buffers_on_the_triton_backend(tiny_model_dir):
+    """The Triton backend's static decode meta (what a CUDA graph replays), eagerly under the
+    interpreter: greedy tokens equal the eager path's."""
+    from cluster.types import SamplingParams
+    prompts = _prompts()[:3]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = []
+    for graphs in ("off", "on"):
+        engine = _engine(tiny_model_dir("llama"), cuda_graphs=graphs, max_model_len=64,
+                         cache=CacheConfig(block_size=4, num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=4))
+        outs.append([o.token_ids for o in engine.generate(prompts, sp)])
+        engine.pool.check_idle()
+    assert outs[0] == outs[1] and engine.runner.graphs.replays > 0

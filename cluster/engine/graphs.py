@@ -1,0 +1,150 @@
+"""Decode steps replayed from CUDA graphs: captured once per batch bucket at start, fed by padding.
+
+A pure-decode step (one token per sequence, no prefill chunk, no verification) of B sequences runs
+the graph of the smallest bucket Bp >= B of the kernel plan's ladder (`BatchBuckets`, up to
+max_num_seqs). Every input the graph reads is a static buffer written in place before the replay:
+token ids, positions, KV slots, block tables and context lengths. The Bp - B pad rows decode token
+0 at position 0 into a pad block that belongs to no sequence (one block past the pool's, never
+allocated), attending only that block, so they cannot touch a real sequence's KV; their logits are
+dropped. Prefill, verification, EAGLE, layer-wise KV push and steps with more sequences than the
+last bucket run eagerly.
+
+What can be wrong without a GPU, the padding, the static buffers and their meta, sits in front of
+a `Replay`: `CudaGraphReplay` captures on CUDA, `EagerReplay` runs the same callable eagerly on the
+same static buffers (the CPU tests' stand-in, and what `cuda_graphs="on"` means on a CPU).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from cluster.engine.scheduler import StepPlan
+from cluster.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Replay(Protocol):
+    def __call__(self) -> torch.Tensor:
+        """Run the captured step on the current contents of the static buffers; its logits."""
+
+
+class EagerReplay:
+    def __init__(self, fn: Callable[[], torch.Tensor], pool=None):
+        self.fn = fn
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+class CudaGraphReplay:
+    """One CUDA graph of `fn`, captured after two warm-up runs on a side stream (which also run
+    Triton's autotuning for the bucket's shapes, outside the capture)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], pool=None):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class DecodeBucket:
+    """The static buffers of one bucket of `size` rows (and the backend's meta over them)."""
+
+    def __init__(self, size: int, width: int, pad_block: int, block_size: int, device: torch.device,
+                 table_dtype: torch.dtype):
+        self.size = size
+        self.pad_block = pad_block
+        self.pad_slot = pad_block * block_size
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slots = torch.full((size,), self.pad_slot, dtype=torch.long, device=device)
+        self.tables = torch.full((size, width), pad_block, dtype=table_dtype, device=device)
+        self.lens = torch.ones(size, dtype=table_dtype, device=device)
+        self.logits_rows = torch.arange(size, device=device)
+        self.replay: Replay | None = None
+        self.meta = None
+
+    def fill(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+             lens: list[int]) -> None:
+        """The step's B rows into the buffers, rows B.. as pad rows (a copy each, from one host
+        tensor per buffer)."""
+        pad = self.size - len(ids)
+        width = self.tables.shape[1]
+        rows = [[*t, *(self.pad_block,) * (width - len(t))] for t in tables] + [[self.pad_block] * width] * pad
+        self.input_ids.copy_(torch.tensor([*ids, *(0,) * pad], dtype=torch.long), non_blocking=True)
+        self.positions.copy_(torch.tensor([*positions, *(0,) * pad], dtype=torch.long), non_blocking=True)
+        self.slots.copy_(torch.tensor([*slots, *(self.pad_slot,) * pad], dtype=torch.long), non_blocking=True)
+        self.tables.copy_(torch.tensor(rows, dtype=self.tables.dtype), non_blocking=True)
+        self.lens.copy_(torch.tensor([*lens, *(1,) * pad], dtype=self.lens.dtype), non_blocking=True)
+
+
+class DecodeGraphs:
+    """One replay per bucket size, built at start (largest first: they share CUDA's graph pool)."""
+
+    def __init__(self, model, arena: torch.Tensor, backend, block_size: int, device: torch.device,
+                 sizes: list[int], width: int, pad_block: int, replay_factory):
+        self.block_size = block_size
+        self.width = width
+        self.sizes = sorted(sizes)
+        self.buckets: dict[int, DecodeBucket] = {}
+        self.replays = 0
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        for size in reversed(self.sizes):
+            bucket = DecodeBucket(size, width, pad_block, block_size, device, backend.table_dtype)
+            bucket.meta = backend.static_decode_meta(bucket.slots, bucket.tables, bucket.lens, width * block_size)
+
+            def step(b: DecodeBucket = bucket) -> torch.Tensor:
+                return model(b.input_ids, b.positions, arena, backend, b.meta, b.logits_rows)
+            bucket.replay = replay_factory(step, pool)
+            self.buckets[size] = bucket
+        log.info("decode graphs for batch sizes %s (%s)", self.sizes, replay_factory.__name__)
+
+    def bucket_for(self, plan: StepPlan) -> DecodeBucket | None:
+        if plan.prefills or plan.verifies or not plan.decodes:
+            return None
+        n = len(plan.decodes)
+        if any(c.draft or not c.samples for c in plan.decodes):
+            return None
+        size = next((s for s in self.sizes if s >= n), None)
+        return None if size is None else self.buckets[size]
+
+    def run(self, plan: StepPlan, bucket: DecodeBucket) -> tuple[torch.Tensor, list[Sequence]]:
+        bs = self.block_size
+        ids, positions, slots, tables, lens, seqs = [], [], [], [], [], []
+        for chunk in plan.decodes:
+            seq, p = chunk.seq, chunk.start
+            if p // bs >= self.width:
+                raise ValueError(f"position {p} is past the decode graphs' {self.width} blocks")
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(seq.block_ids[p // bs] * bs + p % bs)
+            tables.append(seq.block_ids[:p // bs + 1])
+            lens.append(p + 1)
+            seqs.append(seq)
+        bucket.fill(ids, positions, slots, tables, lens)
+        self.replays += 1
+        return bucket.replay()[:len(seqs)], seqs
+
+
+def replay_factory(device: torch.device, mode: str):
+    """The replay for `mode` ("auto", "on", "off") on `device`, or None for no decode graphs:
+    "auto" captures CUDA graphs on CUDA and runs eagerly elsewhere; "on" on a CPU runs the static-
+    buffer path with eager replays (what the CPU tests exercise)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"cuda_graphs must be auto, on or off, got {mode!r}")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    return CudaGraphReplay if device.type == "cuda" else EagerReplay

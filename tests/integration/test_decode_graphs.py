@@ -1,0 +1,80 @@
+"""Decode graphs: the padding and static-buffer path of CUDA-graph decode, run on CPU with eager
+replays (the same buffers, meta and model call a CUDA graph captures), and on CUDA with real graphs.
+Greedy output equals eager decoding; in the batch-invariant mode every logits row is bitwise the
+same; pad rows live in a block no sequence owns."""
+import pytest
+import torch
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine.engine import LLMEngine
+from cluster.engine.graphs import DecodeBucket, EagerReplay
+from cluster.types import SamplingParams
+from logits_recorder import LogitsRecorder
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(2, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _engine(model, graphs, device="cpu", dtype="float32", **kw):
+    return LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, cuda_graphs=graphs,
+                                  cache=CacheConfig(block_size=4, num_blocks=160),
+                                  scheduler=SchedulerConfig(max_num_seqs=8), **kw))
+
+
+def test_pad_rows_fill_the_bucket_with_the_pad_block():
+    bucket = DecodeBucket(4, 3, pad_block=9, block_size=4, device=torch.device("cpu"), table_dtype=torch.long)
+    bucket.fill([11, 12], [5, 0], [22, 4], [[3, 5], [1]], [6, 1])
+    assert bucket.input_ids.tolist() == [11, 12, 0, 0] and bucket.positions.tolist() == [5, 0, 0, 0]
+    assert bucket.slots.tolist() == [22, 4, 36, 36]                       # pad rows write the pad block
+    assert bucket.tables.tolist() == [[3, 5, 9], [1, 9, 9], [9, 9, 9], [9, 9, 9]]
+    assert bucket.lens.tolist() == [6, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("batch", [3, 5, 8])   # padded to 4, 8 and exactly 8
+def test_greedy_with_decode_graphs_equals_eager(kind, batch, tiny_model_dir):
+    prompts = _prompts(batch, 384, seed=batch)
+    eager = _engine(tiny_model_dir(kind), "off").generate(prompts, GREEDY)
+    engine = _engine(tiny_model_dir(kind), "on")
+    assert isinstance(next(iter(engine.runner.graphs.buckets.values())).replay, EagerReplay)
+    got = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
+    assert engine.runner.graphs.replays >= GREEDY.max_tokens - 2
+    assert engine.kv_cache.arena.shape[2] == engine.pool.num_blocks + 1   # the pad block, outside the pool
+    engine.pool.check_idle()
+
+
+def test_graph_rows_are_bitwise_the_eager_rows_in_the_invariant_mode():
+    prompts = _prompts(5, 8000, seed=4)
+    runs = []
+    for graphs in ("off", "on"):
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", deterministic=True, cuda_graphs=graphs,
+                                        cache=CacheConfig(num_blocks=128)))
+        rec = LogitsRecorder(engine)
+        runs.append((rec, engine.generate(prompts, GREEDY)))
+    (eager, eager_out), (graphed, graphed_out) = runs
+    for prompt, out in zip(prompts, graphed_out):
+        compared, differ = eager.compare(graphed, prompt + list(out.token_ids))
+        assert compared == GREEDY.max_tokens and differ == []
+
+
+def test_graphs_need_a_decode_kernel_that_reads_static_tables(tiny_model_dir):
+    with pytest.raises(ValueError, match="fused C decode kernel"):
+        _engine(tiny_model_dir("llama"), "on", kernels="torch")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_equals_eager_on_cuda(tiny_model_dir):
+    prompts = _prompts(5, 384, seed=5)
+    eager = _engine(tiny_model_dir("llama"), "off", device="cuda").generate(prompts, GREEDY)
+    engine = _engine(tiny_model_dir("llama"), "auto", device="cuda")
+    assert engine.runner.graphs is not None
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in eager]
+    assert engine.runner.graphs.replays > 0
+    engine.pool.check_idle()
