@@ -1,6 +1,7 @@
 """Decode and prefill throughput of this engine beside transformers `generate`, in one run.
 
     python bench/engine_vs_transformers.py [--dtype bfloat16] [--batches 1 8 32] [--threads 2]
+    python bench/engine_vs_transformers.py --device cuda --batches 1 8 64     # decode graphs on and off
 
 Builds a ~55M-parameter Llama shape with random weights (hidden 512, 8 layers, GQA 8/2, FFN 1408,
 vocab 32k) in a temporary folder, unless --model points at a checkpoint. Prompts are 512 random
@@ -46,10 +47,11 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def bench_hf(model_dir: Path, dtype: torch.dtype, batch: int, prompt_len: int, new: int, repeats: int):
+def bench_hf(model_dir: Path, dtype: torch.dtype, batch: int, prompt_len: int, new: int, repeats: int,
+             device: str = "cpu"):
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
+    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
     attn = torch.ones_like(ids)
 
     def run(n):
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cuda: ours with decode graphs on and off, beside transformers")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -119,18 +122,25 @@ def main() -> None:
     from cluster.engine.engine import LLMEngine
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_bench_model(Path(tmp), dtype)
-        engine = LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, num_threads=args.threads,
-                                        cache=CacheConfig(memory_budget_bytes=6 << 30),
-                                        scheduler=SchedulerConfig(max_num_batched_tokens=4096)))
-        print(f"# {args.dtype}, {args.threads} threads, prompt {args.prompt_len}, {args.new_tokens} new tokens")
+        graph_modes = ("on", "off") if args.device != "cpu" else ("off",)
+        engines = {g: LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, num_threads=args.threads,
+                                             device=args.device, cuda_graphs=g,
+                                             cache=CacheConfig(memory_budget_bytes=6 << 30),
+                                             scheduler=SchedulerConfig(max_num_batched_tokens=4096)))
+                   for g in graph_modes}
+        engine = engines[graph_modes[0]]
+        print(f"# {args.dtype}, {args.device}, {args.threads} threads, prompt {args.prompt_len}, "
+              f"{args.new_tokens} new tokens" + (", ours with decode graphs / without" if len(engines) > 1 else ""))
         print(f"{'batch':>5} | {'ours decode':>11} | {'hf decode':>9} | {'ratio':>5} | "
               f"{'ours prefill':>12} | {'hf prefill':>10} | {'ratio':>5}")
         for b in args.batches:
-            op, od = bench_ours(engine, b, args.prompt_len, args.new_tokens, args.repeats)
             hp, hd = (float("nan"),) * 2 if args.skip_hf else bench_hf(
-                model_dir, dtype, b, args.prompt_len, args.new_tokens, args.repeats)
-            print(f"{b:>5} | {od:>11.0f} | {hd:>9.0f} | {od / hd:>5.2f} | {op:>12.0f} | {hp:>10.0f} | {op / hp:>5.2f}",
-                  flush=True)
+                model_dir, dtype, b, args.prompt_len, args.new_tokens, args.repeats, args.device)
+            for mode, eng in engines.items():
+                op, od = bench_ours(eng, b, args.prompt_len, args.new_tokens, args.repeats)
+                tag = f"{b}" + (f" {mode}" if len(engines) > 1 else "")
+                print(f"{tag:>5} | {od:>11.0f} | {hd:>9.0f} | {od / hd:>5.2f} | {op:>12.0f} | {hp:>10.0f} | "
+                      f"{op / hp:>5.2f}", flush=True)
         cold, warm = bench_ttft(engine, 3)
         print(f"TTFT, 1000-token prompt, 90% shared prefix: cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms, "
               f"{cold / warm:.1f}x")

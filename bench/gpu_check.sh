@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one command, no interaction, under 4 minutes on one H200, results written
-# to one folder as it goes (a run cut short still returns what it measured).
+# to one folder as it goes (a run cut short still returns what it measured). The step limits add
+# up to 240 s.
 #
 #   bash bench/gpu_check.sh [RESULTS_DIR]      # default: $OUT if set (the device tool's folder), else ./gpu_results
 #
@@ -22,13 +23,16 @@ step() {   # step NAME SECONDS COMMAND...: output to RESULTS/NAME.txt, status to
 }
 
 : > "$RESULTS/summary.txt"
-step env 20 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
+step env 15 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 # 1. The test suite's CUDA cases (marked `cuda`; they skip without CUDA). Files that need Ray or
 #    NIXL are not collected here.
-step cuda_tests 75 python -m pytest -q -p no:cacheprovider -m cuda \
-  tests/unit/test_kv_checksums.py tests/unit/test_lazy_checkpoint.py tests/integration/test_device_placement.py
+step cuda_tests 55 python -m pytest -q -p no:cacheprovider -m cuda \
+  tests/unit/test_kv_checksums.py tests/unit/test_lazy_checkpoint.py tests/integration/test_device_placement.py \
+  tests/integration/test_decode_graphs.py
 # 2. Kernel correctness and speed: decode attention GB/s against the HBM peak, prefill against SDPA.
-step kernels 90 python bench/kernels.py --json "$RESULTS/kernels.json"
-# 3. The batch-invariant mode through the Triton kernels: its cost and its divergence.
-step determinism 60 python bench/determinism.py --device cuda --model bench --batches 1 8 64 --new-tokens 32 --repeats 1
+step kernels 75 python bench/kernels.py --json "$RESULTS/kernels.json"
+# 3. The engine's decode throughput at batch 1, 8 and 64, decode graphs on and off, beside transformers.
+step engine 50 python bench/engine_vs_transformers.py --device cuda --batches 1 8 64 --new-tokens 64 --repeats 1
+# 4. The batch-invariant mode through the Triton kernels: its cost and its divergence.
+step determinism 45 python bench/determinism.py --device cuda --model bench --batches 1 8 64 --new-tokens 32 --repeats 1
 echo "results in $RESULTS"
