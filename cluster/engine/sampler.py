@@ -54,9 +54,14 @@ def warp_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return probs / ordered_sum(probs)
 
 
-def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The exponential race on the probabilities' device; the token as a 0-d tensor (no sync)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    return torch.argmax(probs / noise)
+
+
+def sample_row(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(draw(probs, generator))
 
 
 def logprob_entry(logprobs_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
@@ -73,15 +78,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
                 for s in seqs)
     if plain:
         return torch.argmax(logits, dim=-1).tolist()
-    tokens = []
+    picks = []   # 0-d device tensors: the rows' tokens come to the host in one copy, not one sync per row
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         row = logits[i]
         if sp.repetition_penalty != 1.0:
             row = apply_repetition_penalty(row, seq.token_ids, sp.repetition_penalty)
-        token = int(torch.argmax(row)) if sp.greedy else sample_row(warp_probs(row, sp), seq.generator)
-        if sp.logprobs is not None:
+        picks.append(torch.argmax(row) if sp.greedy else draw(warp_probs(row, sp), seq.generator))
+    tokens = torch.stack(picks).tolist()
+    for i, (seq, token) in enumerate(zip(seqs, tokens)):
+        if seq.sampling.logprobs is not None:
             # Logprobs of the model's own distribution (before penalties and warping), as vLLM reports.
-            seq.logprobs.append(logprob_entry(torch.log_softmax(logits[i], dim=-1), token, sp.logprobs))
-        tokens.append(token)
+            seq.logprobs.append(logprob_entry(torch.log_softmax(logits[i], dim=-1), token, seq.sampling.logprobs))
     return tokens
