@@ -119,9 +119,20 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.arena, self.backend, bs, self.device, sizes,
                                               -(-self.max_model_len // bs), self.memory_plan.num_blocks, replay)
         self._drafts: dict[Sequence, Draft] = {}
+        if self.backend.name == "triton" and self.device.type == "cuda":
+            self.warm_up()
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
+
+    def warm_up(self) -> None:
+        """One short request through prefill (across blocks) and decode before the engine reports
+        ready, so Triton compiles and autotunes on it rather than on a live request; its blocks and
+        prefix-cache entries are dropped. (Verification widths still tune at their first use.)"""
+        bs = self.config.cache.block_size
+        prompt = [int(self.tokenizer.token_to_id(" ") or 1)] * min(self.max_model_len - 4, 2 * bs + 3)
+        self.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, speculative="off"))
+        self.pool.reset_prefix_cache()
 
     def _draft_footprint(self) -> tuple[int, int]:
         """What the draft model takes beside the target (decode/spec/draft_model.py runs it): a draft

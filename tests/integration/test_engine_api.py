@@ -202,3 +202,15 @@ def test_bfloat16_engine_tracks_transformers_bfloat16(tiny_model_dir):
     for token, logprob in out.logprobs[0].top:
         assert logprob == pytest.approx(float(ref[token]), abs=0.1)
     engine.pool.check_idle()
+
+
+def test_warm_up_leaves_nothing_behind():
+    """The start-up warm-up (run on CUDA with Triton before the engine reports ready) leaves no
+    request, no block and no prefix-cache entry."""
+    from cluster.config import CacheConfig, EngineConfig
+    from cluster.engine.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)))
+    engine.warm_up()
+    assert not engine.has_unfinished()
+    engine.pool.check_idle()
+    assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.block_hash)
