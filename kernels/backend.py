@@ -138,6 +138,9 @@ class TritonAttentionBackend:
         sec = self._decode_section(flat[:row * width].view(row, width), ctx_lens, max_context)
         return TritonMeta(batch.slot_mapping, [sec])
 
+    def static_decode_ready(self) -> bool:
+        return True
+
     def static_decode_meta(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                            max_context: int) -> TritonMeta:
         """A decode step's meta over static buffers (CUDA-graph decode, cluster/engine/graphs.py):

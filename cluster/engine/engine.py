@@ -85,13 +85,17 @@ class LLMEngine:
         self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
                                        self.max_model_len, self.device, draft_per_block, draft_bytes)
         log.info("%s", self.memory_plan.describe())
+        self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                              mc.head_dim, self.device, self.kernel_plan)
         replay = replay_factory(self.device, config.cuda_graphs)
+        if replay is not None and config.cuda_graphs == "auto" and not self.backend.static_decode_ready():
+            log.info("decode graphs off: the %s attention backend cannot replay static decode steps here",
+                     self.backend.name)
+            replay = None
         # Decode graphs pad their batches into one block past the pool's (never allocated).
         pad_blocks = 1 if replay is not None else 0
         self.kv_cache = PagedKVCache(self.layout, self.memory_plan.num_blocks + pad_blocks, self.device)
         self.pool = BlockPool(self.memory_plan.num_blocks, cc.enable_prefix_caching)
-        self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                              mc.head_dim, self.device, self.kernel_plan)
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, self.max_model_len,
                                    self.generation.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache.arena, self.backend, cc.block_size, self.device)

@@ -130,11 +130,14 @@ class TorchAttentionBackend:
                            max_context: int) -> _TorchMeta:
         """A decode step's meta over static buffers (decode graphs, cluster/engine/graphs.py): the
         fused C kernel reads tables and lengths in place, whatever their contents."""
-        if not (self._fused() or (self.plan is not None and self.plan.batch_invariant)):
+        if not self.static_decode_ready():
             raise ValueError("decode graphs on the torch backend need the fused C decode kernel "
                              "(a kernel plan with decode attention fused_c; not --kernels torch)")
         return _TorchMeta(slot_mapping=slots, prefills=[], decode=_TorchDecodeMeta(
             block_table=tables.view(-1), lens=lens, fused=True, key_pos=None, query_pos=lens, valid=None, masks={}))
+
+    def static_decode_ready(self) -> bool:
+        return self.device.type == "cpu" and (self._fused() or (self.plan is not None and self.plan.batch_invariant))
 
     def fused_block_ready(self, meta: _TorchMeta) -> bool:
         """A pure-decode pass on the fused kernel: each layer's RoPE, K/V store and attention can

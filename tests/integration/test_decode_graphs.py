@@ -78,3 +78,14 @@ def test_cuda_graph_decode_equals_eager_on_cuda(tiny_model_dir):
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in eager]
     assert engine.runner.graphs.replays > 0
     engine.pool.check_idle()
+
+
+def test_auto_leaves_graphs_off_where_the_backend_cannot_replay():
+    """The torch backend on a GPU (SDPA over gathered blocks) has no static decode path: "auto"
+    keeps eager decoding there instead of refusing to start."""
+    from cluster.model.attention import TorchAttentionBackend
+    from cluster.model.kernel_plan import KernelPlan
+    gpu_torch = TorchAttentionBackend(4, 2, 16, torch.device("cuda"), KernelPlan.reference(torch.float32, "cpu"))
+    assert not gpu_torch.static_decode_ready()
+    cpu_sdpa = TorchAttentionBackend(4, 2, 16, torch.device("cpu"), KernelPlan.reference(torch.float32, "cpu"))
+    assert not cpu_sdpa.static_decode_ready()
