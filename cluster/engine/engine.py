@@ -31,6 +31,7 @@ from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, To
 
 log = logging.getLogger(__name__)
 
+
 def _resident_bytes(module: torch.nn.Module) -> int:
     """Weights as they sit in memory: parameters and buffers (packed or upcast layouts, tables)."""
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
