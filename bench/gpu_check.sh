@@ -23,16 +23,18 @@ step() {   # step NAME SECONDS COMMAND...: output to RESULTS/NAME.txt, status to
 }
 
 : > "$RESULTS/summary.txt"
-step env 15 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
+step env 10 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 # 1. The test suite's CUDA cases (marked `cuda`; they skip without CUDA). Files that need Ray or
 #    NIXL are not collected here.
-step cuda_tests 55 python -m pytest -q -p no:cacheprovider -m cuda \
+step cuda_tests 50 python -m pytest -q -p no:cacheprovider -m cuda \
   tests/unit/test_kv_checksums.py tests/unit/test_lazy_checkpoint.py tests/integration/test_device_placement.py \
-  tests/integration/test_decode_graphs.py
+  tests/integration/test_decode_graphs.py tests/unit/test_cuda_ipc.py
 # 2. Kernel correctness and speed: decode attention GB/s against the HBM peak, prefill against SDPA.
-step kernels 75 python bench/kernels.py --json "$RESULTS/kernels.json"
+step kernels 70 python bench/kernels.py --json "$RESULTS/kernels.json"
 # 3. The engine's decode throughput at batch 1, 8 and 64, decode graphs on and off, beside transformers.
-step engine 50 python bench/engine_vs_transformers.py --device cuda --batches 1 8 64 --new-tokens 64 --repeats 1
+step engine 45 python bench/engine_vs_transformers.py --device cuda --batches 1 8 64 --new-tokens 64 --repeats 1
 # 4. The batch-invariant mode through the Triton kernels: its cost and its divergence.
-step determinism 45 python bench/determinism.py --device cuda --model bench --batches 1 8 64 --new-tokens 32 --repeats 1
+step determinism 40 python bench/determinism.py --device cuda --model bench --batches 1 8 64 --new-tokens 32 --repeats 1
+# 5. A P/D handoff's bytes between two processes on the GPU (CUDA IPC: no NIXL here), GB/s.
+step transfer 25 python bench/transfer.py --device cuda --transports cuda_ipc --sizes-mib 16 256 --layout llama8b --repeats 3
 echo "results in $RESULTS"

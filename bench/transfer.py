@@ -1,6 +1,7 @@
 """KV transfer throughput between two processes, per transport, beside an in-process memcpy.
 
     python bench/transfer.py [--sizes-mib 1 4 16 64 256] [--transports nixl ucx tcp] [--layout default|llama8b]
+    python bench/transfer.py --device cuda --transports cuda_ipc      # GPU to GPU between two processes
 
 `nixl+thread` is NIXL with its busy progress thread on (the library's default, off in splitserve).
 
@@ -24,13 +25,22 @@ import time
 LAYOUTS = {"default": (6, 2, 64), "llama8b": (32, 8, 128)}
 
 
+DEVICE = os.environ.get("BENCH_TRANSFER_DEVICE", "cpu")   # set by --device; the server process inherits it
+
+
+def _sync() -> None:
+    if DEVICE != "cpu":
+        import torch
+        torch.cuda.synchronize()
+
+
 def _arena(layout_name: str, num_blocks: int):
     import torch
     from cluster.types import KVLayout
     layers, heads, dim = LAYOUTS[layout_name]
     layout = KVLayout(model_id=f"bench-{layout_name}", num_layers=layers, num_kv_heads=heads, head_dim=dim,
                       block_size=16, dtype="bfloat16")
-    arena = torch.empty((layers, 2, num_blocks, 16, heads, dim), dtype=torch.bfloat16)
+    arena = torch.empty((layers, 2, num_blocks, 16, heads, dim), dtype=torch.bfloat16, device=DEVICE)
     return layout, arena
 
 
@@ -113,22 +123,24 @@ def memcpy_and_checksum(layout_name: str, sizes_mib: list[int], repeats: int):
     src.view(torch.int16).random_()
     copy, check, flat = {}, {}, {}
     for mib in sizes_mib:
-        a = torch.empty(mib << 20, dtype=torch.uint8).random_(0, 255)
+        a = torch.empty(mib << 20, dtype=torch.uint8, device=DEVICE).random_(0, 255)
         b = torch.empty_like(a)
         ftimes = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             b.copy_(a)
+            _sync()
             ftimes.append(time.perf_counter() - t0)
         flat[mib] = a.numel() / statistics.median(ftimes[1:]) / 1e9
         n = max(1, mib * (1 << 20) // per_block)
-        s = torch.arange(0, 2 * n, 2)
-        d = torch.arange(1, 2 * n, 2)
+        s = torch.arange(0, 2 * n, 2, device=DEVICE)
+        d = torch.arange(1, 2 * n, 2, device=DEVICE)
         times, ctimes = [], []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             for layer in range(src.shape[0]):
                 dst[layer].index_copy_(1, d, src[layer].index_select(1, s))
+            _sync()
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             block_checksums(src, s.tolist())
@@ -144,13 +156,16 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=["nixl", "ucx", "tcp"])
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="default")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where the arenas live (cuda: with --transports cuda_ipc)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = os.environ["BENCH_TRANSFER_DEVICE"] = args.device
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import torch
     torch.set_num_threads(1)
     copy, check, flat = memcpy_and_checksum(args.layout, args.sizes_mib, args.repeats)
     results = {tr: run_transport(tr, args.layout, args.sizes_mib, args.repeats) for tr in args.transports}
-    print(f"# KV pull between two processes, layout {args.layout}, GB/s (ratio to the in-process copy of the same "
+    print(f"# KV pull between two processes, {args.device} arenas, layout {args.layout}, GB/s (ratio to the in-process copy of the same "
           f"segments); flat = one contiguous memcpy of as many bytes")
     head = f"{'MiB':>5} | {'flat':>6} | {'memcpy':>7} | " + " | ".join(f"{tr:>14}" for tr in args.transports)
     print(head + f" | {'checksum GB/s':>13} | {'checksum / nixl time':>20}")

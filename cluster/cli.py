@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--decode", type=int, default=1, help="number of decode workers")
     srv.add_argument("--colocated", action="store_true",
                      help="serve from engines that run both phases (the aggregated baseline)")
-    srv.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport")
+    srv.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp", "cuda_ipc"],
+                     help="KV transport (cuda_ipc: GPU to GPU between processes of one node, without NIXL)")
     srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
     srv.add_argument("--port", type=int, default=50051)
     srv.add_argument("--frontends", type=int, default=1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.transfer.base import TransportUnavailable
 
-TRANSPORTS = ("nixl", "ucx", "tcp", "loopback")
+TRANSPORTS = ("nixl", "ucx", "tcp", "cuda_ipc", "loopback")
 
 
 def make_transport(kind: str, agent_name: str, **options):
@@ -17,6 +17,9 @@ def make_transport(kind: str, agent_name: str, **options):
     if kind == "tcp":
         from cluster.transfer.tcp import TcpTransport  # noqa: PLC0415
         return TcpTransport(agent_name, **options)
+    if kind == "cuda_ipc":
+        from cluster.transfer.cuda_ipc import CudaIpcTransport  # noqa: PLC0415
+        return CudaIpcTransport(agent_name, **options)
     if kind == "loopback":
         from cluster.transfer.loopback import LoopbackTransport  # noqa: PLC0415
         return LoopbackTransport(agent_name)
