@@ -116,19 +116,24 @@ class LLMEngine:
         # Called with each step's plan before it runs (the KV push binds its blocks here and
         # sets `runner.layer_hook` to stream each layer as it is computed).
         self.plan_hooks: list = []
+        self.graph_replay = replay   # also what a draft model's passes replay with
         self.speculator: Speculator | None = speculator_factory(self) if speculator_factory else None
         if replay is not None and self.eagle is None:   # the EAGLE head runs over every token: eager
-            bs = cc.block_size
-            limit = config.scheduler.max_num_seqs
-            sizes = [s for s in self.kernel_plan.buckets.sizes if s < limit] + [self.kernel_plan.buckets.bucket(limit)]
-            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache.arena, self.backend, bs, self.device, sizes,
-                                              -(-self.max_model_len // bs), self.memory_plan.num_blocks, replay)
+            self.runner.graphs = self.decode_graphs(self.model, self.kv_cache.arena, self.backend,
+                                                    self.memory_plan.num_blocks)
         self._drafts: dict[Sequence, Draft] = {}
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warm_up()
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
+
+    def decode_graphs(self, model, arena: torch.Tensor, backend, pad_block: int) -> DecodeGraphs:
+        """Decode graphs of `model` over `arena` for every batch bucket up to max_num_seqs."""
+        bs, limit, buckets = self.config.cache.block_size, self.config.scheduler.max_num_seqs, self.kernel_plan.buckets
+        sizes = [s for s in buckets.sizes if s < limit] + [buckets.bucket(limit)]
+        return DecodeGraphs(model, arena, backend, bs, self.device, sizes, -(-self.max_model_len // bs), pad_block,
+                            self.graph_replay)
 
     def warm_up(self) -> None:
         """One short request through prefill (across blocks) and decode before the engine reports

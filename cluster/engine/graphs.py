@@ -7,7 +7,8 @@ token ids, positions, KV slots, block tables and context lengths. The Bp - B pad
 0 at position 0 into a pad block that belongs to no sequence (one block past the pool's, never
 allocated), attending only that block, so they cannot touch a real sequence's KV; their logits are
 dropped. Prefill, verification, EAGLE, layer-wise KV push and steps with more sequences than the
-last bucket run eagerly.
+last bucket run eagerly. A draft model's passes after its catch-up (one token per sequence) replay
+their own graphs the same way (decode/spec/draft_model.py).
 
 What can be wrong without a GPU, the padding, the static buffers and their meta, sits in front of
 a `Replay`: `CudaGraphReplay` captures on CUDA, `EagerReplay` runs the same callable eagerly on the
@@ -112,31 +113,37 @@ class DecodeGraphs:
             self.buckets[size] = bucket
         log.info("decode graphs for batch sizes %s (%s)", self.sizes, replay_factory.__name__)
 
+    def fits(self, rows: int) -> DecodeBucket | None:
+        """The smallest bucket that holds `rows` rows, or None above the last one."""
+        size = next((s for s in self.sizes if s >= rows), None)
+        return None if size is None else self.buckets[size]
+
     def bucket_for(self, plan: StepPlan) -> DecodeBucket | None:
         if plan.prefills or plan.verifies or not plan.decodes:
             return None
-        n = len(plan.decodes)
         if any(c.draft or not c.samples for c in plan.decodes):
             return None
-        size = next((s for s in self.sizes if s >= n), None)
-        return None if size is None else self.buckets[size]
+        return self.fits(len(plan.decodes))
 
     def run(self, plan: StepPlan, bucket: DecodeBucket) -> tuple[torch.Tensor, list[Sequence]]:
+        rows = [(c.seq.token_ids[c.start], c.start, c.seq.block_ids) for c in plan.decodes]
+        return self.run_rows(rows, bucket), [c.seq for c in plan.decodes]
+
+    def run_rows(self, rows: list[tuple[int, int, list[int]]], bucket: DecodeBucket) -> torch.Tensor:
+        """Logits of decode rows (token, position, the sequence's block ids) through `bucket`."""
         bs = self.block_size
-        ids, positions, slots, tables, lens, seqs = [], [], [], [], [], []
-        for chunk in plan.decodes:
-            seq, p = chunk.seq, chunk.start
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for token, p, blocks in rows:
             if p // bs >= self.width:
                 raise ValueError(f"position {p} is past the decode graphs' {self.width} blocks")
-            ids.append(seq.token_ids[p])
+            ids.append(token)
             positions.append(p)
-            slots.append(seq.block_ids[p // bs] * bs + p % bs)
-            tables.append(seq.block_ids[:p // bs + 1])
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables.append(blocks[:p // bs + 1])
             lens.append(p + 1)
-            seqs.append(seq)
         bucket.fill(ids, positions, slots, tables, lens)
         self.replays += 1
-        return bucket.replay()[:len(seqs)], seqs
+        return bucket.replay()[:len(rows)]
 
 
 def replay_factory(device: torch.device, mode: str):

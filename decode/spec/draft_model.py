@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 
 from cluster.config import SpeculativeConfig
 from cluster.engine.runner import ModelRunner
@@ -46,11 +47,15 @@ class DraftModelProposer:
         # never runs out before the target does.
         sched = engine.config.scheduler
         num_blocks = engine.pool.num_blocks + sched.max_num_seqs * (-(-(config.max_speculative_tokens + 1) // bs))
-        self.cache = PagedKVCache(self.layout, num_blocks, engine.device)
-        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                          mc.head_dim, engine.device, engine.kernel_plan)
+        graphed = engine.graph_replay is not None and backend.static_decode_ready()
+        # With decode graphs, one more block than the pool's: their pad rows write there.
+        self.cache = PagedKVCache(self.layout, num_blocks + (1 if graphed else 0), engine.device)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, self.cache.arena, backend, bs, engine.device)
+        # The k - 1 passes after the catch-up are one token per sequence: replayed from graphs.
+        self.graphs = engine.decode_graphs(self.model, self.cache.arena, backend, num_blocks) if graphed else None
         self._states: dict[Sequence, _DraftState] = {}
 
     def _reserve(self, state: _DraftState, num_tokens: int) -> None:
@@ -70,7 +75,7 @@ class DraftModelProposer:
         batch = DraftBatch(seqs, ks, stop_rules)
         active = list(range(len(seqs)))
         for _ in range(max(ks)):
-            logits = self.runner.run_spans(spans)
+            logits = self._run(spans)
             for j, i in enumerate(active):
                 states[i].computed += len(spans[j][0])
             open_rows = batch.step(active, logits)
@@ -80,6 +85,14 @@ class DraftModelProposer:
             spans = [([batch.tokens[i][-1]], seqs[i].num_tokens + len(batch.tokens[i]) - 1, states[i].block_ids)
                      for i in active]
         return batch.drafts()
+
+    def _run(self, spans) -> torch.Tensor:
+        bucket = None
+        if self.graphs is not None and all(len(tokens) == 1 for tokens, _, _ in spans):
+            bucket = self.graphs.fits(len(spans))
+        if bucket is None:
+            return self.runner.run_spans(spans)
+        return self.graphs.run_rows([(tokens[0], start, blocks) for tokens, start, blocks in spans], bucket)
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq, None)
