@@ -119,8 +119,9 @@ class LLMEngine:
         self.graph_replay = replay   # also what a draft model's passes replay with
         self.speculator: Speculator | None = speculator_factory(self) if speculator_factory else None
         if replay is not None and self.eagle is None:   # the EAGLE head runs over every token: eager
+            width = 1 + config.speculative.max_speculative_tokens if self.speculator is not None else 1
             self.runner.graphs = self.decode_graphs(self.model, self.kv_cache.arena, self.backend,
-                                                    self.memory_plan.num_blocks)
+                                                    self.memory_plan.num_blocks, rows_per_seq=width)
         self._drafts: dict[Sequence, Draft] = {}
         if self.backend.name == "triton" and self.device.type == "cuda":
             self.warm_up()
@@ -128,9 +129,11 @@ class LLMEngine:
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
 
-    def decode_graphs(self, model, arena: torch.Tensor, backend, pad_block: int) -> DecodeGraphs:
-        """Decode graphs of `model` over `arena` for every batch bucket up to max_num_seqs."""
-        bs, limit, buckets = self.config.cache.block_size, self.config.scheduler.max_num_seqs, self.kernel_plan.buckets
+    def decode_graphs(self, model, arena: torch.Tensor, backend, pad_block: int, rows_per_seq: int = 1) -> DecodeGraphs:
+        """Decode graphs of `model` over `arena` for every batch bucket up to max_num_seqs
+        sequences of `rows_per_seq` rows (the widest verification)."""
+        bs, buckets = self.config.cache.block_size, self.kernel_plan.buckets
+        limit = self.config.scheduler.max_num_seqs * rows_per_seq
         sizes = [s for s in buckets.sizes if s < limit] + [buckets.bucket(limit)]
         return DecodeGraphs(model, arena, backend, bs, self.device, sizes, -(-self.max_model_len // bs), pad_block,
                             self.graph_replay)

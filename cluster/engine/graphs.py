@@ -1,13 +1,14 @@
 """Decode steps replayed from CUDA graphs: captured once per batch bucket at start, fed by padding.
 
-A pure-decode step (one token per sequence, no prefill chunk, no verification) of B sequences runs
-the graph of the smallest bucket Bp >= B of the kernel plan's ladder (`BatchBuckets`, up to
-max_num_seqs). Every input the graph reads is a static buffer written in place before the replay:
+A step of B decode rows (one token per plain decode, k + 1 per verification of k draft tokens,
+each a row of its own; no prefill chunk) runs the graph of the smallest bucket Bp >= B of the kernel
+plan's ladder (`BatchBuckets`, up to max_num_seqs rows, times the widest verification with
+speculation). Every input the graph reads is a static buffer written in place before the replay:
 token ids, positions, KV slots, block tables and context lengths. The Bp - B pad rows decode token
 0 at position 0 into a pad block that belongs to no sequence (one block past the pool's, never
 allocated), attending only that block, so they cannot touch a real sequence's KV; their logits are
-dropped. Prefill, verification, EAGLE, layer-wise KV push and steps with more sequences than the
-last bucket run eagerly. A draft model's passes after its catch-up (one token per sequence) replay
+dropped. Prefill, EAGLE, layer-wise KV push and steps with more rows than the last bucket run
+eagerly. A draft model's passes after its catch-up (one token per sequence) replay
 their own graphs the same way (decode/spec/draft_model.py).
 
 What can be wrong without a GPU, the padding, the static buffers and their meta, sits in front of
@@ -119,15 +120,22 @@ class DecodeGraphs:
         return None if size is None else self.buckets[size]
 
     def bucket_for(self, plan: StepPlan) -> DecodeBucket | None:
-        if plan.prefills or plan.verifies or not plan.decodes:
+        """A step of decodes and verifications (no prefill chunk) fits by its number of rows."""
+        if plan.prefills or not (plan.decodes or plan.verifies):
             return None
         if any(c.draft or not c.samples for c in plan.decodes):
             return None
-        return self.fits(len(plan.decodes))
+        return self.fits(len(plan.decodes) + sum(1 + len(c.draft) for c in plan.verifies))
 
     def run(self, plan: StepPlan, bucket: DecodeBucket) -> tuple[torch.Tensor, list[Sequence]]:
+        """Every verified token is a decode row of its own at its position (its K/V, like every
+        row's, is stored before any row attends), so a verification reads what plain decoding of
+        the same tokens would; rows in the order ModelRunner.execute returns them."""
         rows = [(c.seq.token_ids[c.start], c.start, c.seq.block_ids) for c in plan.decodes]
-        return self.run_rows(rows, bucket), [c.seq for c in plan.decodes]
+        for c in plan.verifies:
+            tokens = [c.seq.token_ids[c.start], *c.draft]
+            rows += [(t, c.start + j, c.seq.block_ids) for j, t in enumerate(tokens)]
+        return self.run_rows(rows, bucket), [c.seq for c in (*plan.decodes, *plan.verifies)]
 
     def run_rows(self, rows: list[tuple[int, int, list[int]]], bucket: DecodeBucket) -> torch.Tensor:
         """Logits of decode rows (token, position, the sequence's block ids) through `bucket`."""

@@ -110,3 +110,32 @@ def test_draft_model_passes_replay_their_own_graphs():
     draft = engines[1].speculator.proposers["draft"]
     assert draft.graphs is not None and draft.graphs.replays > 0
     assert engines[0].speculator.proposers["draft"].graphs is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verification_steps_replay_as_decode_rows(dtype, tiny_model_dir):
+    """n-gram verification through the graphs: every verified token a decode row; greedy output
+    equals graphs off, and in the invariant mode the rows are bitwise those of plain decoding."""
+    from cluster.config import SpeculativeConfig
+    from decode.spec.speculator import make_speculator
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True, speculative="ngram", num_speculative_tokens=3)
+    outs, recs = [], []
+    for graphs in ("off", "on"):
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype=dtype, deterministic=dtype == "bfloat16",
+                                        cuda_graphs=graphs, cache=CacheConfig(block_size=4, num_blocks=128),
+                                        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+                           speculator_factory=make_speculator)
+        verified = []
+        if engine.runner.graphs is not None:
+            run = engine.runner.graphs.run
+            engine.runner.graphs.run = lambda plan, bucket: (verified.append(len(plan.verifies)), run(plan, bucket))[1]
+        recs.append(LogitsRecorder(engine))
+        outs.append([o.token_ids for o in engine.generate([prompt, prompt[:9]], sp)])
+        engine.pool.check_idle()
+    assert outs[0] == outs[1]
+    assert sum(verified) > 0, "no verification step went through the graphs"
+    if dtype == "bfloat16":
+        for p, out in zip((prompt, prompt[:9]), outs[1]):
+            compared, differ = recs[0].compare(recs[1], p + list(out))
+            assert compared and differ == []
