@@ -28,7 +28,7 @@ step env 10 python -c "import torch, triton; print(torch.__version__, triton.__v
 #    NIXL are not collected here.
 step cuda_tests 50 python -m pytest -q -p no:cacheprovider -m cuda \
   tests/unit/test_kv_checksums.py tests/unit/test_lazy_checkpoint.py tests/integration/test_device_placement.py \
-  tests/integration/test_decode_graphs.py tests/unit/test_cuda_ipc.py
+  tests/integration/test_decode_graphs.py tests/unit/test_cuda_ipc.py tests/integration/test_cuda_exactness.py
 # 2. Kernel correctness and speed: decode attention GB/s against the HBM peak, prefill against SDPA.
 step kernels 70 python bench/kernels.py --json "$RESULTS/kernels.json"
 # 3. The engine's decode throughput at batch 1, 8 and 64, decode graphs on and off, beside transformers.
