@@ -141,7 +141,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """One short request through prefill (across blocks) and decode before the engine reports
         ready, so Triton compiles and autotunes on it rather than on a live request; its blocks and
-        prefix-cache entries are dropped. (Verification widths still tune at their first use.)"""
+        prefix-cache entries are dropped. Decode (verification too) is tuned by the decode graphs'
+        warm-up runs; without graphs, verification widths tune at their first use."""
         bs = self.config.cache.block_size
         prompt = [int(self.tokenizer.token_to_id(" ") or 1)] * min(self.max_model_len - 4, 2 * bs + 3)
         self.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, speculative="off"))
