@@ -7,7 +7,8 @@ between two GPUs, a device memcpy on one), completion polled through a CUDA even
 messages (notify) go over the TCP transport's authenticated socket; its segment ops are refused
 here, since the bytes never cross it. The handle is plain bytes and integers in msgpack: nothing
 is unpickled. Both processes must see both GPUs (CUDA_VISIBLE_DEVICES): a process cannot open
-another's memory on a GPU it cannot see.
+another's memory on a GPU it cannot see, so between Ray actors holding one GPU each only workers
+that share a GPU (fractional --worker-gpus) can use it; NIXL is the path across a node's GPUs.
 """
 from __future__ import annotations
 
