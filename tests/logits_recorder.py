@@ -14,7 +14,6 @@ import torch
 class LogitsRecorder:
     def __init__(self, engine):
         self.rows: dict[tuple[int, ...], torch.Tensor] = {}
-        self.recomputed = 0    # rows recorded twice: must agree bitwise
         self.verified = 0      # rows computed inside speculative verification spans
         self.preempted: set[tuple[int, ...]] = set()   # prompts of the requests preempted (recomputed later)
         self._runner = engine.runner
@@ -42,8 +41,7 @@ class LogitsRecorder:
         return logits, seqs
 
     def _put(self, key: tuple[int, ...], row: torch.Tensor) -> None:
-        if key in self.rows:
-            self.recomputed += 1
+        if key in self.rows:   # a row recorded twice (re-verified, recomputed) must agree bitwise
             assert torch.equal(self.rows[key], row), f"position {len(key) - 1} recomputed differently"
         self.rows[key] = row.clone()
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cluster.model.llama import CausalLM, DecoderLayer
-from cluster.model.loader import TensorTaker, layer_state_dict, read_checkpoint
+from cluster.model.loader import LazyCheckpoint, TensorTaker, layer_state_dict
 from cluster.model.model_config import ModelConfig
 from cluster.model.spec_compat import read_eagle_config
 
@@ -50,7 +50,7 @@ def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, d
     raw = read_eagle_config(head_dir)
     layer_cfg = replace(target_cfg, num_layers=1, intermediate_size=int(raw["intermediate_size"]),
                         qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(None,))
-    take = TensorTaker(read_checkpoint(Path(head_dir)))
+    take = TensorTaker(LazyCheckpoint(Path(head_dir)))
     state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
     if take.missing:
         raise ValueError(f"EAGLE head {head_dir} is missing tensors: {', '.join(take.missing)}")

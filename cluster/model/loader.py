@@ -78,10 +78,6 @@ class LazyCheckpoint:
         return self._where[name].get_tensor(name)
 
 
-def read_checkpoint(model_dir: Path, device: str | torch.device = "cpu") -> LazyCheckpoint:
-    return LazyCheckpoint(model_dir, device)
-
-
 class TensorTaker:
     """Fetches checkpoint tensors by name, recording the missing ones so that one error names them all."""
 
@@ -141,11 +137,12 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = load_model_config(model_dir)
     dtype = dtype or cfg.dtype
-    state = _our_state_dict(cfg, read_checkpoint(model_dir, device))   # read onto the device, fused there
+    state = _our_state_dict(cfg, LazyCheckpoint(model_dir, device))   # read onto the device, fused there
+    # Built on the meta device (no random init, no memory): the checkpoint's tensors are assigned
+    # as the parameters, so the weights exist once, never beside an empty copy of themselves.
+    # The rotary table is computed, not loaded.
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
-    model = model.to_empty(device=device)
-    # Built on the meta device to skip random init; the rotary table is computed, not loaded.
     model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(device)
     # One tensor at a time: each source is dropped as soon as its converted copy exists.
     converted = {k: state.pop(k).to(device=device, dtype=dtype) for k in list(state)}
@@ -155,5 +152,8 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
         raise ValueError(f"weights not loaded: {unexpected}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"weights not loaded: {still_meta}")
     model.eval()
     return cfg, model
