@@ -19,10 +19,26 @@ def every_token_rows(batch, dtype: torch.dtype = torch.long) -> tuple[torch.Tens
     spans.sort(key=lambda s: s[0])
     width = max(-(-ctx // bs) for _, _, ctx, _ in spans)
     tables, lens, row = [], [], 0
+    singles: list[int] = []   # consecutive one-token rows (decodes) go into one tensor, not one each
+    single_lens: list[int] = []
+
+    def flush() -> None:
+        if singles:
+            tables.append(torch.tensor(singles, dtype=dtype).view(-1, width))
+            lens.append(torch.tensor(single_lens, dtype=dtype))
+            singles.clear()
+            single_lens.clear()
     for start, q_len, ctx, table in spans:
         assert start == row, "the flat batch's spans must be contiguous"
         n = -(-ctx // bs)
-        tables.append(torch.tensor((*table[:n], *(0,) * (width - n)), dtype=dtype).expand(q_len, width))
-        lens.append(torch.arange(ctx - q_len + 1, ctx + 1, dtype=dtype))
+        padded = (*table[:n], *(0,) * (width - n))
+        if q_len == 1:
+            singles.extend(padded)
+            single_lens.append(ctx)
+        else:   # a chunk's tokens share one table row: expanded, not copied
+            flush()
+            tables.append(torch.tensor(padded, dtype=dtype).expand(q_len, width))
+            lens.append(torch.arange(ctx - q_len + 1, ctx + 1, dtype=dtype))
         row += q_len
+    flush()
     return torch.cat(tables), torch.cat(lens), max(ctx for _, _, ctx, _ in spans)
