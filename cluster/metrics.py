@@ -49,6 +49,9 @@ class _WorkerCollector:
         c_discarded = CounterMetricFamily(PREFIX + "kv_discarded",
                                           "handed-off requests whose transferred KV was freed to be recomputed "
                                           "(KV pressure)", labels=["worker", "role"])
+        c_prompt = CounterMetricFamily(PREFIX + "prompt_tokens_computed",
+                                       "prompt tokens run through the model (prefix-cache hits, transferred KV and "
+                                       "the shared prompt of n > 1 samples are not)", labels=["worker", "role"])
         queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
                                     "time requests waited for their first schedule", labels=["worker", "role"])
         spec = {key: CounterMetricFamily(PREFIX + name, text, labels=["worker", "method"]) for key, name, text in (
@@ -68,6 +71,7 @@ class _WorkerCollector:
             g_waiting.add_metric([w, r], s["waiting"])
             c_queries.add_metric([w, r], s["prefix_queries"])
             c_hits.add_metric([w, r], s["prefix_hits"])
+            c_prompt.add_metric([w, r], s.get("prompt_tokens_computed", 0))
             queue.add_metric([w, r], count_value=s.get("queue_count", 0), sum_value=s.get("queue_seconds", 0.0))
             c_discarded.add_metric([w, r], s.get("kv_discarded", 0))
             if r == "decode":
@@ -76,7 +80,7 @@ class _WorkerCollector:
                 c_secs.add_metric([w, transport], s["handoff_seconds"])
                 c_done.add_metric([w, transport], s["handoff_done"])
                 c_fail.add_metric([w, transport], s["handoff_failed"])
-        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, queue, c_bytes, c_secs, c_done,
+        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, c_prompt, queue, c_bytes, c_secs, c_done,
                     c_fail, c_declined, c_discarded, *spec.values())
 
 

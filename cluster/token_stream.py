@@ -11,7 +11,8 @@ Wire: each frame is a 4-byte big-endian length and a msgpack array `[version, ki
   hello  [1, "hello", worker_name, secret]       first frame of a connection, checked with
                                                  hmac.compare_digest before anything else is read
   step   [1, "step", [record, ...]]              record = [key, token_ids, text, finish, logprobs,
-                                                 n_prompt, n_output, n_cached] (finish: "" = running)
+                                                 n_prompt, n_output, n_cached(, prompt_logprobs)]
+                                                 (finish: "" = running; the last field only when set)
   error  [1, "error", [[key, message], ...]]     the worker failed these streams (its fault)
 `key` is the frontend's number for one attempt of one request (`SinkAddress` + key travel in the
 control call that starts it), so a late frame from a dead worker can never reach a retry.
@@ -59,12 +60,23 @@ def _frame(body) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+def _encode_logprobs(logprobs) -> list | None:
+    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs] if logprobs else None
+
+
+def _decode_logprobs(lps) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(int(t), float(v), tuple((int(a), float(b)) for a, b in top))
+                 for t, v, top in lps) if lps else ()
+
+
 def encode_step(records: list[tuple[int, TokenDelta]]) -> bytes:
     out = []
     for key, d in records:
-        lps = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in d.logprobs] if d.logprobs else None
-        out.append([key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "", lps,
-                    d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens])
+        rec = [key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "",
+               _encode_logprobs(d.logprobs), d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens]
+        if d.prompt_logprobs:
+            rec.append(_encode_logprobs(d.prompt_logprobs))
+        out.append(rec)
     return _frame([STREAM_VERSION, "step", out])
 
 
@@ -73,11 +85,9 @@ def encode_errors(errors: list[tuple[int, str]]) -> bytes:
 
 
 def decode_record(rec, request_id: str) -> TokenDelta:
-    key, ids, text, finish, lps, n_prompt, n_output, n_cached = rec
-    logprobs = tuple(TokenLogprob(int(t), float(v), tuple((int(a), float(b)) for a, b in top))
-                     for t, v, top in lps) if lps else ()
-    return TokenDelta(request_id, tuple(ids), text, _FINISH[finish] if finish else None, logprobs,
-                      n_prompt, n_output, n_cached)
+    key, ids, text, finish, lps, n_prompt, n_output, n_cached = rec[:8]
+    return TokenDelta(request_id, tuple(ids), text, _FINISH[finish] if finish else None, _decode_logprobs(lps),
+                      n_prompt, n_output, n_cached, _decode_logprobs(rec[8]) if len(rec) > 8 else ())
 
 
 # --- worker side ---------------------------------------------------------------------------------
@@ -148,6 +158,19 @@ class StreamQueue:
         out = list(self.items)
         self.items.clear()
         return out
+
+
+class _SharedQueue:
+    """Another request's entry into a `StreamQueue` (see `TokenReceiver.open`)."""
+
+    __slots__ = ("request_id", "queue")
+
+    def __init__(self, request_id: str, queue: StreamQueue):
+        self.request_id = request_id
+        self.queue = queue
+
+    def push(self, item) -> None:
+        self.queue.push(item)
 
 
 class _Connection(asyncio.Protocol):
@@ -226,11 +249,13 @@ class TokenReceiver:
         self.address = SinkAddress(self.frontend, self.host, port, self.secret)
         return self.address
 
-    def open(self, request_id: str) -> tuple[int, StreamQueue]:
+    def open(self, request_id: str, shared: StreamQueue | None = None) -> tuple[int, StreamQueue]:
+        """A key for one attempt of `request_id`. With `shared`, its deltas go into that queue (the
+        samples of one prompt, read together), each still named by its own request id."""
         self._next_key += 1
-        q = StreamQueue(request_id)
+        q = StreamQueue(request_id) if shared is None else _SharedQueue(request_id, shared)
         self.queues[self._next_key] = q
-        return self._next_key, q
+        return self._next_key, (q if shared is None else shared)
 
     def close_key(self, key: int) -> None:
         self.queues.pop(key, None)

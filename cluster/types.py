@@ -31,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob and the top N
+    prompt_logprobs: int | None = None  # None: none; N >= 0: each prompt token's logprob (from the 2nd) and the top N
     cache_salt: str | None = None  # isolates prefix-cache entries per tenant
     speculative: str | None = None  # None: the engine's default; "off", or a method the engine has loaded
     num_speculative_tokens: int | str | None = None  # None: the engine's default; k >= 1, or "auto"
@@ -63,6 +64,9 @@ class SamplingParams:
                "stop strings must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be between 0 and 20, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
         _check(self.speculative in (None, "off", "ngram", "draft", "eagle"),
                f"speculative must be one of off, ngram, draft, eagle, got {self.speculative!r}")
         k = self.num_speculative_tokens
@@ -102,6 +106,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # With `prompt_logprobs`: once, on the request's first delta; the prompt's tokens from its second on.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -115,7 +121,8 @@ def merge_deltas(deltas: "list[TokenDelta]") -> TokenDelta:
         return deltas[0]
     from dataclasses import replace  # noqa: PLC0415
     return replace(deltas[-1], token_ids=tuple(t for d in deltas for t in d.token_ids),
-                   text="".join(d.text for d in deltas), logprobs=tuple(lp for d in deltas for lp in d.logprobs))
+                   text="".join(d.text for d in deltas), logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+                   prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ()))
 
 
 @dataclass(frozen=True)

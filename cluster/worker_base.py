@@ -66,7 +66,7 @@ class EngineWorker:
                 "ready": self.ready, "steps": self.loop.steps, "has_work": bool(waiting or running),
                 "blocks_used": pool.num_used, "blocks_total": pool.num_blocks, "block_size": self.engine.layout.block_size,
                 "blocks_free": pool.num_free, "waiting": waiting, "running": running,
-                "prefix_queries": pool.queries, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
+                "prefix_queries": pool.queries, "prompt_tokens_computed": self.engine.prompt_tokens_computed, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
                 "queue_count": sched.queue_count, "kv_discarded": getattr(self.engine, "kv_discarded", 0),
                 "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
 

@@ -42,8 +42,14 @@ class _Handoff:
     prompt_ids: list[int]
     sampling: SamplingParams
     handle: KVHandle
+    first_token: int
+    forks: tuple[tuple[str, SamplingParams, int], ...] = ()   # (request id, sampling, first token)
     aborted: bool = False
     times: dict = field(default_factory=dict)   # phase -> time.time(), for `handoff_timings`
+
+    @property
+    def members(self) -> list[str]:
+        return [self.request_id, *(f[0] for f in self.forks)]
 
 
 PHASES = ("sent", "called", "pull_started", "read", "verified", "acked", "first_step")
@@ -77,27 +83,38 @@ class DecodeWorker(EngineWorker):
         self._start_loop([self._poll_consumer])
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       sink: SinkAddress, key: int, resume_samples: int = 0) -> str:
+                       sink: SinkAddress, key: int, resume_samples: int = 0,
+                       forks: tuple[tuple[str, SamplingParams, int], ...] = ()) -> str:
         """Both phases here (colocated mode, or a prompt not worth a handoff). `resume_samples`: the
         request continues one that already sampled this many tokens elsewhere (a failover), so its
-        seeded generator resumes where that one was instead of restarting from the seed."""
+        seeded generator resumes where that one was instead of restarting from the seed. `forks`:
+        (request id, sampling, stream key) of more samples of the prompt, computed once."""
         def start(e: LLMEngine):
-            self._add_request(e, prompt_ids, sampling, request_id)
+            self._add_request(e, prompt_ids, sampling, request_id, forks=[(rid, sp) for rid, sp, _ in forks])
             if resume_samples:
                 e.skip_samples(request_id, resume_samples)
-        last = await self.loop.run(request_id, start, sink, key)
+        last = await self.loop.run(request_id, start, sink, key, forks=tuple((rid, k) for rid, _, k in forks))
         return last.finish_reason.value
 
     async def decode(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     handle_bytes: bytes, sink: SinkAddress, key: int, sent_at: float = 0.0) -> str:
-        """Continue a request prefilled elsewhere; streams deltas from its second token on."""
+                     handle_bytes: bytes, sink: SinkAddress, key: int, sent_at: float = 0.0,
+                     first_token: int | None = None,
+                     forks: tuple[tuple[str, SamplingParams, int, int], ...] = ()) -> str:
+        """Continue a request prefilled elsewhere; streams deltas from its second token on.
+        `first_token`: this request's (default: the handle's, whose lead may have ended already);
+        `forks`: (request id, sampling, first token, stream key) of more samples of the prompt,
+        continued on the same pulled blocks. Aborting any of them during the pull aborts all."""
         handle = KVHandle.decode(handle_bytes)
-        done = asyncio.get_running_loop().create_future()
+        ids = [request_id, *(f[0] for f in forks)]
+        loop = asyncio.get_running_loop()
+        dones = [loop.create_future() for _ in ids]
         times = {"sent": sent_at or time.time(), "called": time.time()}
 
         def begin(e: LLMEngine):
             times["pull_started"] = time.time()
-            h = _Handoff(request_id, list(prompt_ids), sampling, handle, times=times)
+            h = _Handoff(request_id, list(prompt_ids), sampling, handle,
+                         handle.first_token if first_token is None else first_token,
+                         tuple((rid, sp, tok) for rid, sp, tok, _ in forks), times=times)
             n = len(handle.block_ids)
             try:
                 blocks = e.pool.allocate(n)
@@ -114,15 +131,21 @@ class DecodeWorker(EngineWorker):
                 if isinstance(exc, ValueError):     # a layout mismatch or a malformed handle
                     raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
                 raise
-            self.loop.register(request_id, done, sink, key)
+            self.loop.register(request_id, dones[0], sink, key)
+            for (rid, _, _, k), done in zip(forks, dones[1:]):
+                self.loop.register(rid, done, sink, k)
             self._handoffs[pull.lease_id] = h
+
+        def abort_all(e: LLMEngine) -> None:
+            for rid in ids:
+                self._abort(e, rid)
         try:
             await self.loop.acall(begin)
         except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
-            self.loop.call(lambda e: self._abort(e, request_id))
+            self.loop.call(abort_all)
             raise
-        last = await self.loop.wait(request_id, done, abort=lambda e: self._abort(e, request_id))
-        return last.finish_reason.value
+        results = await self.loop.wait_all(ids, dones, abort_all)
+        return results[0].finish_reason.value
 
     # --- engine thread ----------------------------------------------------------------------------
     def _poll_consumer(self) -> float | None:
@@ -137,9 +160,10 @@ class DecodeWorker(EngineWorker):
         `add_prefilled` has taken the blocks they are this function's to free, on every path."""
         if h.aborted:
             e.pool.free(reversed(pull.local_blocks))
-            self.loop.emit([TokenDelta(h.request_id, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)])
+            self.loop.emit([TokenDelta(rid, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)
+                            for rid in h.members])
             return
-        if not self.loop.has_stream(h.request_id):
+        if not any(self.loop.has_stream(rid) for rid in h.members):
             # Its stream ended meanwhile (its frontend vanished, or every stream failed): nobody
             # waits for this request, and a retry may already run elsewhere under its id.
             e.pool.free(reversed(pull.local_blocks))
@@ -151,11 +175,15 @@ class DecodeWorker(EngineWorker):
                 self.handoffs["done"] += 1
                 self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
                 self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
-                e.add_prefilled(h.request_id, h.prompt_ids, h.handle.first_token, h.sampling, pull.local_blocks,
-                                h.handle.feature)
+                e.add_prefilled(h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
+                                h.handle.feature, forks=h.forks)
                 joined = True
+                for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
+                    if not self.loop.has_stream(rid):
+                        e.abort(rid)
             except Exception as exc:  # noqa: BLE001 - the request's own fault: it ends here
-                self.loop.fail(h.request_id, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
+                for rid in h.members:
+                    self.loop.fail(rid, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
                 return
             finally:
                 if not joined:
@@ -183,16 +211,17 @@ class DecodeWorker(EngineWorker):
         first token was sampled by the producer, so the generator skips that draw."""
         self.handoffs["failed"] += 1
         log.warning("handoff of %s failed (%s); recomputing here", h.request_id, why)
-        rest = replace(h.sampling, max_tokens=h.sampling.max_tokens - 1)
-        try:
-            e.add_request([*h.prompt_ids, h.handle.first_token], rest, h.request_id)
-            e.skip_samples(h.request_id, 1)
-        except Exception as exc:  # noqa: BLE001
-            self.loop.fail(h.request_id, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
+        for rid, sampling, first in ((h.request_id, h.sampling, h.first_token), *h.forks):
+            rest = replace(sampling, max_tokens=sampling.max_tokens - 1, prompt_logprobs=None)
+            try:
+                e.add_request([*h.prompt_ids, first], rest, rid)
+                e.skip_samples(rid, 1)
+            except Exception as exc:  # noqa: BLE001
+                self.loop.fail(rid, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
 
     def _abort(self, e: LLMEngine, request_id: str) -> None:
         for lease_id, h in self._handoffs.items():
-            if h.request_id == request_id and not h.aborted:
+            if request_id in h.members and not h.aborted:
                 h.aborted = True               # the pull ends FAILED once nothing can land in our blocks
                 self.consumer.abort(lease_id)
                 return

@@ -28,6 +28,15 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # n > 1: the other samples' first tokens, drawn from the same prompt logits (finish_reason
+    # None: it continues on the decode worker, on the same handle).
+    forks: tuple[TokenDelta, ...] = ()
+
+    @property
+    def continues(self) -> list[str]:
+        """Request ids (this one's and its forks') that a decode worker must continue."""
+        return [d.request_id for d in (self, *self.forks) if d.finish_reason is None]
 
 
 class PrefillWorker(EngineWorker):
@@ -44,19 +53,34 @@ class PrefillWorker(EngineWorker):
         self.producer.poll()
         return self.producer.poll_interval()
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> PrefillResult:
-        first_only = replace(sampling, max_tokens=1)
+    async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                      forks: tuple[tuple[str, SamplingParams], ...] = ()) -> PrefillResult:
+        """`forks`: (request id, sampling) of more samples of this prompt: computed once, each
+        with its own first token, all continued from one handle."""
+        first_only = [(rid, replace(sp, max_tokens=1)) for rid, sp in forks]
 
         def publish(e: LLMEngine, last: TokenDelta) -> PrefillResult:
-            return self._publish(e, request_id, prompt_ids, sampling, last)
+            return self._publish(e, request_id, prompt_ids, sampling, last, dict(forks))
         return await self.loop.run(
-            request_id, lambda e: self._add_request(e, prompt_ids, first_only, request_id, hold_kv=True),
+            request_id, lambda e: self._add_request(e, prompt_ids, replace(sampling, max_tokens=1), request_id,
+                                                    hold_kv=True, forks=first_only),
             on_end=publish)
 
+    @staticmethod
+    def _first_reason(e: LLMEngine, last: TokenDelta, sampling: SamplingParams) -> FinishReason | None:
+        """Why a request ends with its first token (None: a decode worker continues it)."""
+        if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
+            return last.finish_reason
+        if sampling.max_tokens == 1 or last.num_prompt_tokens + 1 >= e.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
     def _publish(self, e: LLMEngine, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 last: TokenDelta) -> PrefillResult:
+                 last: TokenDelta, forks: dict[str, SamplingParams]) -> PrefillResult:
         """On the engine thread, in the turn that finished the prefill: the lease starts and the
         handle leaves at once, not a step later."""
+        firsts = tuple(replace(d, finish_reason=self._first_reason(e, d, forks[d.request_id]))
+                       for d in e.take_fork_firsts(request_id))
         if not last.token_ids and last.finish_reason is not FinishReason.ABORT:
             # Ended for lack of blocks before its first token: nothing to hand off, nothing kept.
             if request_id in e.scheduler.held:
@@ -65,22 +89,18 @@ class PrefillWorker(EngineWorker):
             raise WorkerBusy(f"prefill of {request_id} ended without a first token: its prompt needs {need} KV "
                              f"blocks and this worker has {e.pool.num_blocks} in the pool "
                              f"({e.pool.num_free} free); try another worker")
-        if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
-            reason = last.finish_reason
-        elif sampling.max_tokens == 1 or len(prompt_ids) + 1 >= e.max_model_len:
-            reason = FinishReason.LENGTH
-        else:
-            reason = None
+        reason = self._first_reason(e, last, sampling)
         handle = None
         if request_id in e.scheduler.held:
-            if reason is not None:
+            if reason is not None and all(d.finish_reason is not None for d in firsts):
                 e.release_held_kv(request_id)
             else:
                 blocks, n = e.take_held_kv(request_id)
                 h = self.producer.publish(request_id, blocks, n, last.token_ids[0])
                 handle = replace(h, feature=e.take_held_feature(request_id)).encode()
         return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, reason, handle,
-                             last.num_prompt_tokens, last.num_cached_tokens, last.logprobs)
+                             last.num_prompt_tokens, last.num_cached_tokens, last.logprobs, last.prompt_logprobs,
+                             firsts)
 
     async def abort(self, request_id: str) -> None:
         def go(e: LLMEngine):

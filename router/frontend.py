@@ -62,8 +62,8 @@ class RayWorkerClient:
     def _control(self, method: str):
         return getattr(self.handle, method).options(concurrency_group=CONTROL)
 
-    async def prefill(self, request_id, prompt_ids, sampling):
-        return await self.handle.prefill.remote(request_id, prompt_ids, sampling)
+    async def prefill(self, request_id, prompt_ids, sampling, forks=()):
+        return await self.handle.prefill.remote(request_id, prompt_ids, sampling, forks)
 
     def start(self, method: str, *args, **kwargs):
         """Start a streamed request (`generate` or `decode`); its deltas come over the token stream,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import StreamBroken, TokenReceiver
-from cluster.types import GenerateRequest, TokenDelta, merge_deltas
+from cluster.types import FinishReason, GenerateRequest, TokenDelta, merge_deltas
 from router.health import Change, WorkerHealth, is_actor_death
 from router.policy import WorkerView
 
@@ -155,27 +155,38 @@ class Router:
         await asyncio.gather(*(self.clients[w].abort(request_id) for w in workers), return_exceptions=True)
         return bool(workers)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        if req.request_id in self.active:
-            raise ValueError(f"request_id {req.request_id!r} is already running")
+    async def generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...] = ()
+                       ) -> AsyncIterator[TokenDelta]:
+        """Stream `req`'s deltas. `forks`: more samples of the same prompt (OpenAI's `n`), each
+        with its own id and sampling: the prompt is computed once and its KV shared; their deltas
+        come interleaved, each named by its request id."""
+        members = (req, *forks)
+        for m in members:
+            if m.request_id in self.active:
+                raise ValueError(f"request_id {m.request_id!r} is already running")
         if self.closing:
             raise ShuttingDown("the server is shutting down; retry on another replica")
-        self.in_flight += 1
+        self.in_flight += len(members)
         self.activity.set()
-        self.active[req.request_id] = []
-        streamed: list[int] = []
+        streamed: dict[str, list[int]] = {}
+        for m in members:
+            self.active[m.request_id] = []
+            streamed[m.request_id] = []
         try:
-            async for delta in self._generate(req, streamed):
-                streamed.extend(delta.token_ids)
+            async for delta in self._generate(req, forks, streamed):
+                streamed[delta.request_id].extend(delta.token_ids)
+                if delta.finished:
+                    self.active[delta.request_id] = []    # finished normally: nothing to abort
                 yield delta
-            self.active[req.request_id] = []     # finished normally: nothing to abort
         finally:
-            self.in_flight -= 1
-            if self.active.get(req.request_id):
-                await asyncio.shield(self.abort(req.request_id))
-            self.active.pop(req.request_id, None)
+            self.in_flight -= len(members)
+            for m in members:
+                if self.active.get(m.request_id):
+                    await asyncio.shield(self.abort(m.request_id))
+                self.active.pop(m.request_id, None)
 
-    async def _generate(self, req: GenerateRequest, streamed: list[int]) -> AsyncIterator[TokenDelta]:
+    async def _generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...],
+                        streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
         self.check_capacity(req)
         hashes = hash_prefix_blocks(req.prompt_token_ids, self.config.block_size, req.sampling.cache_salt)
         dec = self.policy.choose_decode(hashes, await self._routable("decode"))
@@ -184,36 +195,48 @@ class Router:
                  or (hashes and cached >= self.config.local_prefill_cached_fraction * len(hashes))
                  or not self._healthy("prefill"))
         prefilled = None
+        members = [req, *forks]
         if not local:
             dec.in_flight += 1          # counted from the choice on, so requests arriving together spread
             try:
-                prefilled = await self._prefill(req, hashes)
+                prefilled = await self._prefill(req, hashes, forks)
             finally:
                 dec.in_flight -= 1
             if prefilled is None:
                 local = True            # no prefill worker could take it: the decode worker prefills
             else:
-                first = prefilled[1]
-                yield first
-                if first.finished:
+                firsts = prefilled[1]
+                for first in firsts.values():
+                    yield first
+                members = [m for m in members if not firsts[m.request_id].finished]
+                if not members:
                     return
-        async for d in self._decode(req, dec, hashes, None if local else prefilled, streamed):
+        if not forks:
+            stream = self._decode(req, dec, hashes, None if local else prefilled, streamed[req.request_id])
+        else:
+            stream = self._decode_group(members, dec, hashes, None if local else prefilled, streamed)
+        async for d in stream:
             yield d
 
-    async def _prefill(self, req: GenerateRequest, hashes):
-        """(result, first delta, worker name), or None when every prefill worker failed or was busy."""
+    async def _prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()):
+        """(result, first delta of each member by id, worker name), or None when every prefill
+        worker failed or was busy."""
         tried = set()
+        members = (req, *forks)
         while True:
             candidates = [v for v in self._healthy("prefill") if v.name not in tried]
             if not candidates:
                 return None
             view = self.policy.choose_prefill(hashes, candidates)
             tried.add(view.name)
-            self.active[req.request_id].append(view.name)
+            for m in members:
+                self.active[m.request_id].append(view.name)
             view.in_flight += 1
             t0 = time.perf_counter()
             try:
-                result = await self.clients[view.name].prefill(req.request_id, list(req.prompt_token_ids), req.sampling)
+                result = await self.clients[view.name].prefill(
+                    req.request_id, list(req.prompt_token_ids), req.sampling,
+                    tuple((f.request_id, f.sampling) for f in forks))
             except (asyncio.CancelledError, RequestError):
                 raise
             except WorkerBusy as exc:
@@ -228,12 +251,69 @@ class Router:
             view.remember(hashes)
             if self.metrics:
                 self.metrics.observe_prefill(time.perf_counter() - t0)
-            first = TokenDelta(req.request_id, (result.first_token,) if result.first_token >= 0 else (),
-                               result.text, result.finish_reason, result.logprobs, result.num_prompt_tokens, 1,
-                               result.num_cached_tokens)
-            if result.finish_reason is not None:
-                self.active[req.request_id].remove(view.name)
-            return result, first, view.name
+            # Done there, but for a lease (kept under the request's id: aborting it releases the lease).
+            for m in members:
+                if m is not req or result.handle is None:
+                    self.active[m.request_id].remove(view.name)
+            firsts = {req.request_id: TokenDelta(
+                req.request_id, (result.first_token,) if result.first_token >= 0 else (), result.text,
+                result.finish_reason, result.logprobs, result.num_prompt_tokens, 1, result.num_cached_tokens,
+                result.prompt_logprobs)}
+            firsts |= {d.request_id: d for d in result.forks}
+            for f in forks:       # ended with the request before its first token (an abort)
+                firsts.setdefault(f.request_id, TokenDelta(f.request_id, (), "", result.finish_reason or
+                                                           FinishReason.ABORT, (), result.num_prompt_tokens))
+            return result, firsts, view.name
+
+    async def _decode_group(self, members: list[GenerateRequest], dec: WorkerView, hashes, prefilled,
+                            streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+        """The samples of one prompt in one attempt on one decode worker: the handoff (`prefilled`)
+        continued into every member, or the prompt computed there once. If that attempt fails,
+        each unfinished member goes on alone (`_decode`), from the tokens it has streamed."""
+        lead, rest = members[0], members[1:]
+        view = dec
+        for m in members:
+            self.active[m.request_id].append(view.name)
+        view.in_flight += 1
+        client = self.clients[view.name]
+        done: set[str] = set()
+        try:
+            if prefilled is not None:
+                firsts = prefilled[1]
+                stream = self._stream(client, "decode", lead.request_id, list(lead.prompt_token_ids), lead.sampling,
+                                      prefilled[0].handle, sent_at=time.time(),
+                                      first_token=firsts[lead.request_id].token_ids[0],
+                                      forks=[(m.request_id, m.sampling, firsts[m.request_id].token_ids[0])
+                                             for m in rest])
+            else:
+                stream = self._stream(client, "generate", lead.request_id, list(lead.prompt_token_ids), lead.sampling,
+                                      forks=[(m.request_id, m.sampling) for m in rest])
+            async for d in stream:
+                if d.finished:
+                    done.add(d.request_id)
+                yield d
+            dec.remember(hashes)
+            return
+        except (asyncio.CancelledError, RequestError, ShuttingDown):
+            raise
+        except Exception as exc:  # noqa: BLE001 - busy or failed: each member goes on alone
+            log.warning("decode worker %s failed on the samples of %s (%s)", view.name, lead.request_id,
+                        error_message(exc))
+            if not isinstance(exc, WorkerBusy):
+                self.worker_failed(view.name, exc)
+                self.recoveries += 1
+            if prefilled is not None:
+                self._release_lease(prefilled[2], prefilled[0].request_id)
+        finally:
+            view.in_flight -= 1
+            for m in members:
+                if view.name in self.active.get(m.request_id, ()):
+                    self.active[m.request_id].remove(view.name)
+        left = [m for m in members if m.request_id not in done]
+        candidates = await self._routable("decode")
+        dec = self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates)
+        async for d in merge_streams([self._decode(m, dec, hashes, None, streamed[m.request_id]) for m in left]):
+            yield d
 
     async def _decode(self, req: GenerateRequest, dec: WorkerView, hashes, prefilled, streamed):
         """Attempts on decode workers until the request ends: the first continues the handoff
@@ -255,7 +335,8 @@ class Router:
                 else:
                     left = req.sampling.max_tokens - len(streamed)
                     stream = self._stream(client, "generate", req.request_id, [*req.prompt_token_ids, *streamed],
-                                          replace(req.sampling, max_tokens=max(1, left)), resume_samples=len(streamed))
+                                          replace(req.sampling, max_tokens=max(1, left), prompt_logprobs=None),
+                                          resume_samples=len(streamed))
                 async for d in stream:
                     yield d
                 dec.remember(hashes)
@@ -304,24 +385,36 @@ class Router:
         for q in list(self.receiver.queues.values()):
             q.push(ShuttingDown("the server is shutting down; retry on another replica"))
 
-    async def _stream(self, client, method: str, request_id: str, *args, **kwargs) -> AsyncIterator[TokenDelta]:
+    async def _stream(self, client, method: str, request_id: str, *args, forks=(), **kwargs
+                      ) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a control call, read its deltas from the token
-        stream. Several deltas that arrived together leave as one (a lagging reader coalesces)."""
+        stream. Several deltas that arrived together leave as one (a lagging reader coalesces).
+        `forks`: more samples of the prompt in the same call (their arguments, to which each one's
+        stream key is added); the attempt ends when every one has finished."""
         key, queue = self.receiver.open(request_id)
+        keys = [key]
+        for f in forks:
+            keys.append(self.receiver.open(f[0], queue)[0])
+        if forks:
+            kwargs["forks"] = tuple((*f, k) for f, k in zip(forks, keys[1:]))
         call = client.start(method, request_id, *args, self.receiver.address, key, **kwargs)
         watch = asyncio.ensure_future(self._watch(call, queue))
+        running = 1 + len(forks)
         try:
             while True:
                 items = await queue.take()
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                delta = merge_deltas(items)
-                yield delta
-                if delta.finish_reason is not None:
+                for delta in (merge_deltas(items),) if not forks else _merge_per_request(items):
+                    yield delta
+                    if delta.finish_reason is not None:
+                        running -= 1
+                if running == 0:
                     return
         finally:
-            self.receiver.close_key(key)
+            for k in keys:
+                self.receiver.close_key(k)
             watch.cancel()
 
     async def _watch(self, call, queue) -> None:
@@ -336,6 +429,45 @@ class Router:
             return
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
+
+
+def _merge_per_request(items: list[TokenDelta]) -> list[TokenDelta]:
+    """Deltas of several requests as one per request, in the order each first appeared."""
+    by_id: dict[str, list[TokenDelta]] = {}
+    for d in items:
+        by_id.setdefault(d.request_id, []).append(d)
+    return [merge_deltas(ds) for ds in by_id.values()]
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of several async iterators as they come; the first error ends them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            await queue.put(exc)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
 
 
 async def _quietly(coro) -> None:

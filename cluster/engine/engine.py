@@ -111,6 +111,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[TokenDelta] = []
+        self._fork_firsts: dict[str, list[TokenDelta]] = {}
+        self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         # Called with each step's plan before it runs (the KV push binds its blocks here and
@@ -195,23 +197,37 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | Seq[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False) -> str:
+                    request_id: str | None = None, hold_kv: bool = False,
+                    forks: Seq[tuple[str, SamplingParams]] = ()) -> str:
         """Queue a request. With `hold_kv` its blocks outlive it (see `take_held_kv`): the
-        prefill side of a P/D handoff keeps them pinned until the consumer has read them."""
+        prefill side of a P/D handoff keeps them pinned until the consumer has read them.
+        `forks`: (request id, sampling) of more samples of the same prompt (OpenAI's `n`). The
+        prompt is computed once: each fork draws its first token from the same logits with its own
+        generator, then decodes on the prompt's blocks (shared; see `Scheduler.fork`). With
+        `hold_kv` the forks only draw their first tokens (`take_fork_firsts`): the decode worker
+        forks them on the transferred KV."""
         sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams):
+        if not isinstance(sampling, SamplingParams) or not all(isinstance(f[1], SamplingParams) for f in forks):
             raise ValueError("sampling must be a SamplingParams")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids_in_use = [r for r in (request_id, *(f[0] for f in forks)) if r in self._seqs]
+        if ids_in_use or len({request_id, *(f[0] for f in forks)}) != 1 + len(forks):
+            raise ValueError(f"request_id {(ids_in_use or [request_id])[0]!r} is already in use")
         ids = self.validate_prompt(prompt)
         if not hold_kv:   # a P/D producer only prefills: speculation is the decode worker's concern
-            self.validate_speculation(sampling)
-        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), hold_kv=hold_kv)
-        self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+            for sp in (sampling, *(f[1] for f in forks)):
+                self.validate_speculation(sp)
+        seq = self._new_sequence(request_id, ids, sampling, hold_kv=hold_kv)
+        # The parent reports the prompt's logprobs; a fork's prompt is never computed.
+        seq.forks = [self._new_sequence(rid, ids, sp, hold_kv=hold_kv, prompt_logprobs_sent=True) for rid, sp in forks]
         self.scheduler.add(seq)
         return request_id
+
+    def _new_sequence(self, request_id: str, ids: list[int], sampling: SamplingParams, **fields) -> Sequence:
+        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), **fields)
+        self._seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        return seq
 
     def validate_speculation(self, sampling: SamplingParams) -> None:
         method = sampling.speculative
@@ -249,25 +265,39 @@ class LLMEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
-                      sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"") -> None:
+                      sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"",
+                      forks: Seq[tuple[str, SamplingParams, int]] = ()) -> None:
         """Join a sequence whose prompt KV already sits in `block_ids` (taken from this engine's
         pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
         from its second token on, waiting with its blocks while the pool is full; if it is ever
-        preempted, or its KV is discarded to avoid a deadlock, it is recomputed here."""
+        preempted, or its KV is discarded to avoid a deadlock, it is recomputed here. `forks`:
+        (request id, sampling, first token) of more samples of the prompt, on the same blocks."""
         ids = self.validate_prompt(list(prompt_ids))
-        self.validate_speculation(sampling)
-        if request_id in self._seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        for sp in (sampling, *(f[1] for f in forks)):
+            self.validate_speculation(sp)
+        for rid in (request_id, *(f[0] for f in forks)):
+            if rid in self._seqs:
+                raise ValueError(f"request_id {rid!r} is already in use")
         if len(block_ids) != -(-len(ids) // self.layout.block_size):
             raise ValueError(f"{len(ids)} prompt tokens need {-(-len(ids) // self.layout.block_size)} blocks, "
                              f"got {len(block_ids)}")
-        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling),
-                       token_ids=[*ids, int(first_token)], num_computed_tokens=len(ids),
-                       block_ids=list(block_ids))
+        if self.eagle is not None and len(feature) != self.model_config.hidden_size * self.dtype.itemsize:
+            raise ValueError(f"a handoff to an EAGLE decode worker must carry the prompt's last hidden state "
+                             f"({self.model_config.hidden_size} values); got {len(feature)} bytes")
+        lead = self._prefilled_sequence(request_id, ids, sampling, first_token, feature)
+        lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
+        self.scheduler.add(lead)
+        for rid, sp, token in forks:
+            child = self._prefilled_sequence(rid, ids, sp, token, feature)
+            if not self.scheduler.fork(lead, child, len(ids), self.kv_cache.copy_block):
+                self.scheduler.add(child)      # no block for its copy: it computes the prompt itself
+
+    def _prefilled_sequence(self, request_id: str, ids: list[int], sampling: SamplingParams, first_token: int,
+                            feature: bytes) -> Sequence:
+        # Its prompt (and prompt logprobs) were computed by the producer.
+        seq = self._new_sequence(request_id, ids, sampling, token_ids=[*ids, int(first_token)],
+                                 prompt_logprobs_sent=True)
         if self.eagle is not None:
-            if len(feature) != self.model_config.hidden_size * self.dtype.itemsize:
-                raise ValueError(f"a handoff to an EAGLE decode worker must carry the prompt's last hidden state "
-                                 f"({self.model_config.hidden_size} values); got {len(feature)} bytes")
             raw = torch.frombuffer(bytearray(feature), dtype=torch.uint8)
             seq.spec_feature = raw.view(self.dtype).to(self.device)
             seq.spec_feature_pos = len(ids) - 1
@@ -275,11 +305,9 @@ class LLMEngine:
             # The producer drew the first token from the same seed: skip that draw so a seeded
             # request samples the same tokens as it would in one engine.
             self._skip_draws(seq.generator, 1)
-        self._seqs[request_id] = seq
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
-        detok.add([int(first_token)])   # replays the producer's text state; its text was streamed there
-        self._detok[request_id] = detok
-        self.scheduler.add(seq)
+        # Replays the producer's text state; its text was streamed there.
+        self._detok[request_id].add([int(first_token)])
+        return seq
 
     def take_held_kv(self, request_id: str) -> tuple[list[int], int]:
         """Blocks and token count of a finished `hold_kv` request; they stay referenced until
@@ -307,6 +335,11 @@ class LLMEngine:
         self._pending.append(self._finish_delta(seq, (), ""))
         return True
 
+    def take_fork_firsts(self, request_id: str) -> list[TokenDelta]:
+        """A `hold_kv` request's forks, each ended with its first token (drawn from the prompt's
+        logits beside the request's own): what a decode worker continues them from."""
+        return self._fork_firsts.pop(request_id, [])
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -333,14 +366,55 @@ class LLMEngine:
             self._attach_drafts(plan)
         for hook in self.plan_hooks:
             hook(plan)
+        for c in plan.prefills + plan.decodes:   # a prompt's 1-token chunk is scheduled as a decode
+            self.prompt_tokens_computed += max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start)
         logits, sampled_seqs = self.runner.execute(plan)
-        tokens = self._choose_tokens(logits, sampled_seqs) if sampled_seqs else {}
+        if self.runner.prompt_logits:
+            self._record_prompt_logprobs()
+        forked: dict[Sequence, int] = {}
+        tokens = self._choose_tokens(logits, sampled_seqs, forked) if sampled_seqs else {}
         before = {seq: seq.num_tokens for seq in tokens}
+        # Before the update, which may end the parent and free the blocks its forks are to share.
+        parents = [(seq, seq.forks) for seq in tokens if seq.forks]
+        for parent, forks in parents:
+            parent.forks = []
+            out.extend(self._spawn(parent, fork, forked[fork]) for fork in forks if not fork.is_finished)
         self.scheduler.update(plan, tokens)
         self.runner.keep_features()
+        for parent, forks in parents:   # EAGLE: the prompt's last hidden state is the forks' too
+            for fork in forks:
+                fork.spec_feature, fork.spec_feature_pos = parent.spec_feature, parent.spec_feature_pos
         for seq, n in before.items():
             out.append(self._delta(seq, seq.token_ids[n:]))
-        return out
+        return [d for d in out if d is not None]
+
+    def _record_prompt_logprobs(self) -> None:
+        for seq, first, rows in self.runner.prompt_logits:
+            lps = torch.log_softmax(rows, dim=-1)
+            top = seq.sampling.prompt_logprobs
+            for i in range(rows.shape[0]):
+                if first + i == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(logprob_entry(lps[i], seq.prompt_token_ids[first + i + 1], top))
+        self.runner.prompt_logits = []
+
+    def _spawn(self, parent: Sequence, fork: Sequence, token: int) -> TokenDelta | None:
+        """A fork's first token is drawn: it joins the queue on its parent's prompt KV. For a P/D
+        producer it ends here instead: its first token is what the decode worker continues from."""
+        fork.token_ids.append(token)
+        reason = self.scheduler.stop_reason(fork, token)
+        if reason is not None:
+            self.scheduler.finish(fork, reason)
+        elif not parent.hold_kv and not self.scheduler.fork(parent, fork, parent.num_prompt_tokens,
+                                                            self.kv_cache.copy_block):
+            self.scheduler.add(fork)   # no block free for its copy: it computes the prompt itself
+        delta = self._delta(fork, [token])      # a stop string in its text ends it here
+        if not parent.hold_kv:
+            return delta
+        if not delta.finished:                  # it goes on elsewhere: drop its state here
+            self.scheduler.finish(fork, FinishReason.LENGTH)
+            self._finish_delta(fork, (), "")
+        self._fork_firsts.setdefault(parent.request_id, []).append(delta)
+        return None
 
     # --- speculation -----------------------------------------------------------------------
     def _attach_drafts(self, plan: StepPlan) -> None:
@@ -362,17 +436,23 @@ class LLMEngine:
             else:
                 self.scheduler.trim_blocks(chunk.seq)
 
-    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
-        """Plain rows are sampled together; each verification's k+1 rows go to the speculator."""
-        if not self._drafts:
+    def _choose_tokens(self, logits: torch.Tensor, seqs: list[Sequence],
+                       forked: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Plain rows are sampled together; each verification's k+1 rows go to the speculator. A
+        prompt's forks draw from its row beside it (their tokens go to `forked`)."""
+        if not self._drafts and not any(seq.forks for seq in seqs):
             return {seq: [t] for seq, t in zip(seqs, sample(logits, seqs))}
         out: dict[Sequence, list[int]] = {}
-        plain_rows, plain_seqs, row = [], [], 0
+        plain_rows, plain_seqs, forks, row = [], [], set(), 0
         for seq in seqs:
             draft = self._drafts.pop(seq, None)
             if draft is None:
                 plain_rows.append(row)
                 plain_seqs.append(seq)
+                for fork in seq.forks:
+                    plain_rows.append(row)
+                    plain_seqs.append(fork)
+                    forks.add(fork)
                 row += 1
                 continue
             rows = logits[row:row + len(draft) + 1]
@@ -385,7 +465,10 @@ class LLMEngine:
         if plain_seqs:
             index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
             for seq, t in zip(plain_seqs, sample(logits.index_select(0, index), plain_seqs)):
-                out[seq] = [t]
+                if seq in forks:
+                    forked[seq] = t
+                else:
+                    out[seq] = [t]
         return out
 
     def _delta(self, seq: Sequence, tokens: list[int]) -> TokenDelta:
@@ -414,9 +497,13 @@ class LLMEngine:
         if finished:
             return self._finish_delta(seq, tuple(tokens), text, logprobs)
         return TokenDelta(seq.request_id, tuple(tokens), text, None, logprobs, seq.num_prompt_tokens,
-                          seq.num_output_tokens, seq.num_cached_tokens)
+                          seq.num_output_tokens, seq.num_cached_tokens, self._take_prompt_logprobs(seq))
 
     def _finish_delta(self, seq: Sequence, token_ids, text: str, logprobs=()) -> TokenDelta:
+        for fork in seq.forks:   # it ended before its first sampling: so do the forks waiting on it
+            self.scheduler.finish(fork, seq.finish_reason)
+            self._pending.append(self._finish_delta(fork, (), ""))
+        seq.forks = []
         if seq.hold_kv and seq.spec_feature is not None and seq.request_id in self.scheduler.held:
             self._held_features[seq.request_id] = seq.spec_feature
         if self.speculator is not None:
@@ -424,7 +511,16 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, tuple(token_ids), text, seq.finish_reason, tuple(logprobs),
-                          seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                          seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
+                          self._take_prompt_logprobs(seq))
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple:
+        """Prompt logprobs leave once, with the request's first delta that carries a token."""
+        if seq.prompt_logprobs_sent or seq.wants_prompt_logprobs:
+            return ()
+        seq.prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs)
 
     # --- helpers on top ------------------------------------------------------------------
     def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[TokenDelta]:

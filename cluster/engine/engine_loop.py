@@ -91,31 +91,51 @@ class EngineLoop:
         self._streams.pop(request_id, None)
 
     async def run(self, request_id: str, start: Callable[[LLMEngine], Any], sink: SinkAddress | None = None,
-                  key: int = 0, on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None) -> Any:
-        """Register `request_id`, run `start(engine)` (which adds it) on the engine thread and wait for
-        its final delta. Cancelling the caller aborts the request."""
-        done = asyncio.get_running_loop().create_future()
+                  key: int = 0, on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None,
+                  forks: tuple[tuple[str, int], ...] = ()) -> Any:
+        """Register `request_id` (and its `forks`: (request id, key) of more samples of its prompt,
+        streamed to the same sink), run `start(engine)` (which adds them) on the engine thread and
+        wait for every final delta; returns the request's own. Cancelling the caller aborts them."""
+        loop = asyncio.get_running_loop()
+        ids = [request_id, *(rid for rid, _ in forks)]
+        dones = [loop.create_future() for _ in ids]
 
         def begin(e: LLMEngine):
-            self.register(request_id, done, sink, key, on_end)
+            self.register(request_id, dones[0], sink, key, on_end)
+            for (rid, k), done in zip(forks, dones[1:]):
+                self.register(rid, done, sink, k)
             try:
                 return start(e)
             except BaseException:
-                self.forget(request_id)
+                for rid in ids:
+                    self.forget(rid)
                 raise
+
+        def abort_all(e: LLMEngine) -> None:
+            for rid in ids:
+                e.abort(rid)
         try:
             await self.acall(begin)
         except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
-            self.call(lambda e: e.abort(request_id))
+            self.call(abort_all)
             raise
-        return await self.wait(request_id, done)
+        results = await self.wait_all(ids, dones, abort_all)
+        return results[0]
+
+    async def wait_all(self, ids: list[str], dones: list[asyncio.Future], abort: Callable[[LLMEngine], Any]) -> list:
+        """Every request's final delta (one raising fails the call once all have ended)."""
+        try:
+            results = await asyncio.shield(asyncio.gather(*dones, return_exceptions=True))
+        except asyncio.CancelledError:
+            self.call(abort)
+            raise
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
 
     async def wait(self, request_id: str, done: asyncio.Future, abort: Callable[[LLMEngine], Any] | None = None):
-        try:
-            return await asyncio.shield(done)
-        except asyncio.CancelledError:
-            self.call(abort or (lambda e: e.abort(request_id)))
-            raise
+        return (await self.wait_all([request_id], [done], abort or (lambda e: e.abort(request_id))))[0]
 
     def close(self) -> None:
         self._stop.set()

@@ -65,17 +65,22 @@ class ModelRunner:
         self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
         self.last_hidden: torch.Tensor | None = None
         self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
+        # Prompt logprobs of the last step: (seq, first position, fp32 logits of positions from there).
+        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
         whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
-        if self.graphs is not None and self.eagle is None and self.layer_hook is None:
+        self.prompt_logits = []
+        prompt_rows = [c for c in plan.chunks if c.seq.wants_prompt_logprobs and not c.draft]
+        if self.graphs is not None and self.eagle is None and self.layer_hook is None and not prompt_rows:
             bucket = self.graphs.bucket_for(plan)
             if bucket is not None:
                 return self.graphs.run(plan, bucket)
         layout = BatchLayout(self.block_size, self.device)
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
+        offsets: dict[Sequence, int] = {}
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             if chunk.draft:
@@ -85,17 +90,32 @@ class ModelRunner:
                 continue
             offset = layout.add(seq.token_ids[start:start + n], start, seq.block_ids,
                                 "decode" if n == 1 else "prefill")
+            offsets[seq] = offset
             if chunk.samples:
                 logits_rows.append(offset + n - 1)
                 sampled.append(seq)
+        num_sampled = len(logits_rows)
+        spans = []
+        for chunk in prompt_rows:
+            # The row at position p scores prompt token p + 1; positions already scored are skipped
+            # (a request recomputed after preemption).
+            first = max(chunk.start, len(chunk.seq.prompt_logprobs))
+            last = min(chunk.start + chunk.num_tokens, chunk.seq.num_prompt_tokens - 1)
+            if first < last:
+                base = offsets[chunk.seq] - chunk.start
+                spans.append((chunk.seq, first, len(logits_rows), last - first))
+                logits_rows.extend(range(base + first, base + last))
         ids_t, pos_t, batch = layout.tensors()
         meta = self.backend.prepare(batch)
         out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
                          layer_hook=self.layer_hook, return_hidden=self.eagle is not None)
+        logits, hidden = out if self.eagle is not None else (out, None)
+        if spans:
+            self.prompt_logits = [(seq, first, logits[row:row + n]) for seq, first, row, n in spans]
+            logits = logits[:num_sampled]
         if self.eagle is None:
-            return out, sampled
-        logits, hidden = out
+            return logits, sampled
         self._run_eagle(plan, ids_t, pos_t, hidden, meta)
         return logits, sampled
 

@@ -122,6 +122,28 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def fork(self, parent: Sequence, child: Sequence, num_prompt: int, copy_block) -> bool:
+        """Queue `child` (another sample of `parent`'s prompt, its own first token appended) on the
+        parent's prompt KV: the full blocks shared by reference, the partial last block copied
+        (`copy_block(src, dst)`), since both go on writing into it. False when no block is free for
+        the copy: the caller then queues the child to compute its prompt itself."""
+        full, partial = divmod(num_prompt, self.block_size)
+        own: list[int] = []
+        if partial:
+            if self.pool.num_free == 0:
+                return False
+            own = self.pool.allocate(1)
+            copy_block(parent.block_ids[full], own[0])
+        shared = parent.block_ids[:full]
+        self.pool.touch(shared)
+        child.block_ids = [*shared, *own]
+        child.num_computed_tokens = num_prompt
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_published_blocks = min(parent.num_published_blocks, full)
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.waiting.append(child)
+        return True
+
     # --- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -251,7 +273,8 @@ class Scheduler:
         bs = self.block_size
         usable = 0
         handed_off = bool(seq.num_computed_tokens and seq.block_ids)   # KV already in our blocks (P/D)
-        if not handed_off and self.pool.enable_prefix_caching:
+        # Prompt logprobs need every prompt position computed here, so such a request skips the cache.
+        if not handed_off and self.pool.enable_prefix_caching and not seq.wants_prompt_logprobs:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
             # Never reuse the block holding the last token: its logits must be computed.
             usable = (seq.num_tokens - 1) // bs
@@ -309,7 +332,7 @@ class Scheduler:
             reason = None
             for token in tokens:
                 seq.token_ids.append(token)
-                reason = self._stop_reason(seq, token)
+                reason = self.stop_reason(seq, token)
                 if reason is not None:
                     # Tokens after a stop are dropped: a step-by-step decode would never make them.
                     seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
@@ -333,7 +356,7 @@ class Scheduler:
             self.pool.cache_block(seq.block_ids[i], seq.block_hashes[i])
         seq.num_published_blocks = full
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             return FinishReason.STOP

@@ -35,6 +35,10 @@ class Sequence:
     queued_at: float = field(default_factory=time.monotonic)   # for the queue-time metric
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # prompt tokens 1.. (prompt_logprobs)
+    prompt_logprobs_sent: bool = False
+    # n > 1: the other samples of this prompt, waiting for its first sampling to share its KV.
+    forks: list["Sequence"] = field(default_factory=list)
     # EAGLE: the target's pre-norm hidden state at position `spec_feature_pos` (the last computed one).
     spec_feature: torch.Tensor | None = None
     spec_feature_pos: int = -1
@@ -58,6 +62,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return (self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -97,3 +97,8 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's K and V of block `src` into block `dst` (a forked sample's own copy of the
+        prompt's partial last block, which both sequences go on writing)."""
+        self.arena[:, :, dst].copy_(self.arena[:, :, src])
