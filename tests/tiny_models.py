@@ -68,3 +68,34 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
     model.save_pretrained(out_dir)
     make_tokenizer(out_dir, bos=kind != "qwen2")
     return out_dir
+
+
+# ChatML, as Qwen writes it: `<|im_start|>role\ncontent<|im_end|>\n` per turn. Content given as a list of
+# text parts is joined with "\n" (as router.chat_template does before rendering), so both renderers agree.
+# Tools, when given, go in a leading system turn through `tojson`, to exercise that filter too.
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- elif message.content is defined %}{{- message.content | map(attribute='text') | join('\\n') }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def make_chat_model(out_dir: Path, kind: str = "llama") -> Path:
+    """make_model's checkpoint with a ChatML chat template in tokenizer_config.json (the tokenizer is
+    byte-level BPE, so the template's markers encode as ordinary text)."""
+    out_dir = make_model(out_dir, kind)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHATML_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return out_dir
