@@ -50,6 +50,9 @@ class ClusterConfig:
     stall_timeout_s: float = 60.0   # a worker with work queued and no engine step this long is routed around
     poll_timeout_s: float = 5.0     # a stats poll slower than this is skipped (slow is not dead)
     decode_resources: dict = field(default_factory=dict)
+    http_port: int | None = None        # the OpenAI-compatible HTTP API beside gRPC (None: off)
+    chat_template: str | None = None    # a Jinja file overriding the model's chat template
+    served_model_name: str | None = None   # the model's name in both APIs (default: its directory's)
 
 
 def actor_class(cls):
@@ -117,6 +120,7 @@ class RunningCluster:
     supervisor: object
     metrics: object = None
     metrics_server: object = None
+    http_port: int | None = None    # the OpenAI HTTP API's port, when served
 
     @property
     def router(self):
@@ -286,7 +290,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     mc = load_model_config(cfg.engine.model)
     max_len = cfg.engine.max_model_len or mc.max_position_embeddings
     spec = cfg.engine.speculative
-    limits = Limits(model_id=mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
+    limits = Limits(model_id=cfg.served_model_name or mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
                     max_tokens_limit=cfg.max_tokens_limit,
                     spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
                     max_speculative_tokens=spec.max_speculative_tokens,
@@ -301,7 +305,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                           block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
                           local_prefill_max_tokens=cfg.local_prefill_max_tokens, max_in_flight=cfg.max_in_flight,
                           api_keys=cfg.api_keys, tls=cfg.tls, transport=cfg.transport, roles=roles,
-                          poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s)
+                          poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
+                          http_port=cfg.http_port, http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
     handles = {n: c.handle for n, c in workers.items()}
     frontend, actors = None, []
     if cfg.frontends == 1:
@@ -327,7 +332,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roles, metas,
                                                   metrics, fcfg.poll_timeout_s))
     metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
-    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server)
+    http_port = frontend.http_port() if frontend is not None else (
+        await actors[0].http_port.remote() if actors else None)
+    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
 
 
 async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], KernelPlan]:
@@ -355,11 +362,13 @@ async def _start_frontends(cfg: ClusterConfig, fcfg, handles: dict) -> tuple[lis
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
     from router.frontend import Frontend  # noqa: PLC0415
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    actors, port = [], cfg.port
+    actors, port, http_port = [], cfg.port, cfg.http_port
     for i in range(cfg.frontends):
         f = ray.remote(Frontend).options(num_cpus=0, max_concurrency=1000, scheduling_strategy=here).remote(
-            replace(fcfg, name=f"frontend-{i}", port=port, poll_stats_s=0.25), handles)
+            replace(fcfg, name=f"frontend-{i}", port=port, poll_stats_s=0.25, http_port=http_port), handles)
         port = await f.start.remote()
+        if http_port is not None:
+            http_port = await f.http_port.remote()   # the first picks it (for port 0), the others join
         actors.append(f)
     for f in actors:
         await f.set_siblings.remote([o for o in actors if o is not f])

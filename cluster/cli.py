@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV transport (cuda_ipc: GPU to GPU between processes of one node, without NIXL)")
     srv.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds to")
     srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--http-port", type=int, default=None,
+                     help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                          "/v1/models, /health) on HOST:PORT, from the same router")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="Jinja chat template for /v1/chat/completions (default: the model's own, from its "
+                          "tokenizer_config.json or chat_template.jinja)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model's name in both APIs (default: the model directory's name)")
     srv.add_argument("--frontends", type=int, default=1,
                      help="gRPC frontend processes sharing the port and the workers (scale the router out)")
     srv.add_argument("--stream-interval", type=int, default=1,
@@ -214,7 +222,8 @@ def _cluster_config(args):
                          decode_resources=_json_resources(args.decode_resources),
                          worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus, frontends=args.frontends,
                          stream_interval=args.stream_interval, stall_timeout_s=args.stall_timeout,
-                         kv_checksums=_switch(args.kv_checksums, "kv-checksums"))
+                         kv_checksums=_switch(args.kv_checksums, "kv-checksums"), http_port=args.http_port,
+                         chat_template=args.chat_template, served_model_name=args.served_model_name)
 
 
 def cmd_serve(args) -> int:
@@ -235,6 +244,8 @@ def cmd_serve(args) -> int:
         if args.metrics_port is not None:
             print(f"metrics: http://{args.host}:{cluster.metrics_server[0].server_port}/metrics", file=sys.stderr)
         print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
+        if cluster.http_port is not None:
+            print(f"OpenAI API: http://{args.host}:{cluster.http_port}/v1", file=sys.stderr)
         if args.request is not None:
             from router.client import AsyncClient  # noqa: PLC0415
             client = AsyncClient(f"{args.host}:{cluster.port}", api_key=args.api_key[0] if args.api_key else None)

@@ -154,6 +154,7 @@ class ClusterMetrics:
         self.registry = CollectorRegistry()
         self.transport = transport
         self.worker_stats: dict[str, dict] = {}
+        self.has_workers = workers      # this registry holds the whole cluster's series
         r = self.registry
         if workers:
             r.register(_WorkerCollector(self))

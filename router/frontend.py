@@ -131,6 +131,9 @@ class FrontendConfig:
     poll_timeout_s: float = 5.0         # a poll slower than this is skipped (slow is not dead)
     stall_timeout_s: float = 60.0       # progress watchdog: work queued, no engine step this long
     roles: dict = field(default_factory=dict)   # worker name -> "prefill" | "decode"
+    http_port: int | None = None        # the OpenAI-compatible HTTP API (router/http_server.py)
+    http_reuse_port: bool = False       # several frontend processes share the HTTP port
+    chat_template: str | None = None    # a Jinja file that overrides the model's chat template
 
 
 class Frontend:
@@ -139,7 +142,7 @@ class Frontend:
         self.handles = handles
         self.metrics = metrics
         self.siblings: list = []
-        self.router = self.service = self.server = None
+        self.router = self.service = self.server = self.http = None
         self.port = 0
         self._poll_task = self._ready_task = None
 
@@ -167,6 +170,13 @@ class Frontend:
         self.service = InferenceService(self.router, cfg.limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids,
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self)
         self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls)
+        if cfg.http_port is not None:
+            from router.chat_template import ChatTemplate  # noqa: PLC0415
+            from router.http_server import OpenAIServer  # noqa: PLC0415
+            template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
+            registry = self.metrics.registry if self.metrics.has_workers else None
+            self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry)
+            await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port)
         if cfg.poll_stats_s is not None:
             self._poll_task = asyncio.ensure_future(self._poll_stats(clients))
         self._ready_task = asyncio.ensure_future(self._serve_when_ready())
@@ -207,6 +217,9 @@ class Frontend:
         """This frontend's request series, as plain data for the driver's merged scrape."""
         return self.metrics.request_samples()
 
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -218,5 +231,7 @@ class Frontend:
             self._ready_task.cancel()
         await self.service.set_serving(False)
         await self.router.shutdown()
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace=1.0)
         await self.router.receiver.stop()

@@ -36,6 +36,9 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
     for lp in delta.logprobs:
         msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    for lp in delta.prompt_logprobs:
+        msg.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if delta.finish_reason is not None:
         msg.finish_reason = _REASONS[delta.finish_reason]
         msg.usage.prompt_tokens = delta.num_prompt_tokens

@@ -29,7 +29,7 @@ class Limits:
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                    "stop_token_ids", "stop", "logprobs", "speculative", "num_speculative_tokens")
+                    "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens")
 
 
 def _sampling(msg, limits: Limits) -> SamplingParams:
@@ -54,7 +54,8 @@ def _sampling(msg, limits: Limits) -> SamplingParams:
             repetition_penalty=msg.repetition_penalty if has("repetition_penalty") else 1.0,
             seed=msg.seed if has("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             stop=tuple(msg.stop), ignore_eos=msg.ignore_eos,
-            logprobs=msg.logprobs if has("logprobs") else None, cache_salt=msg.cache_salt or None,
+            logprobs=msg.logprobs if has("logprobs") else None,
+            prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None, cache_salt=msg.cache_salt or None,
             speculative=speculative, num_speculative_tokens=k)
     except ValueError as exc:
         text = str(exc)

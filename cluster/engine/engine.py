@@ -376,9 +376,10 @@ class LLMEngine:
         before = {seq: seq.num_tokens for seq in tokens}
         # Before the update, which may end the parent and free the blocks its forks are to share.
         parents = [(seq, seq.forks) for seq in tokens if seq.forks]
+        spawned = []    # their first deltas leave after the parent's (which carries the prompt's logprobs)
         for parent, forks in parents:
             parent.forks = []
-            out.extend(self._spawn(parent, fork, forked[fork]) for fork in forks if not fork.is_finished)
+            spawned.extend(self._spawn(parent, fork, forked[fork]) for fork in forks if not fork.is_finished)
         self.scheduler.update(plan, tokens)
         self.runner.keep_features()
         for parent, forks in parents:   # EAGLE: the prompt's last hidden state is the forks' too
@@ -386,7 +387,8 @@ class LLMEngine:
                 fork.spec_feature, fork.spec_feature_pos = parent.spec_feature, parent.spec_feature_pos
         for seq, n in before.items():
             out.append(self._delta(seq, seq.token_ids[n:]))
-        return [d for d in out if d is not None]
+        out.extend(d for d in spawned if d is not None)
+        return out
 
     def _record_prompt_logprobs(self) -> None:
         for seq, first, rows in self.runner.prompt_logits:

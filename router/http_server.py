@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP API, beside gRPC on the same frontend: same router, same limits,
+same keys, same metrics. Starlette on uvicorn, in the frontend's own event loop.
+
+  POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events, `data: [DONE]`)
+  GET  /v1/models, /v1/models/{id}                  GET /health (503 until every worker is ready)
+  GET  /metrics                                     (the cluster's, where this frontend holds them)
+
+Statuses: 400 naming the bad field (router/openai_protocol.py runs the gRPC validation), 401
+without a valid `Authorization: Bearer` key when keys are set (hmac.compare_digest), 404 for an
+unknown model, 413 for a body over the limit (counted while it is read, whatever Content-Length
+says), 429 when the in-flight limit is reached, 503 while no worker can serve (not ready, shutting
+down). A client that disconnects, mid-stream or while waiting for a whole response, aborts its
+requests on every worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cluster.errors import RequestError, error_message
+from router.router import merge_streams
+from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, parse_chat, parse_completion, \
+    usage
+
+log = logging.getLogger(__name__)
+
+_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "NOT_FOUND": 404, "ALREADY_EXISTS": 400,
+           "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400}
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the process's owner (the CLI) stops it."""
+
+    def capture_signals(self):
+        import contextlib  # noqa: PLC0415
+        return contextlib.nullcontext()
+
+
+class OpenAIServer:
+    def __init__(self, service, tokenizer, chat_template, max_body_bytes: int = 4 << 20, metrics_registry=None):
+        """`service`: the frontend's gRPC InferenceService (router, limits, keys, metrics)."""
+        self.service = service
+        self.router = service.router
+        self.limits = service.limits
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.max_body_bytes = max_body_bytes
+        self.metrics_registry = metrics_registry
+        self._token_text: dict[int, str] = {}
+        self.logprobs = LogprobFormatter(self.token_text)
+        self.server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ], exception_handlers={ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed})
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on host:port (port 0 picks one). `reuse_port`: several frontend processes share it."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2, timeout_keep_alive=30)
+        self.server = _QuietServer(config)
+        self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # --- plumbing -----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    async def _api_error(self, request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def _not_found(self, request, exc) -> JSONResponse:
+        return JSONResponse(ApiError(404, f"no route {request.url.path}").body(), status_code=404)
+
+    async def _not_allowed(self, request, exc) -> JSONResponse:
+        return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                     type_="invalid_request_error").body(), status_code=405)
+
+    def _authorize(self, request: Request) -> None:
+        keys = self.service.api_keys
+        if not keys:
+            return
+        value = request.headers.get("authorization", "")
+        token = value[len("Bearer "):].encode() if value.startswith("Bearer ") else b""
+        if not any(hmac.compare_digest(token, k) for k in keys):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"the body has {declared} bytes; the limit is {self.max_body_bytes}")
+        data = bytearray()
+        try:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > self.max_body_bytes:
+                    raise ApiError(413, f"the body is over the limit of {self.max_body_bytes} bytes")
+        except ClientDisconnect:
+            raise ApiError(400, "the client disconnected before sending the whole body") from None
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+
+    def _admit(self, job: Job) -> None:
+        r = self.router
+        if r.closing:
+            raise ApiError(503, "the server is shutting down; retry on another replica", code="unavailable")
+        if r.in_flight + job.num_requests > r.config.max_in_flight:
+            raise ApiError(429, f"the server is at its limit of {r.config.max_in_flight} requests in flight "
+                                f"(this one needs {job.num_requests}); retry later", code="overloaded")
+
+    # --- routes ---------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.router.ready and not self.router.closing:
+            return Response(status_code=200)
+        return JSONResponse(ApiError(503, "not ready: workers are still loading or restarting").body(),
+                            status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        if self.metrics_registry is None:
+            raise ApiError(404, "metrics are served on the --metrics-port of the driver")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
+        return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict:
+        return {"id": self.limits.model_id, "object": "model", "created": 0, "owned_by": "splitserve",
+                "max_model_len": self.limits.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        if request.path_params["model"] != self.limits.model_id:
+            raise ApiError(404, f"The model `{request.path_params['model']}` does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+        job = parse_completion(body, self.limits, self.service.tokenize, self._detokenize)
+        return await self._serve(job, request)
+
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._body(request)
+        job = parse_chat(body, self.limits, self.chat_template,
+                         lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return await self._serve(job, request)
+
+    def _detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # --- generation -----------------------------------------------------------------------------
+    def _deltas(self, job: Job) -> AsyncIterator:
+        """Every sample's deltas, as they come: one router stream per prompt (its n samples a group)."""
+        streams = [self.router.generate(g.requests[0], g.requests[1:]) for g in job.groups]
+        return streams[0] if len(streams) == 1 else merge_streams(streams)
+
+    async def _serve(self, job: Job, request: Request) -> Response:
+        self._admit(job)
+        index = {r.request_id: g.first_index + j for g in job.groups for j, r in enumerate(g.requests)}
+        trackers = {r.request_id: self.service.metrics.track(r) if self.service.metrics else None
+                    for g in job.groups for r in g.requests}
+        if job.stream:
+            return StreamingResponse(self._events(job, index, trackers), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        run = asyncio.ensure_future(self._collect(job, index, trackers))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not run.done():          # the client left: its requests stop everywhere
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                _finish_trackers(trackers, "abort")
+                return Response(status_code=499)
+        return JSONResponse(run.result())
+
+    async def _collect(self, job: Job, index: dict, trackers: dict) -> dict:
+        choices = {i: Choice(i) for i in index.values()}
+        stream = self._deltas(job)
+        try:
+            async for d in stream:
+                choices[index[d.request_id]].add(d)
+                _track(trackers, d)
+        except Exception as exc:  # noqa: BLE001 - the router's refusal or failure, as an HTTP status
+            _finish_trackers(trackers, "error")
+            raise _as_api_error(exc) from None
+        finally:
+            await stream.aclose()
+        return self._response(job, choices)
+
+    def _response(self, job: Job, choices: dict[int, Choice]) -> dict:
+        out = []
+        for g in job.groups:
+            for j in range(len(g.requests)):
+                c = choices[g.first_index + j]
+                if job.endpoint is Endpoint.CHAT:
+                    item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self.logprobs.chat(c.logprobs) if job.logprobs is not None else None,
+                            "finish_reason": c.finish_reason}
+                else:
+                    prompt_lps = choices[g.first_index].prompt_logprobs
+                    item = {"index": c.index, "text": g.echo_text + c.text, "finish_reason": c.finish_reason,
+                            "logprobs": self._completion_logprobs(job, g, c, c.logprobs, c.token_ids, prompt_lps)}
+                if job.return_token_ids:
+                    item["token_ids"] = c.token_ids
+                out.append(item)
+        return {"id": job.id, "object": job.endpoint.value, "created": job.created, "model": job.model,
+                "choices": out, "usage": usage(job, choices)}
+
+    def _completion_logprobs(self, job: Job, group, c: Choice, entries, ids, prompt_lps=None) -> dict | None:
+        """`prompt_lps`: given on a choice's first chunk when echoing (the prompt's first token has none)."""
+        if job.logprobs is None:
+            return None
+        if prompt_lps is not None and job.echo:
+            lead = group.requests[0].prompt_token_ids
+            entries, ids = [None, *prompt_lps, *entries], [*lead, *ids]
+        lp, c.offset = self.logprobs.completion(list(entries), list(ids), c.offset)
+        return lp
+
+    async def _events(self, job: Job, index: dict, trackers: dict) -> AsyncIterator[bytes]:
+        choices = {i: Choice(i) for i in index.values()}
+        groups = {g.first_index + j: g for g in job.groups for j in range(len(g.requests))}
+        stream = self._deltas(job)
+        head = {"id": job.id, "object": f"{job.endpoint.value}.chunk" if job.endpoint is Endpoint.CHAT
+                else job.endpoint.value, "created": job.created, "model": job.model}
+        try:
+            async for d in stream:
+                _track(trackers, d)
+                c = choices[index[d.request_id]]
+                c.add(d)
+                # A group's lead streams first, and its first delta carries the prompt's logprobs.
+                prompt_lps = choices[groups[c.index].first_index].prompt_logprobs
+                for chunk in self._chunks(job, groups[c.index], c, d, prompt_lps):
+                    yield _event({**head, "choices": [chunk]})
+            if job.include_usage:
+                yield _event({**head, "choices": [], "usage": usage(job, choices)})
+        except asyncio.CancelledError:
+            _finish_trackers(trackers, "abort")
+            raise
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
+            _finish_trackers(trackers, "error")
+            yield _event(_as_api_error(exc).body())
+        finally:
+            await stream.aclose()
+        yield b"data: [DONE]\n\n"
+
+    def _chunks(self, job: Job, group, c: Choice, d, prompt_lps) -> list[dict]:
+        first = not c.started
+        c.started = True
+        reason = c.finish_reason if d.finish_reason is not None else None
+        if job.endpoint is Endpoint.CHAT:
+            out = []
+            if first:
+                out.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+            if d.text or d.token_ids:
+                chunk = {"index": c.index, "delta": {"content": d.text}, "finish_reason": None,
+                         "logprobs": self.logprobs.chat(list(d.logprobs)) if job.logprobs is not None else None}
+                if job.return_token_ids:
+                    chunk["token_ids"] = list(d.token_ids)
+                out.append(chunk)
+            if reason is not None:
+                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+            return out
+        text = (group.echo_text if first else "") + d.text
+        chunk = {"index": c.index, "text": text, "finish_reason": reason,
+                 "logprobs": self._completion_logprobs(job, group, c, d.logprobs, d.token_ids,
+                                                       prompt_lps if first else None)}
+        if job.return_token_ids:
+            chunk["token_ids"] = list(d.token_ids)
+        return [chunk]
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _track(trackers: dict, d) -> None:
+    t = trackers.get(d.request_id)
+    if t is not None:
+        t.tokens(len(d.token_ids), d)
+
+
+def _finish_trackers(trackers: dict, reason: str) -> None:
+    for t in trackers.values():
+        if t is not None and not t.done:
+            t.finish(reason)
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        status = _STATUS.get(getattr(exc, "code", "INVALID_ARGUMENT"), 400)
+        return ApiError(status, error_message(exc), param="prompt" if "prompt" in str(exc)[:20] else None)
+    return ApiError(503, error_message(exc), code="unavailable")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (its body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

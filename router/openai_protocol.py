@@ -1,0 +1,320 @@
+"""OpenAI's completions and chat bodies in, its response and chunk shapes out.
+
+A body becomes one `splitserve.v1.GenerateRequest` proto per sample and goes through the gRPC
+path's `validate` (router/validation.py), so both APIs check a field the same way; only the field
+names of the errors are OpenAI's. `n` samples of a prompt become one group (the router computes
+the prompt once, `Router.generate(req, forks)`); with a `seed`, sample j gets seed + j, so the
+samples differ and the whole response is reproducible. Extensions beside OpenAI's fields, as
+vLLM's: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, return_token_ids,
+cache_salt, speculative and num_speculative_tokens (an integer or "auto").
+"""
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from dataclasses import dataclass
+
+from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
+from proto.splitserve.v1 import inference_pb2 as pb
+from router.chat_template import ChatTemplate, ChatTemplateError
+from router.validation import Limits, ValidationError, validate
+
+MAX_N = 64
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
+MAX_PROMPTS = 256
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "text_completion"
+    CHAT = "chat.completion"
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt's `n` samples; choice index of sample j is `first_index + j`."""
+    requests: tuple[GenerateRequest, ...]
+    first_index: int
+    echo_text: str = ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request's work, validated."""
+    endpoint: Endpoint
+    id: str
+    created: int
+    model: str
+    groups: tuple[PromptGroup, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None          # top-N per token (completions' `logprobs`, chat's `top_logprobs`)
+    echo: bool
+    return_token_ids: bool
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(g.requests) for g in self.groups)
+
+
+def _err(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _field(body: dict, name: str, types, default=None, *, nullable: bool = True):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise _err(name, f"expected {_type_names(types)}, got a boolean")
+    if not isinstance(value, types):
+        raise _err(name, f"expected {_type_names(types)}, got {type(value).__name__}")
+    return value
+
+
+def _type_names(types) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
+             dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
+
+
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
+                "response_format": None, "tool_choice": None}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value not in (None, neutral, {}, "", "none", "auto") or (name == "response_format" and value
+                                                                 and value.get("type") != "text"):
+            raise _err(name, "is not supported by this server; leave it unset (repetition_penalty is the "
+                             "penalty this server has)" if "penalty" in name else "is not supported by this server")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise _err("best_of", "is not supported (only best_of == n)")
+
+
+def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
+    sp = pb.SamplingParams(
+        temperature=float(_field(body, "temperature", (int, float), 1.0)),
+        top_k=int(_field(body, "top_k", int, 0)), min_p=float(_field(body, "min_p", (int, float), 0.0)),
+        ignore_eos=bool(_field(body, "ignore_eos", bool, False)),
+        cache_salt=_field(body, "cache_salt", str, ""), speculative=_field(body, "speculative", str, ""))
+    if (top_p := _field(body, "top_p", (int, float))) is not None:
+        sp.top_p = float(top_p)
+    if (rp := _field(body, "repetition_penalty", (int, float))) is not None:
+        sp.repetition_penalty = float(rp)
+    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int, max_tokens_default)
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise _err("max_tokens", f"must be at least 1, got {max_tokens}")
+        sp.max_tokens = min(max_tokens, 2**31 - 1)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _err("stop", "expected a string or an array of strings")
+    sp.stop.extend(stop or [])
+    stop_ids = _field(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise _err("stop_token_ids", "expected an array of integers")
+    sp.stop_token_ids.extend(stop_ids)
+    if logprobs is not None:
+        sp.logprobs = logprobs
+    k = body.get("num_speculative_tokens")
+    if k == "auto":
+        sp.auto_lookahead = True
+    elif k is not None:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise _err("num_speculative_tokens", "expected a positive integer or \"auto\"")
+        sp.num_speculative_tokens = k
+    if (seed := _field(body, "seed", int)) is not None:
+        if not 0 <= seed < 2**63:
+            raise _err("seed", f"must be a non-negative 63-bit integer, got {seed}")
+        sp.seed = seed
+    return sp
+
+
+_PARAMS = {"prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt": "prompt", "request_id": "prompt"}
+
+
+def _validated(proto, limits: Limits, tokenize, prompt_param: str) -> GenerateRequest:
+    try:
+        return validate(proto, limits, tokenize)
+    except ValidationError as exc:
+        param = exc.field.removeprefix("sampling.")
+        param = prompt_param if _PARAMS.get(param) == "prompt" else param
+        raise ApiError(400, f"{param}{str(exc)[len(exc.field):]}", param=param) from None
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, an array of strings, an array of token ids, or an array of those."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return [value]
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in value):
+            return list(value)
+    raise _err("prompt", "expected a non-empty string, array of strings, array of token ids, or array of those")
+
+
+def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize, endpoint: Endpoint,
+            max_tokens_default, logprobs, echo: bool, prompt_param: str) -> tuple[PromptGroup, ...]:
+    n = _field(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise _err("n", f"must be in [1, {MAX_N}], got {n}")
+    if len(prompts) > MAX_PROMPTS:
+        raise _err("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    base = _sampling(body, max_tokens_default, logprobs)
+    rid = uuid.uuid4().hex
+    groups = []
+    for p, prompt in enumerate(prompts):
+        reqs = []
+        for j in range(n):
+            sp = pb.SamplingParams()
+            sp.CopyFrom(base)
+            if base.HasField("seed"):
+                sp.seed = (base.seed + j) % 2**63
+            proto = pb.GenerateRequest(request_id=f"{rid}-{p}-{j}", model=limits.model_id, sampling=sp)
+            if isinstance(prompt, str):
+                proto.text = prompt
+            else:
+                proto.token_ids.ids.extend(prompt)
+            if echo and logprobs is not None and j == 0:   # the prompt's are the same for every sample
+                proto.sampling.prompt_logprobs = logprobs
+            reqs.append(_validated(proto, limits, tokenize, prompt_param))
+        echo_text = (prompt if isinstance(prompt, str) else detokenize(prompt)) if echo else ""
+        groups.append(PromptGroup(tuple(reqs), p * n, echo_text))
+    return tuple(groups)
+
+
+def _common(body: dict, limits: Limits) -> tuple[str, bool, bool]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = _field(body, "model", str, limits.model_id)
+    if model != limits.model_id:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{limits.model_id}`",
+                       param="model", code="model_not_found")
+    _refuse_unsupported(body)
+    stream = bool(_field(body, "stream", bool, False))
+    options = _field(body, "stream_options", dict, {})
+    return model, stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body, limits: Limits, tokenize, detokenize) -> Job:
+    model, stream, usage = _common(body, limits)
+    if "prompt" not in body:
+        raise _err("prompt", "is required")
+    logprobs = _field(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise _err("logprobs", f"must be in [0, 20], got {logprobs}")
+    echo = bool(_field(body, "echo", bool, False))
+    groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize, Endpoint.COMPLETIONS,
+                     COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, echo, "prompt")
+    return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
+               logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
+
+
+def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered) -> Job:
+    model, stream, usage = _common(body, limits)
+    if template is None:
+        raise ApiError(400, f"model `{limits.model_id}` has no chat template (none in its tokenizer_config.json "
+                            "or chat_template.jinja); start the server with --chat-template FILE, or use "
+                            "/v1/completions", param="messages", code="no_chat_template")
+    try:
+        text = template.render(body.get("messages"),
+                               add_generation_prompt=bool(_field(body, "add_generation_prompt", bool, True)),
+                               tools=body.get("tools"), **_field(body, "chat_template_kwargs", dict, {}))
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
+    top = _field(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= 20:
+        raise _err("top_logprobs", f"must be in [0, 20], got {top}")
+    logprobs = (top or 0) if _field(body, "logprobs", bool, False) else None
+    if top is not None and logprobs is None:
+        raise _err("top_logprobs", "needs logprobs: true")
+    groups = _groups(body, [tokenize_rendered(text)], limits, None, None, Endpoint.CHAT, None, logprobs,
+                     False, "messages")
+    return Job(Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
+               logprobs, False, bool(_field(body, "return_token_ids", bool, False)))
+
+
+# --- responses ------------------------------------------------------------------------------------
+class Choice:
+    """What has streamed for one sample: its text, tokens, logprobs and finish reason."""
+
+    __slots__ = ("index", "text", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "offset",
+                 "started", "num_prompt_tokens", "num_cached_tokens")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()
+        self.finish_reason: str | None = None
+        self.offset = 0            # text offset of the next token (completions' logprobs.text_offset)
+        self.started = False
+        self.num_prompt_tokens = self.num_cached_tokens = 0
+
+    def add(self, d: TokenDelta) -> None:
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs or d.prompt_logprobs
+        self.num_prompt_tokens = d.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        if d.finish_reason is not None:
+            self.finish_reason = "stop" if d.finish_reason.value == "stop" else "length"
+
+
+def usage(job: Job, choices: dict[int, Choice]) -> dict:
+    """Prompt tokens once per prompt (its samples share them), completion tokens of every sample."""
+    leads = [choices[g.first_index] for g in job.groups]
+    prompt = sum(c.num_prompt_tokens for c in leads)
+    completion = sum(len(c.token_ids) for c in choices.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in leads)}}
+
+
+class LogprobFormatter:
+    """Token logprobs in the completions shape (tokens / token_logprobs / top_logprobs /
+    text_offset) or the chat shape (content: [{token, logprob, bytes, top_logprobs}])."""
+
+    def __init__(self, token_text):
+        self.token_text = token_text
+
+    def completion(self, entries: list[TokenLogprob | None], ids: list[int], offset: int) -> tuple[dict, int]:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp in zip(ids, entries):
+            text = self.token_text(tok)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else {self.token_text(t): v for t, v in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
+
+    def chat(self, entries: list[TokenLogprob]) -> dict:
+        def one(tok: int, logprob: float) -> dict:
+            text = self.token_text(tok)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+                            for lp in entries]}
