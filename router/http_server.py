@@ -98,9 +98,18 @@ class OpenAIServer:
 
     # --- plumbing -----------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or for a piece of a UTF-8 character OpenAI's
+        "bytes:\\xNN" form (so two such tokens never share a name in top_logprobs)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = _raw_bytes(self.tokenizer.id_to_token(token_id)) if "\ufffd" in text else None
+            if raw is not None:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_text[token_id] = text
         return text
 
     async def _api_error(self, request, exc: ApiError) -> JSONResponse:
@@ -314,6 +323,34 @@ class OpenAIServer:
         if job.return_token_ids:
             chunk["token_ids"] = list(d.token_ids)
         return [chunk]
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (byte -> printable character), reversed."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def _raw_bytes(piece: str | None) -> bytes | None:
+    """A vocabulary entry's bytes: byte-level BPE ("Ġ" is a space) or SentencePiece byte tokens
+    ("<0xE2>"); None when the entry is neither."""
+    if not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
 
 
 def _event(obj: dict) -> bytes:

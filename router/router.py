@@ -180,10 +180,16 @@ class Router:
                 yield delta
         finally:
             self.in_flight -= len(members)
-            for m in members:
-                if self.active.get(m.request_id):
-                    await asyncio.shield(self.abort(m.request_id))
-                self.active.pop(m.request_id, None)
+            # One shielded task ends them all: a caller cancelled again while it waits (anyio's
+            # cancel scopes re-cancel at every await) must not leave a member running.
+            await asyncio.shield(self._end([m.request_id for m in members]))
+
+    async def _end(self, request_ids: list[str]) -> None:
+        """Abort what still runs of these requests, everywhere, and forget them."""
+        await asyncio.gather(*(self.abort(rid) for rid in request_ids if self.active.get(rid)),
+                             return_exceptions=True)
+        for rid in request_ids:
+            self.active.pop(rid, None)
 
     async def _generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...],
                         streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
@@ -306,9 +312,6 @@ class Router:
                 self._release_lease(prefilled[2], prefilled[0].request_id)
         finally:
             view.in_flight -= 1
-            for m in members:
-                if view.name in self.active.get(m.request_id, ()):
-                    self.active[m.request_id].remove(view.name)
         left = [m for m in members if m.request_id not in done]
         candidates = await self._routable("decode")
         dec = self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates)
