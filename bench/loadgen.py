@@ -2,16 +2,21 @@
 
     python bench/loadgen.py SPEC.json OUT.json
 
-SPEC is a JSON object: {"backend": "vllm" | "splitserve" | "engine", "target": ..., "max_tokens": N,
+SPEC is a JSON object: {"backend": "openai_http" | "splitserve" | "engine", "target": ..., "max_tokens": N,
 "warmup": {"concurrency": C, "prompts": [[ids], ...]}, "levels": [{"concurrency": C, "prompts":
-[[ids], ...]}, ...]} plus, for vllm, "model" (the served model name) and, for engine, "threads".
+[[ids], ...]}, ...]} plus, for openai_http, "model" (the served model name) and, for engine, "threads".
 
-  vllm        target is http://HOST:PORT; streaming POST /v1/completions with token-id prompts,
-              one thread and `requests` session per stream (the system Python has no async HTTP
-              client; `requests` comes with Ray, a dependency of the project)
-  splitserve  target is HOST:PORT; router/client.py's AsyncClient (gRPC), one coroutine per stream
-  engine      target is a model directory; cluster.engine.engine.LLMEngine in this process, one
-              request at a time (batch 1): the ceiling that serving overhead is measured against
+  openai_http  target is http://HOST:PORT of an OpenAI-compatible server: `vllm serve`, or
+               `splitserve serve --http-port` (bench/serve_vs_vllm.py's -http modes), both through
+               this one code path so that they are measured by the same client. Streaming POST
+               /v1/completions with token-id prompts, ignore_eos, return_token_ids (the token ids
+               of each streamed choice) and stream_options.include_usage (the final usage chunk
+               gives the server's own completion token count); one thread and `requests` session
+               per stream (the system Python has no async HTTP client; `requests` comes with Ray, a
+               dependency of the project). "vllm", its former name, is accepted as well.
+  splitserve   target is HOST:PORT; router/client.py's AsyncClient (gRPC), one coroutine per stream
+  engine       target is a model directory; cluster.engine.engine.LLMEngine in this process, one
+               request at a time (batch 1): the ceiling that serving overhead is measured against
 
 At each level C streams send requests back to back until the level's prompts run out. Every
 request is greedy with ignore_eos, so each returns exactly max_tokens tokens. OUT holds, per level,
@@ -39,8 +44,8 @@ def _record(i: int, t0: float, sent: float, times: list[float], ids: list[int], 
             "reported_tokens": len(ids) if reported is None else reported}
 
 
-# --- vLLM: OpenAI-compatible HTTP, server-sent events ---------------------------------------
-def _vllm_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
+# --- OpenAI-compatible HTTP (vLLM, splitserve --http-port), server-sent events ---------------
+def _openai_http_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
     import requests
     url = spec["target"].rstrip("/") + "/v1/completions"
     lock, results, errors = threading.Lock(), [], []
@@ -53,7 +58,8 @@ def _vllm_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
         times, ids, usage = [], [], None
         sent = time.perf_counter()
         with session.post(url, json=body, stream=True, timeout=600) as r:
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"POST {url} -> HTTP {r.status_code}: {r.text[:500]!r}")
             # chunk_size=None: hand over each HTTP chunk as it arrives (a fixed size would wait
             # for that many bytes and bunch tokens together).
             for line in r.iter_lines(chunk_size=None):
@@ -63,9 +69,14 @@ def _vllm_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
                     break
                 now = time.perf_counter()
                 msg = json.loads(line[6:])
+                if msg.get("error"):
+                    raise RuntimeError(f"error event in the stream: {line[:500]!r}")
                 if msg.get("usage"):
                     usage = msg["usage"]["completion_tokens"]
-                for choice in msg["choices"]:
+                for choice in msg.get("choices") or []:
+                    if choice.get("text") and "token_ids" not in choice:
+                        raise RuntimeError(f"a streamed choice without token_ids (return_token_ids ignored?): "
+                                           f"{line[:300]!r}")
                     new = choice.get("token_ids") or []
                     ids.extend(new)
                     times.extend([now] * len(new))
@@ -92,7 +103,7 @@ def _vllm_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
     for t in threads:
         t.join()
     if errors:
-        raise RuntimeError(f"{len(errors)} vLLM request(s) failed, first: {errors[0]}")
+        raise RuntimeError(f"{len(errors)} HTTP request(s) to {spec['target']} failed, first: {errors[0]}")
     return results
 
 
@@ -150,7 +161,8 @@ def _engine_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
     return results
 
 
-BACKENDS = {"vllm": _vllm_level, "splitserve": _splitserve_level, "engine": _engine_level}
+BACKENDS = {"openai_http": _openai_http_level, "vllm": _openai_http_level,   # "vllm": the former name
+            "splitserve": _splitserve_level, "engine": _engine_level}
 
 
 def _cpu_seconds() -> float:

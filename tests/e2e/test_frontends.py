@@ -28,7 +28,7 @@ def _engine_config(model_dir):
 def cluster(tiny_model_dir):
     c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="tcp", port=0,
                                     num_prefill=1, num_decode=2, frontends=2, local_prefill_max_tokens=4,
-                                    max_tokens_limit=200, metrics_port=0))
+                                    max_tokens_limit=200, metrics_port=0, http_port=0))
     yield c
     c.stop()
 
@@ -57,6 +57,27 @@ def test_both_frontends_serve_the_same_tokens_as_one_engine(cluster, tiny_model_
         client.close()
     assert outs == [list(r.token_ids) for r in ref] * 2
     assert all(n > 0 for n in _served_by(cluster)), _served_by(cluster)
+    assert all(s["blocks_used"] == 0 for s in cluster.wait_idle())
+
+
+def test_the_http_api_is_served_by_both_frontends_on_one_port(cluster):
+    import json
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (10, 19, 26)]
+    client = Client(cluster.target)
+    want = [list(client.generate(p, max_tokens=8).token_ids) for p in prompts]
+    client.close()
+    before = _served_by(cluster)
+    got = []
+    for p in prompts * 3:            # a connection per request: the kernel spreads them (SO_REUSEPORT)
+        body = json.dumps({"prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{cluster.cluster.http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got.append(json.loads(r.read())["choices"][0]["token_ids"])
+    assert got == want * 3
+    after = _served_by(cluster)
+    assert sum(after) - sum(before) == 9
     assert all(s["blocks_used"] == 0 for s in cluster.wait_idle())
 
 

@@ -278,6 +278,9 @@ def test_models_health_and_not_serving_while_shutting_down(served):
     resp = conn.getresponse()
     resp.read()
     assert resp.status == 200
+    conn.request("GET", "/metrics")                      # the cluster's series, on the same port
+    resp = conn.getresponse()
+    assert resp.status == 200 and b"splitserve_prompt_tokens_computed" in resp.read()
     served.run(served.cluster.router.shutdown())        # what stopping the server does first
     conn.request("GET", "/health")
     resp = conn.getresponse()
