@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -15,6 +16,7 @@ from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
+from cluster.secrets import Secret, as_api_keys
 from router.health import is_actor_death
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class ClusterConfig:
     port: int = 50051
     policy: str = "prefix_aware"
     ray_address: str | None = None
+    ray_token_file: str | None = None   # the Ray cluster's auth token, when joining one (RAY_AUTH_TOKEN_PATH)
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     max_in_flight: int = 256
@@ -38,7 +41,11 @@ class ClusterConfig:
     stream_interval: int = 1    # tokens per stream message (vLLM's --stream-interval)
     kv_checksums: bool = True   # per-block checksums on every handoff (xxh3 on host memory, a sum on device)
     local_prefill_max_tokens: int = 32
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple = ()        # cluster.secrets.ApiKey, or plain key strings (each its own tenant)
+    # Seals the KV plane's handshakes and control messages (cluster/transfer/auth.py). None: a random
+    # one per cluster, handed to every worker inside Ray's control plane.
+    cluster_secret: object = None
+    tls_client_ca: bytes | None = None   # PEM: require client certificates signed by it (mTLS, gRPC and HTTP)
     metrics_port: int | None = None
     tls: tuple[bytes, bytes] | None = None   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
@@ -99,14 +106,43 @@ RAY_QUIET = {
 }
 
 
-def ray_environment() -> None:
-    """Ray settings that keep a local cluster on loopback (see docs: Ray rewrites 127.0.0.1 otherwise)
-    and its idle timers quiet."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def ray_environment(joining: bool = False, token_file: str | None = None) -> None:
+    """Ray settings: token authentication on (a site's own RAY_AUTH_MODE wins), local clusters kept
+    on loopback (Ray rewrites 127.0.0.1 otherwise) and its idle timers quiet.
+
+    Whoever reaches a Ray cluster's GCS unauthenticated can run code in it, and every API key and
+    the KV plane's secret are behind it. A local cluster gets a random token of its own (nothing
+    outside this process tree knows it); joining one (`--ray-address`) needs the token it was
+    started with: `--ray-token-file`, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if token_file:    # the file wins over a token this process may have inherited
+        from pathlib import Path  # noqa: PLC0415
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"{token_file}: the Ray token file is empty")
+        os.environ["RAY_AUTH_TOKEN"] = token
+    mode = os.environ["RAY_AUTH_MODE"]
+    has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
+    if mode == "token" and not has_token:
+        if joining:
+            raise ValueError("joining a Ray cluster needs its authentication token: give --ray-token-file FILE "
+                             "(or set RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH); RAY_AUTH_MODE=disabled connects to a "
+                             "cluster without authentication, where anyone who reaches its ports can run code")
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    elif mode != "token" and joining:
+        log.warning("RAY_AUTH_MODE=%s: the Ray cluster is not authenticated; anyone who reaches its GCS, client or "
+                    "dashboard port can run code in it (docs/security.md)", mode)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for key, value in RAY_QUIET.items():
         os.environ.setdefault(key, value)
+    import sys  # noqa: PLC0415
+    if "ray._raylet" in sys.modules:
+        # Ray was imported before these were set (a library user, a test): it caches its config and
+        # token at import; refresh both, as Ray itself does when it turns token auth on.
+        from ray._raylet import AuthenticationTokenLoader, Config  # noqa: PLC0415
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 @dataclass
@@ -250,7 +286,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
-    ray_environment()
+    ray_environment(joining=bool(cfg.ray_address), token_file=cfg.ray_token_file)
     import ray  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
@@ -269,6 +305,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
     shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
+    secret = cfg.cluster_secret or Secret(os.urandom(32))
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
     # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
     data_slots = cfg.max_in_flight * cfg.frontends + 32
@@ -279,7 +316,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
         wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval,
-                            checksums=cfg.kv_checksums)
+                            checksums=cfg.kv_checksums, cluster_secret=secret,
+                            kv_host=None if cfg.ray_address else "127.0.0.1")
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
@@ -304,7 +342,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                           port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
                           block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
                           local_prefill_max_tokens=cfg.local_prefill_max_tokens, max_in_flight=cfg.max_in_flight,
-                          api_keys=cfg.api_keys, tls=cfg.tls, transport=cfg.transport, roles=roles,
+                          api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca, transport=cfg.transport, roles=roles,
                           poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
                           http_port=cfg.http_port, http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
     handles = {n: c.handle for n, c in workers.items()}

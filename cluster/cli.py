@@ -6,11 +6,16 @@ import json
 import logging
 import sys
 
+from pathlib import Path
+
 from cluster.config import (SPEC_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig,
-                            default_model_dir, parse_lookahead)
+                            default_model_dir, parse_lookahead, secret_file_from_env)
+from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    # Also after the subcommand (`splitserve serve --log-level DEBUG`); SUPPRESS keeps the global one.
+    p.add_argument("--log-level", default=argparse.SUPPRESS, help="log level of splitserve's own logs (stderr)")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the built-in model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (default: the checkpoint's own)")
@@ -105,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="route around a live worker that has work queued but has made no engine step for this "
                           "long, until it moves again (a slow worker is never routed around)")
     srv.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
+    srv.add_argument("--ray-token-file", default=None, metavar="FILE",
+                     help="the token of the Ray cluster --ray-address joins (Ray's token authentication; a local "
+                          "cluster gets a random one of its own)")
     srv.add_argument("--prefill-resources", type=_json_resources, default={}, metavar="JSON",
                      help='Ray custom resources each prefill worker needs, e.g. \'{"prefill": 1}\' (places them '
                           'on the nodes that advertise it)')
@@ -115,13 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Ray GPUs each worker actor takes (default: 1 with --device cuda, each worker its own "
                           "GPU; a fraction shares one between workers; 0 on CPU)")
     srv.add_argument("--max-tokens-limit", type=int, default=4096)
-    srv.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
+    srv.add_argument("--api-key", action="append", default=[],
+                     help="require this API key (repeatable; visible in `ps`: prefer --api-key-file)")
+    srv.add_argument("--api-key-file", default=secret_file_from_env("SPLITSERVE_API_KEY_FILE"), metavar="FILE",
+                     help="API keys, one per line: TENANT:KEY (keys sharing a tenant name share its requests and "
+                          "prefix cache) or KEY alone (its own tenant); default $SPLITSERVE_API_KEY_FILE")
+    srv.add_argument("--cluster-secret-file", default=secret_file_from_env("SPLITSERVE_CLUSTER_SECRET_FILE"),
+                     metavar="FILE", help="the secret that authenticates the KV plane between workers (default "
+                                          "$SPLITSERVE_CLUSTER_SECRET_FILE; without one, a random one per cluster)")
     srv.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus metrics of the whole cluster on http://HOST:PORT/metrics")
     srv.add_argument("--local-prefill-max-tokens", type=int, default=32,
                      help="prompts this short are prefilled on the decode worker (conditional disaggregation)")
     srv.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
     srv.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    srv.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                     help="mutual TLS: require client certificates signed by this CA (gRPC and HTTP)")
     srv.add_argument("--request", default=None, metavar="PROMPT",
                      help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
     srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
@@ -210,12 +227,22 @@ def _switch(value, name: str) -> bool:
     raise ValueError(f"{name} must be on or off, got {value!r}")
 
 
+def _api_keys(args) -> tuple:
+    keys = as_api_keys(args.api_key)
+    if args.api_key_file:
+        keys += read_api_key_file(args.api_key_file)
+    return keys
+
+
 def _cluster_config(args):
     from cluster.app import ClusterConfig  # noqa: PLC0415
     return ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
                          colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
-                         policy=args.policy, ray_address=args.ray_address, max_tokens_limit=args.max_tokens_limit,
-                         api_keys=tuple(args.api_key), metrics_port=args.metrics_port,
+                         policy=args.policy, ray_address=args.ray_address, ray_token_file=args.ray_token_file,
+                         max_tokens_limit=args.max_tokens_limit,
+                         api_keys=_api_keys(args), metrics_port=args.metrics_port,
+                         cluster_secret=read_secret_file(args.cluster_secret_file) if args.cluster_secret_file else None,
+                         tls_client_ca=Path(args.tls_client_ca).read_bytes() if args.tls_client_ca else None,
                          local_prefill_max_tokens=args.local_prefill_max_tokens,
                          tls=_read_tls(args.tls_cert, args.tls_key),
                          prefill_resources=_json_resources(args.prefill_resources),
@@ -248,7 +275,8 @@ def cmd_serve(args) -> int:
             print(f"OpenAI API: http://{args.host}:{cluster.http_port}/v1", file=sys.stderr)
         if args.request is not None:
             from router.client import AsyncClient  # noqa: PLC0415
-            client = AsyncClient(f"{args.host}:{cluster.port}", api_key=args.api_key[0] if args.api_key else None)
+            keys = _api_keys(args)
+            client = AsyncClient(f"{args.host}:{cluster.port}", api_key=keys[0].key.decode() if keys else None)
             async for msg in client.stream(args.request, max_tokens=args.max_tokens):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
@@ -291,7 +319,6 @@ def _read_tls(cert: str | None, key: str | None):
         return None
     if not (cert and key):
         raise ValueError("--tls-cert and --tls-key go together")
-    from pathlib import Path  # noqa: PLC0415
     return Path(key).read_bytes(), Path(cert).read_bytes()
 
 
@@ -301,7 +328,6 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) 
     if getattr(args, "command", None) != "serve" or not args.config:
         return
     import yaml  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
     values = yaml.safe_load(Path(args.config).read_text()) or {}
     serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001 - argparse has no public way
     known = {a.dest for a in serve._actions}  # noqa: SLF001

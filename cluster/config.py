@@ -45,6 +45,11 @@ def apply_ucx_defaults() -> None:
         os.environ.setdefault("UCX_TLS", "tcp,cma,sm,self")
 
 
+def secret_file_from_env(name: str) -> str | None:
+    """SPLITSERVE_API_KEY_FILE / SPLITSERVE_CLUSTER_SECRET_FILE: where a secret lies, when not on the command line."""
+    return os.environ.get(name) or None
+
+
 def default_num_threads() -> int | None:
     value = os.environ.get("SPLITSERVE_NUM_THREADS")
     return int(value) if value else None
@@ -182,6 +187,10 @@ class WorkerConfig:
     transfer_timeout_s: float = 10.0
     checksums: bool = True
     stream_interval: int = 1          # tokens per stream message (see EngineLoop); 1: each step's at once
+    # The cluster secret (cluster.secrets.Secret): seals every handshake and control message of the
+    # KV plane (cluster/transfer/auth.py). None only in tests of a single process.
+    cluster_secret: object = None
+    kv_host: str = "127.0.0.1"        # the address a listening transport (tcp, ucx) binds: this node's
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:

@@ -85,8 +85,9 @@ class _WorkerCollector:
 
 
 class RequestTracker:
-    def __init__(self, metrics: "ClusterMetrics"):
+    def __init__(self, metrics: "ClusterMetrics", tenant: str = ""):
         self.m = metrics
+        self.tenant = tenant or "anonymous"     # a tenant's name, never its key
         self.start = time.perf_counter()
         self.last = None
         self.first = None
@@ -105,7 +106,7 @@ class RequestTracker:
                 gaps, gap = n, (now - self.last) / n
             for _ in range(gaps):
                 self.m.itl.observe(gap)
-            self.m.tokens.inc(n)
+            self.m.tokens.labels(tenant=self.tenant).inc(n)
             self.last = now
         if delta.finish_reason is not None:
             self.finish(delta.finish_reason.value, delta.num_prompt_tokens)
@@ -118,9 +119,9 @@ class RequestTracker:
         self.m.e2e.observe(now - self.start)
         if self.last is not None:
             self.m.decode_time.observe(self.last - (self.first or self.last))
-        self.m.finished.labels(reason=reason).inc()
+        self.m.finished.labels(reason=reason, tenant=self.tenant).inc()
         if prompt_tokens:
-            self.m.prompt_tokens.inc(prompt_tokens)
+            self.m.prompt_tokens.labels(tenant=self.tenant).inc(prompt_tokens)
 
 
 class _FrontendCollector:
@@ -171,9 +172,11 @@ class ClusterMetrics:
                                       registry=r, buckets=_LATENCY_BUCKETS)
         self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "decode phase: first to last token",
                                      registry=r, buckets=_LATENCY_BUCKETS)
-        self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed", registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason", ["reason"], registry=r)
+        self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed, by tenant", ["tenant"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests, by tenant",
+                                     ["tenant"], registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason and tenant",
+                                ["reason", "tenant"], registry=r)
         self._requests = r
 
     def request_samples(self) -> list:
@@ -183,7 +186,7 @@ class ClusterMetrics:
                 for f in self._requests.collect()]
 
     def track(self, request) -> RequestTracker:
-        return RequestTracker(self)
+        return RequestTracker(self, getattr(request, "tenant", ""))
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_time.observe(seconds)

@@ -185,13 +185,52 @@ class KVHandle:
 
     @classmethod
     def decode(cls, data: bytes) -> "KVHandle":
+        """Strict: every field present with its type and within its range (a handle crosses processes);
+        anything else is a ValueError naming the field."""
         import msgpack  # noqa: PLC0415
-        raw = msgpack.unpackb(data)
+        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_HANDLE_BYTES:
+            raise ValueError("not a KVHandle: not bytes, or over the size limit")
+        try:
+            raw = msgpack.unpackb(data, max_map_len=16, max_array_len=MAX_HANDLE_BLOCKS, max_str_len=256,
+                                  max_bin_len=1 << 20)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds on garbage
+            raise ValueError(f"not a KVHandle: {type(exc).__name__}") from None
         if not isinstance(raw, dict) or raw.get("version") != 1:
             raise ValueError("not a version-1 KVHandle")
-        raw["block_ids"] = tuple(int(b) for b in raw["block_ids"])
-        raw["checksums"] = tuple(int(c) for c in raw.get("checksums", ()))
+        expected = {f for f in cls.__dataclass_fields__}
+        if set(raw) != expected:
+            raise ValueError(f"KVHandle fields: missing {sorted(expected - set(raw))}, unknown {sorted(set(raw) - expected)}")
+        for name in ("request_id", "producer", "lease_id", "layout_hash"):
+            if not isinstance(raw[name], str) or not 0 < len(raw[name]) <= 256:
+                raise ValueError(f"KVHandle.{name}: a non-empty string of at most 256 characters")
+        blocks, sums = raw["block_ids"], raw["checksums"]
+        if not isinstance(blocks, list) or not blocks or not all(_int_in(b, 0, 1 << 31) for b in blocks):
+            raise ValueError("KVHandle.block_ids: a non-empty list of block ids in [0, 2^31)")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("KVHandle.block_ids: a block appears twice")
+        if not isinstance(sums, list) or len(sums) not in (0, len(blocks)) or not all(
+                _int_in(c, -(1 << 63), 1 << 64) for c in sums):
+            raise ValueError("KVHandle.checksums: none, or one 64-bit integer per block")
+        n = raw["num_tokens"]
+        if not _int_in(n, 1, 1 << 31) or len(blocks) > n:
+            raise ValueError("KVHandle.num_tokens: at least one token per block")
+        if not _int_in(raw["first_token"], 0, 1 << 31):
+            raise ValueError("KVHandle.first_token: a token id")
+        secs = raw["lease_seconds"]
+        if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not 0 < secs <= 3600:
+            raise ValueError("KVHandle.lease_seconds: in (0, 3600]")
+        if not isinstance(raw["feature"], bytes):
+            raise ValueError("KVHandle.feature: bytes")
+        raw["block_ids"], raw["checksums"] = tuple(blocks), tuple(sums)
         return cls(**raw)
+
+
+MAX_HANDLE_BYTES = 4 << 20
+MAX_HANDLE_BLOCKS = 1 << 18
+
+
+def _int_in(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 @dataclass(frozen=True)
@@ -202,3 +241,4 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     model: str = ""
+    tenant: str = ""      # the API key's tenant (cluster/secrets.py): it owns the request

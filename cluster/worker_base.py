@@ -17,7 +17,17 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop, Poller
 from cluster.errors import RequestError
 from cluster.token_stream import TokenSender
+from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
+
+_PEER = b"peer-metadata"
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (a multi-node cluster: the KV listener binds it)."""
+    import ray  # noqa: PLC0415
+    return ray.util.get_node_ip_address()
+MAX_METADATA_BYTES = 1 << 20
 from cluster.transfer.registry import make_transport
 
 
@@ -28,9 +38,14 @@ class EngineWorker:
         self.name = name
         self.config = config
         self.engine = LLMEngine(config.engine, speculator_factory=speculator_factory)
-        self.transport = make_transport(config.transport, name)
+        self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
+        options = {}
+        if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
+            options = {"host": config.kv_host or _node_address(), "sealer": self.sealer}
+        self.transport = make_transport(config.transport, name, **options)
         self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
-        self.mailbox = Mailbox(self.transport)
+        self.mailbox = Mailbox(self.transport, sealer=self.sealer)
+        self.peer_blocks: dict[str, int] = {}    # peer agent -> blocks in its arena (handles are checked)
         self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
@@ -40,17 +55,27 @@ class EngineWorker:
                                stream_interval=self.config.stream_interval)
 
     def metadata(self) -> bytes:
-        return self.transport.metadata()
+        """This worker's transport metadata, sealed with the cluster secret (NIXL's agent metadata
+        and the TCP address reach only peers that hold it)."""
+        data = self.transport.metadata()
+        return self.sealer.seal(_PEER, data) if self.sealer is not None else data
 
     async def add_peer(self, metadata: bytes) -> str:
         """Connect a peer. The same metadata again is a no-op: re-adding would drop a peer whose
-        pulls may be in flight. New metadata under a known name is a restarted peer: replaced."""
-        from cluster.transfer.base import PeerMetadata  # noqa: PLC0415
-        name = PeerMetadata.decode(metadata).name
-        if self._peer_metadata.get(name) == metadata:
-            return name
+        pulls may be in flight. New metadata under a known name is a restarted peer: replaced.
+        Metadata that is not sealed with the cluster secret is refused before it is decoded."""
+        from cluster.transfer.base import PeerMetadata, TransferError  # noqa: PLC0415
+        sealed = metadata
+        if self.sealer is not None:
+            metadata = self.sealer.open(_PEER, sealed, MAX_METADATA_BYTES, replay=False)
+            if metadata is None:
+                raise TransferError("peer metadata not sealed with this cluster's secret: refused")
+        peer = PeerMetadata.decode(metadata)
+        if self._peer_metadata.get(peer.name) == metadata:
+            return peer.name
         added = await self.loop.acall(lambda e: self.transport.add_peer(metadata))
-        self._peer_metadata[name] = metadata
+        self._peer_metadata[peer.name] = metadata
+        self.peer_blocks[peer.name] = peer.num_blocks
         return added
 
     def set_ready(self, incarnation: str) -> bool:
@@ -66,7 +91,9 @@ class EngineWorker:
                 "ready": self.ready, "steps": self.loop.steps, "has_work": bool(waiting or running),
                 "blocks_used": pool.num_used, "blocks_total": pool.num_blocks, "block_size": self.engine.layout.block_size,
                 "blocks_free": pool.num_free, "waiting": waiting, "running": running,
-                "prefix_queries": pool.queries, "prompt_tokens_computed": self.engine.prompt_tokens_computed, "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
+                "prefix_queries": pool.queries, "prompt_tokens_computed": self.engine.prompt_tokens_computed,
+                "kv_refused": self.mailbox.refused + getattr(self.transport, "refused", 0),
+                "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
                 "queue_count": sched.queue_count, "kv_discarded": getattr(self.engine, "kv_discarded", 0),
                 "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
 

@@ -104,7 +104,14 @@ class DecodeWorker(EngineWorker):
         `first_token`: this request's (default: the handle's, whose lead may have ended already);
         `forks`: (request id, sampling, first token, stream key) of more samples of the prompt,
         continued on the same pulled blocks. Aborting any of them during the pull aborts all."""
-        handle = KVHandle.decode(handle_bytes)
+        try:
+            handle = KVHandle.decode(handle_bytes)
+        except ValueError as exc:
+            raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
+        arena = self.peer_blocks.get(handle.producer)
+        if arena is None or max(handle.block_ids) >= arena:
+            raise RequestError(f"decode worker {self.name} refused the KV handle: its blocks are not inside a "
+                               f"known producer's arena ({handle.producer!r})")
         ids = [request_id, *(f[0] for f in forks)]
         loop = asyncio.get_running_loop()
         dones = [loop.create_future() for _ in ids]

@@ -76,9 +76,10 @@ class PrefillWorker(EngineWorker):
         return None
 
     def _publish(self, e: LLMEngine, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 last: TokenDelta, forks: dict[str, SamplingParams]) -> PrefillResult:
+                 last: TokenDelta, forks: dict[str, SamplingParams] | None = None) -> PrefillResult:
         """On the engine thread, in the turn that finished the prefill: the lease starts and the
         handle leaves at once, not a step later."""
+        forks = forks or {}
         firsts = tuple(replace(d, finish_reason=self._first_reason(e, d, forks[d.request_id]))
                        for d in e.take_fork_firsts(request_id))
         if not last.token_ids and last.finish_reason is not FinishReason.ABORT:

@@ -124,8 +124,9 @@ class FrontendConfig:
     colocated: bool = False
     local_prefill_max_tokens: int = 32
     max_in_flight: int = 256
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
     tls: tuple[bytes, bytes] | None = None
+    tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
     transport: str = "nixl"
     poll_stats_s: float | None = None   # poll the workers' stats itself (actor frontends)
     poll_timeout_s: float = 5.0         # a poll slower than this is skipped (slow is not dead)
@@ -169,14 +170,16 @@ class Frontend:
         tokenizer = load_tokenizer(cfg.model_dir)
         self.service = InferenceService(self.router, cfg.limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids,
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self)
-        self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls)
+        self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
+                                                         client_ca=cfg.tls_client_ca)
         if cfg.http_port is not None:
             from router.chat_template import ChatTemplate  # noqa: PLC0415
             from router.http_server import OpenAIServer  # noqa: PLC0415
             template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
             registry = self.metrics.registry if self.metrics.has_workers else None
             self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry)
-            await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port)
+            await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port, tls=cfg.tls,
+                                  client_ca=cfg.tls_client_ca)
         if cfg.poll_stats_s is not None:
             self._poll_task = asyncio.ensure_future(self._poll_stats(clients))
         self._ready_task = asyncio.ensure_future(self._serve_when_ready())
@@ -202,14 +205,14 @@ class Frontend:
     def set_siblings(self, siblings: list) -> None:
         self.siblings = siblings
 
-    async def abort_local(self, request_id: str) -> bool:
-        return await self.router.abort(request_id)
+    async def abort_local(self, request_id: str, tenant: str | None = None) -> bool:
+        return await self.router.abort(request_id, tenant)
 
-    async def abort_anywhere(self, request_id: str) -> bool:
-        """`Abort` for a request another frontend may own."""
+    async def abort_anywhere(self, request_id: str, tenant: str | None = None) -> bool:
+        """`Abort` for a request another frontend may own (only by its tenant)."""
         if request_id in self.router.active:
-            return await self.router.abort(request_id)
-        found = await asyncio.gather(*(s.abort_local.remote(request_id) for s in self.siblings),
+            return await self.router.abort(request_id, tenant)
+        found = await asyncio.gather(*(s.abort_local.remote(request_id, tenant) for s in self.siblings),
                                      return_exceptions=True)
         return any(f is True for f in found)
 

@@ -15,7 +15,6 @@ requests on every worker.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
@@ -71,8 +70,11 @@ class OpenAIServer:
         ], exception_handlers={ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed})
 
     # --- lifecycle ----------------------------------------------------------------------------
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Listen on host:port (port 0 picks one). `reuse_port`: several frontend processes share it."""
+    async def start(self, host: str, port: int, reuse_port: bool = False, tls: tuple[bytes, bytes] | None = None,
+                    client_ca: bytes | None = None) -> int:
+        """Listen on host:port (port 0 picks one). `reuse_port`: several frontend processes share it.
+        `tls` (key, certificate chain; PEM) serves HTTPS; `client_ca` also requires client
+        certificates signed by it (mutual TLS), as the gRPC port does."""
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
@@ -81,8 +83,12 @@ class OpenAIServer:
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
+        if client_ca and not tls:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        context = _ssl_context(tls, client_ca) if tls else None
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=2, timeout_keep_alive=30,
+                                ssl_context_factory=(lambda _config, _default: context) if context else None)
         self.server = _QuietServer(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -122,15 +128,13 @@ class OpenAIServer:
         return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
                                      type_="invalid_request_error").body(), status_code=405)
 
-    def _authorize(self, request: Request) -> None:
-        keys = self.service.api_keys
-        if not keys:
-            return
-        value = request.headers.get("authorization", "")
-        token = value[len("Bearer "):].encode() if value.startswith("Bearer ") else b""
-        if not any(hmac.compare_digest(token, k) for k in keys):
+    def _authorize(self, request: Request) -> str:
+        """The caller's tenant ("" when the server has no keys)."""
+        tenant = self.service.tenant_of(request.headers.get("authorization", ""))
+        if tenant is None:
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+        return tenant
 
     async def _body(self, request: Request):
         declared = request.headers.get("content-length")
@@ -186,16 +190,16 @@ class OpenAIServer:
         return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        tenant = self._authorize(request)
         body = await self._body(request)
-        job = parse_completion(body, self.limits, self.service.tokenize, self._detokenize)
+        job = parse_completion(body, self.limits, self.service.tokenize, self._detokenize, tenant)
         return await self._serve(job, request)
 
     async def chat(self, request: Request) -> Response:
-        self._authorize(request)
+        tenant = self._authorize(request)
         body = await self._body(request)
         job = parse_chat(body, self.limits, self.chat_template,
-                         lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids)
+                         lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids, tenant)
         return await self._serve(job, request)
 
     def _detokenize(self, ids: list[int]) -> str:
@@ -323,6 +327,27 @@ class OpenAIServer:
         if job.return_token_ids:
             chunk["token_ids"] = list(d.token_ids)
         return [chunk]
+
+
+def _ssl_context(tls: tuple[bytes, bytes], client_ca: bytes | None):
+    """A server TLS context from PEM bytes (written to private temporary files only for the
+    moment `load_cert_chain` needs a path)."""
+    import os  # noqa: PLC0415
+    import ssl  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    key, chain = tls
+    with tempfile.TemporaryDirectory() as d:
+        paths = [os.path.join(d, n) for n in ("key.pem", "chain.pem")]
+        for path, data in zip(paths, (key, chain)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(paths[1], paths[0])
+    if client_ca:
+        ctx.load_verify_locations(cadata=client_ca.decode())
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def _byte_level_table() -> dict[str, int]:

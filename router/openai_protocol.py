@@ -151,9 +151,9 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
 _PARAMS = {"prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt": "prompt", "request_id": "prompt"}
 
 
-def _validated(proto, limits: Limits, tokenize, prompt_param: str) -> GenerateRequest:
+def _validated(proto, limits: Limits, tokenize, prompt_param: str, tenant: str) -> GenerateRequest:
     try:
-        return validate(proto, limits, tokenize)
+        return validate(proto, limits, tokenize, tenant)
     except ValidationError as exc:
         param = exc.field.removeprefix("sampling.")
         param = prompt_param if _PARAMS.get(param) == "prompt" else param
@@ -176,7 +176,7 @@ def _prompts(value) -> list[str | list[int]]:
 
 
 def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize, endpoint: Endpoint,
-            max_tokens_default, logprobs, echo: bool, prompt_param: str) -> tuple[PromptGroup, ...]:
+            max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str) -> tuple[PromptGroup, ...]:
     n = _field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise _err("n", f"must be in [1, {MAX_N}], got {n}")
@@ -199,7 +199,7 @@ def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize, end
                 proto.token_ids.ids.extend(prompt)
             if echo and logprobs is not None and j == 0:   # the prompt's are the same for every sample
                 proto.sampling.prompt_logprobs = logprobs
-            reqs.append(_validated(proto, limits, tokenize, prompt_param))
+            reqs.append(_validated(proto, limits, tokenize, prompt_param, tenant))
         echo_text = (prompt if isinstance(prompt, str) else detokenize(prompt)) if echo else ""
         groups.append(PromptGroup(tuple(reqs), p * n, echo_text))
     return tuple(groups)
@@ -218,7 +218,7 @@ def _common(body: dict, limits: Limits) -> tuple[str, bool, bool]:
     return model, stream, bool(options.get("include_usage", False))
 
 
-def parse_completion(body, limits: Limits, tokenize, detokenize) -> Job:
+def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "") -> Job:
     model, stream, usage = _common(body, limits)
     if "prompt" not in body:
         raise _err("prompt", "is required")
@@ -227,12 +227,12 @@ def parse_completion(body, limits: Limits, tokenize, detokenize) -> Job:
         raise _err("logprobs", f"must be in [0, 20], got {logprobs}")
     echo = bool(_field(body, "echo", bool, False))
     groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize, Endpoint.COMPLETIONS,
-                     COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, echo, "prompt")
+                     COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, echo, "prompt", tenant)
     return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
 
 
-def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered) -> Job:
+def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered, tenant: str = "") -> Job:
     model, stream, usage = _common(body, limits)
     if template is None:
         raise ApiError(400, f"model `{limits.model_id}` has no chat template (none in its tokenizer_config.json "
@@ -251,7 +251,7 @@ def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_ren
     if top is not None and logprobs is None:
         raise _err("top_logprobs", "needs logprobs: true")
     groups = _groups(body, [tokenize_rendered(text)], limits, None, None, Endpoint.CHAT, None, logprobs,
-                     False, "messages")
+                     False, "messages", tenant)
     return Job(Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, False, bool(_field(body, "return_token_ids", bool, False)))
 

@@ -71,6 +71,7 @@ class Router:
         self.activity = asyncio.Event()          # set by each new request: wakes an idle stats poll
         self.metrics = metrics
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
+        self.owner: dict[str, str] = {}          # request id -> its tenant (only it may abort it)
         self.recoveries = 0                      # streams continued on another worker after a failure
         self.busy_retries = 0                    # handoffs a full decode worker declined
 
@@ -150,7 +151,10 @@ class Router:
                                f"{self.config.block_size} tokens, but the largest decode worker holds {max(sizes)}; "
                                "shorten the prompt", "INVALID_ARGUMENT")
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, tenant: str | None = None) -> bool:
+        """Stop a request everywhere. With `tenant`, only the owner's: another's is an unknown id."""
+        if tenant is not None and self.owner.get(request_id, tenant) != tenant:
+            return False
         workers = self.active.get(request_id, [])
         await asyncio.gather(*(self.clients[w].abort(request_id) for w in workers), return_exceptions=True)
         return bool(workers)
@@ -171,6 +175,7 @@ class Router:
         streamed: dict[str, list[int]] = {}
         for m in members:
             self.active[m.request_id] = []
+            self.owner[m.request_id] = m.tenant
             streamed[m.request_id] = []
         try:
             async for delta in self._generate(req, forks, streamed):
@@ -190,6 +195,7 @@ class Router:
                              return_exceptions=True)
         for rid in request_ids:
             self.active.pop(rid, None)
+            self.owner.pop(rid, None)
 
     async def _generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...],
                         streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:

@@ -10,7 +10,6 @@ handshaken (`set_serving`); requests that arrive before then wait for it, within
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import grpc
@@ -18,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.errors import RequestError, error_message
+from cluster.secrets import as_api_keys, authenticate
 from cluster.types import FinishReason, TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
 from proto.splitserve.v1 import inference_pb2_grpc as pb_grpc
@@ -48,7 +48,7 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple[str, ...] = (),
+    def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple = (),
                  metrics=None, siblings=None):
         """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
         process does not own to the other frontends."""
@@ -56,7 +56,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.limits = limits
         self.tokenize = tokenize
         self.info = info
-        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.api_keys = as_api_keys(api_keys)
         self.metrics = metrics
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
@@ -66,18 +66,23 @@ class InferenceService(pb_grpc.InferenceServicer):
         for name in (SERVICE_NAME, ""):
             await self.health.set(name, status)
 
-    async def _authorize(self, context) -> None:
+    def tenant_of(self, authorization: str) -> str | None:
+        """The tenant of an `authorization: Bearer <key>` value ("" when no keys are set), or None."""
         if not self.api_keys:
-            return
-        value = dict(context.invocation_metadata()).get("authorization", "")
-        token = value[len("Bearer "):].encode() if value.startswith("Bearer ") else b""
-        if not any(hmac.compare_digest(token, k) for k in self.api_keys):
+            return ""
+        token = authorization[len("Bearer "):].encode() if authorization.startswith("Bearer ") else b""
+        return authenticate(self.api_keys, token)
+
+    async def _authorize(self, context) -> str:
+        tenant = self.tenant_of(dict(context.invocation_metadata()).get("authorization", ""))
+        if tenant is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid 'authorization: Bearer <key>'")
+        return tenant
 
     async def Generate(self, request, context):
-        await self._authorize(context)
+        tenant = await self._authorize(context)
         try:
-            req = validate(request, self.limits, self.tokenize)
+            req = validate(request, self.limits, self.tokenize, tenant)
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.router.in_flight >= self.router.config.max_in_flight:
@@ -122,10 +127,11 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
 
     async def Abort(self, request, context):
-        await self._authorize(context)
+        """Only the owner's tenant may abort a request; another's is answered as an unknown id."""
+        tenant = await self._authorize(context)
         if self.siblings is not None:
-            return pb.AbortResponse(found=await self.siblings.abort_anywhere(request.request_id))
-        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+            return pb.AbortResponse(found=await self.siblings.abort_anywhere(request.request_id, tenant))
+        return pb.AbortResponse(found=await self.router.abort(request.request_id, tenant))
 
     async def ListModels(self, request, context):
         await self._authorize(context)
@@ -138,7 +144,10 @@ class InferenceService(pb_grpc.InferenceServicer):
 
 
 async def start_grpc_server(service: InferenceService, host: str, port: int, max_message_bytes: int = 4 << 20,
-                            tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+                            tls: tuple[bytes, bytes] | None = None,
+                            client_ca: bytes | None = None) -> tuple[grpc.aio.Server, int]:
+    """`tls`: (private key, certificate chain), PEM; `client_ca`: with it, mutual TLS (a client
+    without a certificate signed by that CA fails the handshake)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", max_message_bytes)])
     pb_grpc.add_InferenceServicer_to_server(service, server)
@@ -146,8 +155,11 @@ async def start_grpc_server(service: InferenceService, host: str, port: int, max
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
+    if client_ca and not tls:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
     if tls:
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+        creds = grpc.ssl_server_credentials([tls], root_certificates=client_ca, require_client_auth=bool(client_ca))
+        bound = server.add_secure_port(address, creds)
     else:
         bound = server.add_insecure_port(address)
     await server.start()

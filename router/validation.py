@@ -32,7 +32,7 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
                     "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens")
 
 
-def _sampling(msg, limits: Limits) -> SamplingParams:
+def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
     has = msg.HasField
     max_tokens = msg.max_tokens if has("max_tokens") else limits.default_max_tokens
     if max_tokens > limits.max_tokens_limit:
@@ -55,7 +55,8 @@ def _sampling(msg, limits: Limits) -> SamplingParams:
             seed=msg.seed if has("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             stop=tuple(msg.stop), ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs if has("logprobs") else None,
-            prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None, cache_salt=msg.cache_salt or None,
+            prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
+            cache_salt=tenant_salt(tenant, msg.cache_salt),
             speculative=speculative, num_speculative_tokens=k)
     except ValueError as exc:
         text = str(exc)
@@ -63,8 +64,16 @@ def _sampling(msg, limits: Limits) -> SamplingParams:
         raise ValidationError(f"sampling.{field}" if field != "sampling" else field, text) from exc
 
 
-def validate(req, limits: Limits, tokenize: Callable[[str], list[int]]) -> GenerateRequest:
-    """`req` is a splitserve.v1.GenerateRequest."""
+def tenant_salt(tenant: str, salt: str) -> str | None:
+    """The prefix cache is partitioned per tenant: its name salts every block hash (with the
+    client's own `cache_salt` inside it), so no tenant can hit, or time, another's cached prefix."""
+    if not tenant:
+        return salt or None
+    return f"tenant:{tenant}/{salt}"
+
+
+def validate(req, limits: Limits, tokenize: Callable[[str], list[int]], tenant: str = "") -> GenerateRequest:
+    """`req` is a splitserve.v1.GenerateRequest; `tenant`: the caller's (see cluster/secrets.py)."""
     rid = req.request_id or uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         raise ValidationError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable characters")
@@ -87,5 +96,6 @@ def validate(req, limits: Limits, tokenize: Callable[[str], list[int]]) -> Gener
     if len(ids) >= limits.max_model_len:
         raise ValidationError("prompt", f"has {len(ids)} tokens but the model's context is {limits.max_model_len} "
                                         "tokens (at least one must be left to generate)")
-    sampling = _sampling(req.sampling, limits)
-    return GenerateRequest(request_id=rid, prompt_token_ids=tuple(ids), sampling=sampling, model=limits.model_id)
+    sampling = _sampling(req.sampling, limits, tenant)
+    return GenerateRequest(request_id=rid, prompt_token_ids=tuple(ids), sampling=sampling, model=limits.model_id,
+                           tenant=tenant)

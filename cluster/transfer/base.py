@@ -66,15 +66,38 @@ class PeerMetadata:
 
     @classmethod
     def decode(cls, data: bytes) -> "PeerMetadata":
+        """Strict: exact fields, types and ranges, bounded sizes; anything else is a TransferError."""
         try:
-            raw = msgpack.unpackb(data)
-            return cls(name=str(raw["name"]), transport=str(raw["transport"]),
-                       protocol_version=int(raw["protocol_version"]), layout=KVLayout(**raw["layout"]),
-                       num_blocks=int(raw["num_blocks"]), base_address=int(raw["base_address"]),
-                       payload=bytes(raw["payload"]), memory=str(raw.get("memory", "DRAM")),
-                       device_id=int(raw.get("device_id", 0)))
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            raise TransferError(f"malformed peer metadata: {exc}") from exc
+            raw = msgpack.unpackb(data, max_map_len=16, max_array_len=0, max_str_len=256, max_bin_len=1 << 20)
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds on garbage
+            raise TransferError(f"malformed peer metadata: {type(exc).__name__}") from None
+        try:
+            if not isinstance(raw, dict) or set(raw) != _PEER_FIELDS:
+                raise ValueError("fields")
+            layout = raw["layout"]
+            if not isinstance(layout, dict) or set(layout) != {f.name for f in fields(KVLayout)}:
+                raise ValueError("layout fields")
+            types = {f.name: (str if f.type in ("str", str) else int) for f in fields(KVLayout)}
+            if not all(isinstance(layout[k], t) and not isinstance(layout[k], bool) for k, t in types.items()):
+                raise ValueError("layout types")
+            ints = {"protocol_version": (0, 1 << 16), "num_blocks": (1, 1 << 31), "base_address": (0, 1 << 64),
+                    "device_id": (0, 1 << 10)}
+            for k, (low, high) in ints.items():
+                v = raw[k]
+                if not (isinstance(v, int) and not isinstance(v, bool) and low <= v < high):
+                    raise ValueError(k)
+            if not (isinstance(raw["name"], str) and raw["name"] and isinstance(raw["transport"], str)
+                    and isinstance(raw["payload"], bytes) and isinstance(raw["memory"], str)):
+                raise ValueError("types")
+            return cls(name=raw["name"], transport=raw["transport"], protocol_version=raw["protocol_version"],
+                       layout=KVLayout(**layout), num_blocks=raw["num_blocks"], base_address=raw["base_address"],
+                       payload=raw["payload"], memory=raw["memory"], device_id=raw["device_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransferError(f"malformed peer metadata: {exc}") from None
+
+
+_PEER_FIELDS = {"name", "transport", "protocol_version", "layout", "num_blocks", "base_address", "payload",
+                "memory", "device_id"}
 
 
 def check_compatible(local: KVLayout, local_transport: str, peer: PeerMetadata) -> None:

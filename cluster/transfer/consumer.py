@@ -99,7 +99,7 @@ class KVConsumer:
     def decline(self, handle: KVHandle, reason: str) -> None:
         """Refuse a handle before any pull starts (no room, a bad layout): the producer ends its
         lease and releases its pins at once instead of holding them until the lease expires."""
-        self.transport.notify(handle.producer, Message(Kind.FAIL, handle.lease_id, ok=False, reason=reason).encode())
+        self.mailbox.send(handle.producer, Message(Kind.FAIL, handle.lease_id, ok=False, reason=reason))
 
     def abort(self, lease_id: str) -> None:
         """Abort from the decode side: the producer releases; our blocks are freed by the caller
@@ -112,7 +112,7 @@ class KVConsumer:
     def _give_up(self, pull: KVPull, msg: Message, reason: str) -> None:
         """End a handoff from our side. A producer that may still be pushing into our blocks is
         fenced first: FAILED only once it ACKs (its writes have stopped) or the fence times out."""
-        self.transport.notify(pull.producer, msg.encode())
+        self.mailbox.send(pull.producer, msg)
         if pull.handle is None and pull.state is PullState.AWAITING_PUSH:
             pull.state = PullState.FENCING
             pull.error = reason
@@ -140,7 +140,7 @@ class KVConsumer:
                                   f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
             elif not pull.finished and pull.state is not PullState.FENCING and now >= pull.next_renew:
                 pull.next_renew = now + (pull.handle.lease_seconds / 3 if pull.handle else 1.0)
-                self.transport.notify(pull.producer, Message(Kind.RENEW, pull.lease_id).encode())
+                self.mailbox.send(pull.producer, Message(Kind.RENEW, pull.lease_id))
         done = [p for p in self.pulls.values() if p.finished]
         for p in done:
             del self.pulls[p.lease_id]
@@ -172,7 +172,7 @@ class KVConsumer:
         pull.transfer = None
         pull.timings["read"] = time.perf_counter()
         if status is TransferStatus.FAILED:
-            self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False, reason="read").encode())
+            self.mailbox.send(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False, reason="read"))
             self._fail(pull, "read failed")
             return
         self._verify_and_confirm(pull)
@@ -183,12 +183,12 @@ class KVConsumer:
             pull.timings["verified"] = time.perf_counter()
             bad = [i for i, (a, b) in enumerate(zip(got, pull.checksums)) if a != b]
             if bad:
-                self.transport.notify(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False,
-                                                             reason="checksum").encode())
+                self.mailbox.send(pull.producer, Message(Kind.FAIL, pull.lease_id, ok=False,
+                                                             reason="checksum"))
                 self._fail(pull, f"checksum mismatch in {len(bad)} of {len(got)} blocks (first: block {bad[0]})")
                 return
         pull.state = PullState.CONFIRMING
-        self.transport.notify(pull.producer, Message(Kind.DONE, pull.lease_id).encode())
+        self.mailbox.send(pull.producer, Message(Kind.DONE, pull.lease_id))
 
     def _on_message(self, pull: KVPull, msg: Message) -> None:
         if pull.state is PullState.FENCING:

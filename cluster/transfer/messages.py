@@ -31,30 +31,68 @@ class Message:
 
     @classmethod
     def decode(cls, data: bytes) -> "Message | None":
+        """Strict: exact keys and types, bounded strings; anything else is None (never trusted)."""
         try:
-            raw = msgpack.unpackb(data)
-            return cls(Kind(raw["k"]), str(raw["l"]), bool(raw["ok"]), str(raw["r"]),
-                       tuple(int(c) for c in raw["c"]), int(raw["f"]))
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
-            return None   # not ours or malformed: ignored, never trusted
+            raw = msgpack.unpackb(data, max_bin_len=0, max_str_len=4096, max_array_len=1 << 16, max_map_len=8)
+        except Exception:  # noqa: BLE001 - msgpack raises several kinds on garbage
+            return None
+        if not isinstance(raw, dict) or set(raw) != {"k", "l", "ok", "r", "c", "f"}:
+            return None
+        lease, ok, reason, sums, first = raw["l"], raw["ok"], raw["r"], raw["c"], raw["f"]
+        if not (isinstance(lease, str) and 0 < len(lease) <= 128 and isinstance(ok, bool)
+                and isinstance(reason, str) and isinstance(sums, list) and _is_int(first, -1, 1 << 31)
+                and all(_is_int(c, -(1 << 63), 1 << 64) for c in sums)):
+            return None
+        try:
+            return cls(Kind(raw["k"]), lease, ok, reason, tuple(sums), first)
+        except ValueError:
+            return None
+
+
+MAX_MESSAGE_BYTES = 1 << 20      # a PUSHED message carries a checksum per block: bounded anyway
+_CONTEXT = b"kv-message"
+
+
+def _is_int(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 class Mailbox:
     """One reader of a transport's notifications, shared by the producer and the consumer of a
     worker: each takes the messages of its own leases. A message that arrives before its lease is
-    known (PUSHED racing `expect_push`) waits here for `ttl_s`."""
+    known (PUSHED racing `expect_push`) waits here for `ttl_s`. With a `sealer` (the cluster
+    secret, cluster/transfer/auth.py) every message sent is sealed and every one received must
+    open: a forged, replayed or oversized one is dropped before it is decoded."""
 
-    def __init__(self, transport, ttl_s: float = 60.0):
+    def __init__(self, transport, ttl_s: float = 60.0, sealer=None, max_pending: int = 10_000):
         self.transport = transport
         self.ttl_s = ttl_s
+        self.sealer = sealer
+        self.max_pending = max_pending
         self.pending: list[tuple[float, str, Message]] = []
+        self.refused = 0             # notifications that did not open (forged, replayed, malformed)
+
+    def send(self, peer: str, msg: Message) -> None:
+        data = msg.encode()
+        self.transport.notify(peer, self.sealer.seal(_CONTEXT, data) if self.sealer is not None else data)
+
+    def _open(self, data: bytes) -> Message | None:
+        if self.sealer is not None:
+            data = self.sealer.open(_CONTEXT, data, MAX_MESSAGE_BYTES)
+            if data is None:
+                return None
+        elif len(data) > MAX_MESSAGE_BYTES:
+            return None
+        return Message.decode(data)
 
     def take(self, wanted) -> list[tuple[str, Message]]:
         import time  # noqa: PLC0415
         now = time.monotonic()
         for peer, data in self.transport.notifications():
-            msg = Message.decode(data)
-            if msg is not None:
+            msg = self._open(data)
+            if msg is None:
+                self.refused += 1
+            elif len(self.pending) < self.max_pending:
                 self.pending.append((now, peer, msg))
         taken, kept = [], []
         for entry in self.pending:

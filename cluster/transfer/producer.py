@@ -139,8 +139,8 @@ class KVProducer:
             return
         states = [self.transport.poll(w) for w in lease.writes]
         if TransferStatus.FAILED in states:
-            self.transport.notify(lease.consumer, Message(Kind.FAIL, lease.lease_id, ok=False,
-                                                          reason="write failed").encode())
+            self.mailbox.send(lease.consumer, Message(Kind.FAIL, lease.lease_id, ok=False,
+                                                          reason="write failed"))
             self._end(lease, LeaseState.FAILED)
         elif all(s is TransferStatus.DONE for s in states):
             for w in lease.writes:
@@ -148,16 +148,16 @@ class KVProducer:
             lease.writes.clear()
             lease.state = LeaseState.ACTIVE
             lease.deadline = self.clock() + self.lease_seconds
-            self.transport.notify(lease.consumer, Message(
+            self.mailbox.send(lease.consumer, Message(
                 Kind.PUSHED, lease.lease_id, checksums=self._checksums(lease.block_ids),
-                first_token=lease.first_token).encode())
+                first_token=lease.first_token))
 
     def _on_message(self, peer: str, msg: Message) -> None:
         lease = self.leases.get(msg.lease_id)
         if lease is None:
             if msg.kind is Kind.DONE:   # too late: tell the consumer its copy is void
                 state = self.ended.get(msg.lease_id, LeaseState.EXPIRED)
-                self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason=state.value).encode())
+                self.mailbox.send(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason=state.value))
             return
         if lease.consumer is None:
             lease.consumer = peer
@@ -169,12 +169,12 @@ class KVProducer:
             lease.deadline = self.clock() + self.lease_seconds
         elif msg.kind is Kind.DONE and lease.state is LeaseState.ACTIVE:
             self._end(lease, LeaseState.DONE)
-            self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=True).encode())
+            self.mailbox.send(peer, Message(Kind.ACK, msg.lease_id, ok=True))
         elif msg.kind in (Kind.FAIL, Kind.ABORT):
             pushed = bool(lease.remote_blocks)
             self._end(lease, LeaseState.ABORTED if msg.kind is Kind.ABORT else LeaseState.FAILED)
             if pushed:   # our writes into the consumer's blocks have stopped: it may free them
-                self.transport.notify(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason="fenced").encode())
+                self.mailbox.send(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason="fenced"))
 
     def abort(self, request_id: str) -> bool:
         """The prefill side aborts: release at once and tell a known consumer."""
@@ -183,7 +183,7 @@ class KVProducer:
             if lease.request_id == request_id:
                 found = True
                 if lease.consumer:
-                    self.transport.notify(lease.consumer, Message(Kind.ABORT, lease.lease_id).encode())
+                    self.mailbox.send(lease.consumer, Message(Kind.ABORT, lease.lease_id))
                 self._end(lease, LeaseState.ABORTED)
         return found
 

@@ -28,13 +28,18 @@ from cluster.transfer.host_segments import FutureTransfer, HostSegmentTransport
 log = logging.getLogger(__name__)
 
 _REQUEST_TAG = 0x5350_4C49_5400_0001
+MAX_REQUEST_BYTES = 16 << 20     # a request header (its segment list); payloads are sized by us
+_SEAL = b"ucx-request"
 _IN_PROCESS: list[str] = []
 
 
 class UcxTransport(HostSegmentTransport):
     name = "ucx"
 
-    def __init__(self, agent_name: str, timeout_s: float = 30.0):
+    def __init__(self, agent_name: str, timeout_s: float = 30.0, sealer=None, host: str | None = None):
+        """`sealer`: the cluster secret's (cluster/transfer/auth.py): request headers are sealed and
+        verified before anything is received for them. (UCX picks its own interfaces: `host` is
+        unused, UCX_NET_DEVICES says which.)"""
         if _IN_PROCESS:
             raise TransferError(f"ucxx allows one agent per process ({_IN_PROCESS[0]} exists)")
         apply_ucx_defaults()
@@ -45,6 +50,7 @@ class UcxTransport(HostSegmentTransport):
         super().__init__(agent_name)
         self.ucxx = ucxx
         self.timeout_s = timeout_s
+        self.sealer = sealer
         self.token = secrets.token_hex(16)
         self._endpoints: dict[str, object] = {}
         self._tags = itertools.count(secrets.randbits(40) << 16)
@@ -85,10 +91,14 @@ class UcxTransport(HostSegmentTransport):
             self._endpoints[peer] = ep
         return ep
 
-    async def _recv_tagged(self, tag: int) -> bytes:
+    async def _recv_tagged(self, tag: int, max_bytes: int = MAX_REQUEST_BYTES) -> bytes:
+        """The next message on `tag`; one announcing more than `max_bytes` is refused unread (no
+        buffer is allocated for what a sender merely announces)."""
         ctx = self.ucxx.core._get_ctx()
         while True:
             probe = ctx.tag_probe(tag, remove=True)
+            if probe.matched and probe.length > max_bytes:
+                raise TransferError(f"a {probe.length}-byte message on tag {tag:#x} refused (limit {max_bytes})")
             if probe.matched:
                 buf = np.empty(probe.length, dtype=np.uint8)
                 await ctx.recv_with_handle(buf, probe)
@@ -98,8 +108,11 @@ class UcxTransport(HostSegmentTransport):
     async def _request(self, peer: str, header: dict, payload=None, reply_bytes: int = 0):
         ep = await self._endpoint(peer)
         tag = next(self._tags) << 2
-        header = {**header, "from": self.agent_name, "token": self.peers[peer]["token"], "tag": tag}
-        await ep.send(np.frombuffer(msgpack.packb(header), dtype=np.uint8), tag=_REQUEST_TAG, force_tag=True)
+        header = {**header, "from": self.agent_name, "to": peer, "token": self.peers[peer]["token"], "tag": tag}
+        data = msgpack.packb(header)
+        if self.sealer is not None:
+            data = self.sealer.seal(_SEAL, data)
+        await ep.send(np.frombuffer(data, dtype=np.uint8), tag=_REQUEST_TAG, force_tag=True)
         if payload is not None:
             await ep.send(payload, tag=tag + 1, force_tag=True)
         reply = msgpack.unpackb(await self._recv_tagged(tag))
@@ -139,8 +152,15 @@ class UcxTransport(HostSegmentTransport):
     async def _serve(self) -> None:
         while True:
             try:
-                header = msgpack.unpackb(await self._recv_tagged(_REQUEST_TAG))
-                asyncio.ensure_future(self._handle(header))
+                data = await self._recv_tagged(_REQUEST_TAG)
+                if self.sealer is not None:
+                    data = self.sealer.open(_SEAL, data, MAX_REQUEST_BYTES)
+                    if data is None:
+                        log.warning("ucx: refused a request not sealed with the cluster secret")
+                        continue
+                header = msgpack.unpackb(data)
+                if isinstance(header, dict) and (self.sealer is None or header.get("to") == self.agent_name):
+                    asyncio.ensure_future(self._handle(header))
             except asyncio.CancelledError:
                 return
             except Exception as exc:  # noqa: BLE001 - a malformed request must not stop serving

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 # Ray settings that keep every address on loopback (see docs/deploy.md).
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}   # Ray auth: serve's own
 
 
 class ServeProcess:

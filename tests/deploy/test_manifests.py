@@ -164,6 +164,19 @@ def test_services_probes_and_volumes_line_up(overlay):
         assert claims == {one(docs, "PersistentVolumeClaim")["metadata"]["name"]}
 
 
+def test_every_ray_node_runs_with_token_authentication():
+    """Ray's GCS, client and dashboard ports run code for whoever reaches them: every pod of the
+    RayCluster starts Ray with token auth, the token from the operator's Secret (never in a file here)."""
+    for overlay in OVERLAYS:
+        cluster = one(render(f"overlays/{overlay}"), "RayCluster")["spec"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        for group in groups:
+            for c in group["template"]["spec"]["containers"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                assert env["RAY_AUTH_MODE"]["value"] == "token", (overlay, c["name"])
+                assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "splitserve-ray-token"
+
+
 def _kuberay_start_cmd(group: dict, head: bool) -> str:
     """What KubeRay puts in $KUBERAY_GEN_RAY_START_CMD: `ray start` plus the params, sorted, `true` as a bare flag."""
     params = {**group.get("rayStartParams", {}), "block": "true"}
@@ -188,7 +201,7 @@ def _run_container(container: dict, env: dict, stubs: Path, log: Path) -> list[l
     log.write_text("")
     argv = container.get("command", []) + container.get("args", [])
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_LOG": str(log), **env,
-           **{e["name"]: e["value"] for e in container.get("env", [])}}
+           **{e["name"]: e.get("value", "from-a-secret") for e in container.get("env", [])}}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"{container['name']}: {out.stderr}"
     return [json.loads(line) for line in log.read_text().splitlines()]

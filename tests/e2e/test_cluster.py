@@ -149,7 +149,8 @@ def test_overload_answers_resource_exhausted(cluster):
 
 def test_api_key_required_when_configured(cluster):
     svc = cluster.cluster.service
-    svc.api_keys = (b"sekrit",)
+    from cluster.secrets import as_api_keys
+    svc.api_keys = as_api_keys(("sekrit",))
     try:
         with pytest.raises(grpc.RpcError) as info:
             Client(cluster.target).generate("x", max_tokens=2)
@@ -210,9 +211,9 @@ def test_metrics_count_what_was_sent(cluster):
 
     def delta(key):
         return after.get(key, 0.0) - before.get(key, 0.0)
-    assert delta("splitserve_requests_finished_total{reason=length}") == 6
+    assert delta("splitserve_requests_finished_total{reason=length,tenant=anonymous}") == 6
     assert delta("splitserve_time_to_first_token_seconds_count{}") == 6
-    assert delta("splitserve_generation_tokens_total{}") == sum(len(o.token_ids) for o in outs) == 30
+    assert delta("splitserve_generation_tokens_total{tenant=anonymous}") == sum(len(o.token_ids) for o in outs) == 30
     assert delta("splitserve_inter_token_latency_seconds_count{}") == 24
     assert delta("splitserve_kv_transfers_total{transport=nixl,worker=decode-0}") == 5   # one prompt is short
     assert delta("splitserve_kv_transfer_bytes_total{transport=nixl,worker=decode-0}") > 0

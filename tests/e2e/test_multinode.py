@@ -10,6 +10,7 @@ actors included) by session id, and stops them all by pid."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
 
 HEAD, PREFILL, DECODE = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+# The nodes run with Ray's token authentication; serve joins with --ray-token-file.
+TOKEN = secrets.token_hex(32)
+RAY_ENV = {**RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):\n    print(", "def read_lines(path):\n    with open(path) as f:"]
 MAX_TOKENS = 12
@@ -133,9 +137,13 @@ def _actors(node: RayNode, cls: str) -> list[int]:
 def test_prefill_and_decode_on_their_own_nodes_router_on_head(ray_nodes, reference):
     from router.client import Client
     address, nodes = ray_nodes
-    serve = ServeProcess("--ray-address", address, "--dtype", "float32", "--transport", "nixl",
-                         "--prefill-resources", '{"prefill": 1}', "--decode-resources", '{"decode": 1}',
-                         "--local-prefill-max-tokens", "4")
+    token_file = nodes["head"].log.parent / "ray-token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    serve = ServeProcess("--ray-address", address, "--ray-token-file", str(token_file), "--dtype", "float32",
+                         "--transport", "nixl", "--prefill-resources", '{"prefill": 1}',
+                         "--decode-resources", '{"decode": 1}', "--local-prefill-max-tokens", "4",
+                         env={"RAY_AUTH_TOKEN": "not-the-token"})   # the file wins over an inherited token
     try:
         # Placement, seen from the operating system: each actor's process belongs to its node's session.
         assert len(_actors(nodes["prefill"], "PrefillWorker")) == 1, nodes["prefill"].processes()
