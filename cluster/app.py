@@ -47,7 +47,7 @@ class ClusterConfig:
     cluster_secret: object = None
     tls_client_ca: bytes | None = None   # PEM: require client certificates signed by it (mTLS, gRPC and HTTP)
     metrics_port: int | None = None
-    tls: tuple[bytes, bytes] | None = None   # (private key, certificate chain), PEM
+    tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
     # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources). None: one GPU each
     # when the engine runs on CUDA (Ray then sets each actor's CUDA_VISIBLE_DEVICES), none on CPU;

@@ -125,7 +125,7 @@ class FrontendConfig:
     local_prefill_max_tokens: int = 32
     max_in_flight: int = 256
     api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
-    tls: tuple[bytes, bytes] | None = None
+    tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
     transport: str = "nixl"
     poll_stats_s: float | None = None   # poll the workers' stats itself (actor frontends)

@@ -177,3 +177,40 @@ def test_the_tcp_listener_spends_no_thread_on_a_bad_hello():
     finally:
         for t in (a, b, intruder):
             t.close()
+
+
+def test_the_token_listener_drops_bad_peers_and_keeps_serving():
+    """A frontend's token listener (deltas from workers): random bytes, a huge length, a wrong
+    hello secret and a bad record each close that connection; a real worker's frames still arrive."""
+    import asyncio
+    from cluster.token_stream import TokenReceiver, TokenSender, encode_step
+    from cluster.types import TokenDelta
+
+    async def go():
+        receiver = TokenReceiver("f", host="127.0.0.1")
+        address = await receiver.start()
+        rng = random.Random(4)
+        hostile = [rng.randbytes(200), struct.pack(">I", 1 << 30) + b"x" * 100,
+                   _frame([1, "hello", "w", b"wrong-secret"]), _frame([1, "step", []])]
+        for data in hostile:
+            r, w = await asyncio.open_connection(address.host, address.port)
+            w.write(data)
+            await w.drain()
+            assert await asyncio.wait_for(r.read(), 5) == b""        # closed by the listener
+            w.close()
+        key, queue = receiver.open("req")
+        sender = TokenSender("worker")
+        await asyncio.to_thread(sender.send, address, encode_step([(key, TokenDelta("req", (5,), "x"))]))
+        items = await asyncio.wait_for(queue.take(), 5)
+        assert items[0].token_ids == (5,)
+        sender.send(address, _frame([1, "step", [[key, "not-a-list", 3, "bogus", None, 0, 0, 0]]]))
+        await asyncio.sleep(0.2)                                     # a bad record drops that connection only
+        assert len(receiver.connections) == 0
+        sender.close()
+        await receiver.stop()
+    asyncio.run(go())
+
+
+def _frame(body) -> bytes:
+    data = msgpack.packb(body, use_bin_type=True)
+    return struct.pack(">I", len(data)) + data
