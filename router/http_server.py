@@ -225,11 +225,12 @@ class OpenAIServer:
             await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not run.done():          # the client left: its requests stop everywhere
+            if not run.done():          # the client left (or the server stops): stop its requests everywhere
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
                 _finish_trackers(trackers, "abort")
-                return Response(status_code=499)
+        if run.cancelled():
+            return Response(status_code=499)    # nobody is there to read it
         return JSONResponse(run.result())
 
     async def _collect(self, job: Job, index: dict, trackers: dict) -> dict:

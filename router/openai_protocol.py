@@ -92,17 +92,27 @@ def _type_names(types) -> str:
     return " or ".join(names.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
 
 
-_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
-                "response_format": None, "tool_choice": None}
+_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix", "response_format", "tool_choice")
+
+
+def _neutral(name: str, value) -> bool:
+    """An unsupported field left at a value that asks for nothing (as clients often send it)."""
+    if value is None or value in ("", {}, []):
+        return True
+    if name in ("presence_penalty", "frequency_penalty"):
+        return value == 0
+    if name == "tool_choice":
+        return value in ("none", "auto")        # "auto" with tools: the text comes back as it is
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type") == "text"
+    return False
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, neutral in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value not in (None, neutral, {}, "", "none", "auto") or (name == "response_format" and value
-                                                                 and value.get("type") != "text"):
-            raise _err(name, "is not supported by this server; leave it unset (repetition_penalty is the "
-                             "penalty this server has)" if "penalty" in name else "is not supported by this server")
+    for name in _UNSUPPORTED:
+        if not _neutral(name, body.get(name)):
+            hint = " (repetition_penalty is the penalty this server has)" if "penalty" in name else ""
+            raise _err(name, f"is not supported by this server; leave it unset{hint}")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise _err("best_of", "is not supported (only best_of == n)")
@@ -227,7 +237,7 @@ def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "
         raise _err("logprobs", f"must be in [0, 20], got {logprobs}")
     echo = bool(_field(body, "echo", bool, False))
     groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize, Endpoint.COMPLETIONS,
-                     COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, echo, "prompt", tenant)
+                     min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_limit), logprobs, echo, "prompt", tenant)
     return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
 

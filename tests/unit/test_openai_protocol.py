@@ -110,3 +110,17 @@ def test_chat_needs_a_template_and_valid_messages():
     with pytest.raises(ApiError) as e:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, LIMITS, template, _tokenize)
     assert e.value.param == "top_logprobs"
+
+
+def test_unsupported_fields_at_neutral_values_are_accepted():
+    job = _parse(prompt="a", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"},
+                 tool_choice="auto", suffix="", best_of=1)
+    assert job.num_requests == 1
+    for body in ({"response_format": {"type": "json_object"}}, {"tool_choice": "required"}, {"suffix": "x"}):
+        assert _error(prompt="a", **body).param == next(iter(body))
+
+
+def test_the_default_max_tokens_respects_a_lower_server_limit():
+    limits = Limits(model_id="m", vocab_size=100, max_model_len=64, max_tokens_limit=8, default_max_tokens=8)
+    job = parse_completion({"prompt": "a"}, limits, _tokenize, _detokenize)
+    assert job.groups[0].requests[0].sampling.max_tokens == 8
