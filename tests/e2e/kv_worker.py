@@ -14,13 +14,15 @@ import msgpack
 
 def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int = 4, num_blocks: int = 96,
           lease_seconds: float = 30.0, timeout_s: float = 10.0, dtype: str = "float32",
-          max_batched_tokens: int = 64) -> None:
+          max_batched_tokens: int = 64, secret: str = "kv-worker-test-cluster-secret-0123") -> None:
+    """`secret`: the cluster secret that seals the KV plane, as a served cluster's workers run."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     torch.set_num_threads(1)
     from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
     from cluster.engine.engine import LLMEngine
     from cluster.transfer.consumer import KVConsumer, PullState
+    from cluster.transfer.auth import Sealer
     from cluster.transfer.messages import Mailbox
     from cluster.transfer.producer import KVProducer
     from cluster.transfer.registry import make_transport
@@ -29,9 +31,11 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
                                                                                     num_blocks=num_blocks),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
-    transport = make_transport(transport_kind, name)
+    sealer = Sealer(secret.encode())
+    options = {"sealer": sealer} if transport_kind in ("tcp", "ucx") else {}
+    transport = make_transport(transport_kind, name, **options)
     transport.register(engine.kv_cache.arena, engine.layout)
-    mailbox = Mailbox(transport)
+    mailbox = Mailbox(transport, sealer=sealer)
     producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, engine.release_held_kv,
                           lease_seconds=lease_seconds, mailbox=mailbox)
     consumer = KVConsumer(transport, engine.layout, engine.kv_cache.arena, timeout_s=timeout_s, mailbox=mailbox)

@@ -64,6 +64,23 @@ def test_pull_moves_noncontiguous_blocks_and_decode_matches_single_engine(transp
     assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS[:1])
+def test_a_peer_without_the_cluster_secret_cannot_complete_a_handoff(transport, spawn_worker):
+    """Another secret, over NIXL: its one-sided read lands (NIXL has no per-request permission,
+    docs/security.md), but its DONE does not open at the producer, so it never gets the ACK it
+    needs to use the blocks; the pull fails and nothing is leaked on either side. (TCP refuses such
+    a peer at its hello: tests/e2e/test_security.py; every other test here runs sealed.)"""
+    p = spawn_worker(transport, f"sp-{transport}")
+    d = spawn_worker(transport, f"sd-{transport}", secret="another-secret-entirely-0123456789", timeout_s=2.0)
+    connect(p, d)
+    raw = p.call("prefill", rid="r1", prompt=PROMPT)
+    out = d.call("pull", handle=raw, prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS)
+    assert out["state"] == "failed", out
+    p.call("abort_producer", rid="r1")
+    assert _idle(p) == {"used": 0, "held": 0, "leases": 0}
+    assert _idle(d) == {"used": 0, "held": 0, "leases": 0}
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_push_layerwise_matches_single_engine(transport, spawn_worker, reference):
     p = spawn_worker(transport, f"pp-{transport}")
