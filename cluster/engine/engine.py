@@ -15,7 +15,7 @@ from cluster.config import EngineConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.runner import ModelRunner
-from cluster.engine.sampler import logprob_entry, sample
+from cluster.engine.sampler import logprob_entry, record_prompt_logprobs, sample
 from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.speculation import Draft, Speculator
 from cluster.engine.sequence import Sequence
@@ -219,7 +219,8 @@ class LLMEngine:
                 self.validate_speculation(sp)
         seq = self._new_sequence(request_id, ids, sampling, hold_kv=hold_kv)
         # The parent reports the prompt's logprobs; a fork's prompt is never computed.
-        seq.forks = [self._new_sequence(rid, ids, sp, hold_kv=hold_kv, prompt_logprobs_sent=True) for rid, sp in forks]
+        seq.forks = [self._new_sequence(rid, ids, sp, hold_kv=hold_kv, prompt_logprobs_sent=True)
+                     for rid, sp in forks]
         self.scheduler.add(seq)
         return request_id
 
@@ -370,7 +371,8 @@ class LLMEngine:
             self.prompt_tokens_computed += max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start)
         logits, sampled_seqs = self.runner.execute(plan)
         if self.runner.prompt_logits:
-            self._record_prompt_logprobs()
+            record_prompt_logprobs(self.runner.prompt_logits)
+            self.runner.prompt_logits = []
         forked: dict[Sequence, int] = {}
         tokens = self._choose_tokens(logits, sampled_seqs, forked) if sampled_seqs else {}
         before = {seq: seq.num_tokens for seq in tokens}
@@ -389,15 +391,6 @@ class LLMEngine:
             out.append(self._delta(seq, seq.token_ids[n:]))
         out.extend(d for d in spawned if d is not None)
         return out
-
-    def _record_prompt_logprobs(self) -> None:
-        for seq, first, rows in self.runner.prompt_logits:
-            lps = torch.log_softmax(rows, dim=-1)
-            top = seq.sampling.prompt_logprobs
-            for i in range(rows.shape[0]):
-                if first + i == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(logprob_entry(lps[i], seq.prompt_token_ids[first + i + 1], top))
-        self.runner.prompt_logits = []
 
     def _spawn(self, parent: Sequence, fork: Sequence, token: int) -> TokenDelta | None:
         """A fork's first token is drawn: it joins the queue on its parent's prompt KV. For a P/D
@@ -499,7 +492,7 @@ class LLMEngine:
         if finished:
             return self._finish_delta(seq, tuple(tokens), text, logprobs)
         return TokenDelta(seq.request_id, tuple(tokens), text, None, logprobs, seq.num_prompt_tokens,
-                          seq.num_output_tokens, seq.num_cached_tokens, self._take_prompt_logprobs(seq))
+                          seq.num_output_tokens, seq.num_cached_tokens, seq.take_prompt_logprobs())
 
     def _finish_delta(self, seq: Sequence, token_ids, text: str, logprobs=()) -> TokenDelta:
         for fork in seq.forks:   # it ended before its first sampling: so do the forks waiting on it
@@ -514,15 +507,7 @@ class LLMEngine:
         self._detok.pop(seq.request_id, None)
         return TokenDelta(seq.request_id, tuple(token_ids), text, seq.finish_reason, tuple(logprobs),
                           seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
-                          self._take_prompt_logprobs(seq))
-
-    @staticmethod
-    def _take_prompt_logprobs(seq: Sequence) -> tuple:
-        """Prompt logprobs leave once, with the request's first delta that carries a token."""
-        if seq.prompt_logprobs_sent or seq.wants_prompt_logprobs:
-            return ()
-        seq.prompt_logprobs_sent = True
-        return tuple(seq.prompt_logprobs)
+                          seq.take_prompt_logprobs())
 
     # --- helpers on top ------------------------------------------------------------------
     def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[TokenDelta]:

@@ -91,3 +91,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             # Logprobs of the model's own distribution (before penalties and warping), as vLLM reports.
             seq.logprobs.append(logprob_entry(torch.log_softmax(logits[i], dim=-1), token, seq.sampling.logprobs))
     return tokens
+
+
+def record_prompt_logprobs(prompt_logits) -> None:
+    """The runner's prompt logits (seq, first position, rows) as each prompt token's logprob: the
+    row at position p scores token p + 1. A position already scored (a request recomputed after
+    preemption) is not scored twice."""
+    for seq, first, rows in prompt_logits:
+        lps = torch.log_softmax(rows, dim=-1)
+        for i in range(rows.shape[0]):
+            if first + i == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(logprob_entry(lps[i], seq.prompt_token_ids[first + i + 1],
+                                                         seq.sampling.prompt_logprobs))

@@ -69,6 +69,13 @@ class Sequence:
         return (self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
                 and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt logprobs, once (on the request's first delta that carries a token)."""
+        if self.prompt_logprobs_sent or self.wants_prompt_logprobs:
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -112,6 +112,14 @@ def test_streaming_sends_the_same_text_then_usage_and_done(served):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # Several prompts in one streamed request: each choice whole, under its own index.
+    texts: dict[int, str] = {}
+    for c in api.completions.create(model=model, prompt=PROMPTS[:2], n=2, max_tokens=8, temperature=0, stream=True):
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    alone = [api.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in PROMPTS[:2]]
+    assert [texts[i] for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
     # On the wire: server-sent events, ending with `data: [DONE]`.
     conn = http.client.HTTPConnection(served.http, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps({"model": model, "prompt": PROMPTS[1], "max_tokens": 4,
