@@ -158,7 +158,7 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
     return sp
 
 
-_PARAMS = {"prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt": "prompt", "request_id": "prompt"}
+_PARAMS = {"prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt": "prompt"}
 
 
 def _validated(proto, limits: Limits, tokenize, prompt_param: str, tenant: str) -> GenerateRequest:
@@ -185,7 +185,7 @@ def _prompts(value) -> list[str | list[int]]:
     raise _err("prompt", "expected a non-empty string, array of strings, array of token ids, or array of those")
 
 
-def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize, endpoint: Endpoint,
+def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
             max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str) -> tuple[PromptGroup, ...]:
     n = _field(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
@@ -236,7 +236,7 @@ def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise _err("logprobs", f"must be in [0, 20], got {logprobs}")
     echo = bool(_field(body, "echo", bool, False))
-    groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize, Endpoint.COMPLETIONS,
+    groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize,
                      min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_limit), logprobs, echo, "prompt", tenant)
     return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
@@ -260,7 +260,7 @@ def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_ren
     logprobs = (top or 0) if _field(body, "logprobs", bool, False) else None
     if top is not None and logprobs is None:
         raise _err("top_logprobs", "needs logprobs: true")
-    groups = _groups(body, [tokenize_rendered(text)], limits, None, None, Endpoint.CHAT, None, logprobs,
+    groups = _groups(body, [tokenize_rendered(text)], limits, None, None, None, logprobs,
                      False, "messages", tenant)
     return Job(Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, False, bool(_field(body, "return_token_ids", bool, False)))

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence as Seq
 import torch
 
 from cluster.config import EngineConfig
+from cluster.engine import offline
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.runner import ModelRunner
@@ -20,7 +21,7 @@ from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.speculation import Draft, Speculator
 from cluster.engine.sequence import Sequence
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.paged_cache import PagedKVCache, plan_memory
+from cluster.kv.paged_cache import PagedKVCache, draft_footprint, plan_memory, resident_bytes
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
@@ -30,11 +31,6 @@ from cluster.placement import ComputeSetup, pin_process, usable_cpus
 from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
-
-
-def _resident_bytes(module: torch.nn.Module) -> int:
-    """Weights as they sit in memory: parameters and buffers (packed or upcast layouts, tables)."""
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 class LLMEngine:
@@ -81,8 +77,9 @@ class LLMEngine:
             self.draft_model_config, self.draft_model = load_model(config.speculative.draft_dir, dtype=self.dtype,
                                                                    device=self.device, max_positions=self.max_model_len)
             apply_kernel_plan(self.draft_model, self.kernel_plan)
-        weight_bytes = _resident_bytes(self.model)
-        draft_per_block, draft_bytes = self._draft_footprint()
+        weight_bytes = resident_bytes(self.model)
+        draft_per_block, draft_bytes = (0, 0) if self.draft_model is None else draft_footprint(
+            self.draft_model, self.draft_model_config, config, self.layout.dtype)
         self.memory_plan = plan_memory(mc, self.layout, cc, config.scheduler, self.dtype, weight_bytes,
                                        self.max_model_len, self.device, draft_per_block, draft_bytes)
         log.info("%s", self.memory_plan.describe())
@@ -149,19 +146,6 @@ class LLMEngine:
         prompt = [int(self.tokenizer.token_to_id(" ") or 1)] * min(self.max_model_len - 4, 2 * bs + 3)
         self.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, speculative="off"))
         self.pool.reset_prefix_cache()
-
-    def _draft_footprint(self) -> tuple[int, int]:
-        """What the draft model takes beside the target (decode/spec/draft_model.py runs it): a draft
-        KV block for every target block plus lookahead room for every sequence, and its weights as
-        laid out for the kernel plan. Planned here so the draft is inside the budget."""
-        if self.draft_model is None:
-            return 0, 0
-        spec, dmc = self.config.speculative, self.draft_model_config
-        bs = self.config.cache.block_size
-        per_block = KVLayout(model_id=dmc.model_id, num_layers=dmc.num_layers, num_kv_heads=dmc.num_kv_heads,
-                             head_dim=dmc.head_dim, block_size=bs, dtype=self.layout.dtype).bytes_per_block()
-        lookahead_blocks = self.config.scheduler.max_num_seqs * -(-(spec.max_speculative_tokens + 1) // bs)
-        return per_block, _resident_bytes(self.draft_model) + lookahead_blocks * per_block
 
     def compute_setup(self) -> ComputeSetup:
         return ComputeSetup(self.kernel_plan, torch.get_num_threads(), self.config.cpus)
@@ -509,43 +493,16 @@ class LLMEngine:
                           seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens,
                           seq.take_prompt_logprobs())
 
-    # --- helpers on top ------------------------------------------------------------------
+    # --- helpers on top (cluster/engine/offline.py) ------------------------------------
+    def sequence(self, request_id: str) -> Sequence:
+        """A queued or running request's record (KeyError once it has ended)."""
+        return self._seqs[request_id]
+
     def stream(self, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[TokenDelta]:
         """Run one request to the end (others already added keep running) and yield its deltas."""
-        rid = self.add_request(prompt, sampling)
-        try:
-            while True:
-                for delta in self.step():
-                    if delta.request_id == rid:
-                        yield delta
-                        if delta.finished:
-                            return
-        finally:
-            if rid in self._seqs:
-                self.abort(rid)
+        return offline.stream(self, prompt, sampling)
 
     def generate(self, prompts: Iterable[str | Seq[int]],
                  sampling: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
-        prompts = list(prompts)
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(prompts)
-        if len(sampling) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling)]
-        seqs = {rid: self._seqs[rid] for rid in ids}
-        texts = {rid: [] for rid in ids}
-        done: dict[str, TokenDelta] = {}
-        try:
-            while len(done) < len(ids):
-                for d in self.step():
-                    if d.request_id in texts:
-                        texts[d.request_id].append(d.text)
-                        if d.finished:
-                            done[d.request_id] = d
-        finally:
-            for rid in ids:
-                if rid not in done and rid in self._seqs:
-                    self.abort(rid)
-        return [Completion(rid, seqs[rid].prompt_token_ids, tuple(seqs[rid].output_token_ids),
-                           "".join(texts[rid]), done[rid].finish_reason, tuple(seqs[rid].logprobs),
-                           seqs[rid].num_cached_tokens) for rid in ids]
+        """Run every prompt to the end together; one `Completion` each, in order."""
+        return offline.generate(self, prompts, sampling)

@@ -1,0 +1,51 @@
+"""Whole requests on top of the engine's add / step / abort: what `splitserve generate`, the tests
+and the benchmarks call (`LLMEngine.stream`, `LLMEngine.generate`). Nothing here touches the
+engine's internals; a request left unfinished (an exception, a consumer that stops) is aborted."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence as Seq
+
+from cluster.types import Completion, SamplingParams, TokenDelta
+
+
+def stream(engine, prompt: str | Seq[int], sampling: SamplingParams | None = None) -> Iterator[TokenDelta]:
+    rid = engine.add_request(prompt, sampling)
+    finished = False
+    try:
+        while not finished:
+            for delta in engine.step():
+                if delta.request_id == rid:
+                    yield delta
+                    if delta.finished:
+                        finished = True
+                        break
+    finally:
+        if not finished:
+            engine.abort(rid)
+
+
+def generate(engine, prompts: Iterable[str | Seq[int]],
+             sampling: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:
+    prompts = list(prompts)
+    if sampling is None or isinstance(sampling, SamplingParams):
+        sampling = [sampling or SamplingParams()] * len(prompts)
+    if len(sampling) != len(prompts):
+        raise ValueError("give one SamplingParams, or one per prompt")
+    ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
+    seqs = {rid: engine.sequence(rid) for rid in ids}
+    texts = {rid: [] for rid in ids}
+    done: dict[str, TokenDelta] = {}
+    try:
+        while len(done) < len(ids):
+            for d in engine.step():
+                if d.request_id in texts:
+                    texts[d.request_id].append(d.text)
+                    if d.finished:
+                        done[d.request_id] = d
+    finally:
+        for rid in ids:
+            if rid not in done:
+                engine.abort(rid)
+    return [Completion(rid, seqs[rid].prompt_token_ids, tuple(seqs[rid].output_token_ids),
+                       "".join(texts[rid]), done[rid].finish_reason, tuple(seqs[rid].logprobs),
+                       seqs[rid].num_cached_tokens) for rid in ids]
