@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-# The repository first: bench/kernels.py (this script's folder) must not shadow the `kernels` package.
+# The repository first, then its tests (tiny_models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

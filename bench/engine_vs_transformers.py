@@ -51,7 +51,8 @@ def bench_hf(model_dir: Path, dtype: torch.dtype, batch: int, prompt_len: int, n
              device: str = "cpu"):
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
-    ids = torch.randint(3, 32000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+    vocab = model.config.vocab_size   # --model may be smaller than the 32k bench shape
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
     attn = torch.ones_like(ids)
 
     def run(n):
@@ -86,16 +87,19 @@ def bench_ours(engine, batch: int, prompt_len: int, new: int, repeats: int):
     return batch * prompt_len / t1, batch * (new - 1) / (tn - t1)
 
 
-def bench_ttft(engine, repeats: int):
+def bench_ttft(engine, repeats: int, prompt_len: int = 1000):
+    """Cold and warm time to first token of a prompt whose first 90% is shared (a prompt that
+    fits the model: `prompt_len` at most)."""
     from cluster.types import SamplingParams
     g = torch.Generator().manual_seed(42)
     vocab = engine.model_config.vocab_size
-    shared = torch.randint(3, vocab, (900,), generator=g).tolist()
+    total = min(prompt_len, engine.max_model_len - 2)
+    shared = torch.randint(3, vocab, (total * 9 // 10,), generator=g).tolist()
     cold, warm = [], []
     for r in range(repeats):
         engine.pool.reset_prefix_cache()
-        a = shared + torch.randint(3, vocab, (100,), generator=g).tolist()
-        b = shared + torch.randint(3, vocab, (100,), generator=g).tolist()
+        a = shared + torch.randint(3, vocab, (total - len(shared),), generator=g).tolist()
+        b = shared + torch.randint(3, vocab, (total - len(shared),), generator=g).tolist()
         for prompt, sink in ((a, cold), (b, warm)):
             t0 = time.perf_counter()
             next(iter(engine.stream(prompt, SamplingParams(max_tokens=1))))
@@ -141,8 +145,9 @@ def main() -> None:
                 tag = f"{b}" + (f" {mode}" if len(engines) > 1 else "")
                 print(f"{tag:>5} | {od:>11.0f} | {hd:>9.0f} | {od / hd:>5.2f} | {op:>12.0f} | {hp:>10.0f} | "
                       f"{op / hp:>5.2f}", flush=True)
-        cold, warm = bench_ttft(engine, 3)
-        print(f"TTFT, 1000-token prompt, 90% shared prefix: cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms, "
+        total = min(1000, engine.max_model_len - 2)
+        cold, warm = bench_ttft(engine, 3, total)
+        print(f"TTFT, {total}-token prompt, 90% shared prefix: cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms, "
               f"{cold / warm:.1f}x")
 
 

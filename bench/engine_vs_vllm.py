@@ -44,7 +44,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(REPO))   # before bench/: the repo's `kernels` package, not bench/kernels.py
+sys.path.insert(0, str(REPO))   # the repository before bench/
 from servers import _end_session, cpu_list, vllm_preloads  # noqa: E402
 from vllm_offline import MARK, emit, measure  # noqa: E402
 

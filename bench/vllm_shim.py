@@ -12,8 +12,8 @@ import importlib.metadata as _md
 import os
 import sys
 
-# Python put this file's folder first on sys.path; bench/kernels.py there would shadow the
-# `kernels` package that vLLM imports.
+# Python put this file's folder first on sys.path; a bench script there must not shadow a
+# package that vLLM imports.
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 

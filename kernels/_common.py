@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+# A constexpr, not a float: a @jit function may read only constexpr globals (a plain float
+# passes the interpreter and fails the compiler: tests/kernels/test_compile.py guards it).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def interpreting() -> bool:
@@ -53,6 +55,20 @@ def autotune_configs(space: list[dict], interp_config: dict) -> list[triton.Conf
         warps, stages = entry.pop("num_warps", 4), entry.pop("num_stages", 2)
         out.append(triton.Config(entry, num_warps=warps, num_stages=stages))
     return out
+
+
+def fp32_pruner(fp32_space: list[dict]):
+    """An `early_config_prune` for triton.autotune: fp32 launches (IEEE dots, PRECISION="ieee")
+    get a space of their own. Their tiles hold twice the bytes of a 16-bit tile with no tensor
+    cores to take them, and at head dim 128 every config of the 16-bit spaces spilled (0.5-20 KB
+    of stack per thread, up to 100 s of ptxas per config: `python -m kernels.compile_check`)."""
+    fp32 = autotune_configs(fp32_space, fp32_space[0])
+
+    def prune(configs, named_args, **kwargs):
+        if interpreting() or kwargs.get("PRECISION") != "ieee":
+            return configs
+        return fp32
+    return prune
 
 
 @triton.jit

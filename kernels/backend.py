@@ -39,6 +39,7 @@ class _Section:
     partition: int | None = None  # split-KV partition (decode/verify)
     workspace: tuple | None = None
     tiles: torch.Tensor | None = None   # prefill tile map [tiles, 2]
+    block_m: int | None = None          # the rows per tile it was cut for
 
 
 @dataclass
@@ -52,9 +53,10 @@ class TritonAttentionBackend:
     table_dtype = torch.int32   # of the tables and lengths the kernels read
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 partition_size: int | None = None, invariant: bool = False):
+                 partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None):
         device = torch.device(device)
-        if device.type != "cuda" and not interpreting():
+        # "meta" plans launches without running them (kernels/compile_check.py records them).
+        if device.type not in ("cuda", "meta") and not interpreting():
             raise ValueError(f"the triton attention backend runs on CUDA devices, not {device.type} "
                              "(TRITON_INTERPRET=1 runs it on CPU, slowly, for tests)")
         self.num_heads = num_heads
@@ -65,6 +67,7 @@ class TritonAttentionBackend:
         self.device = device
         self.partition_size = partition_size   # None: chosen per step for the device
         self.invariant = invariant
+        self.block_m = block_m_for(head_dim, dtype)   # prefill tiles: smaller for fp32 (`dtype`, the cache's)
         if invariant and self.group > MAX_ROWS:
             raise ValueError(f"batch-invariant attention holds at most {MAX_ROWS} query heads per KV head")
 
@@ -101,8 +104,7 @@ class TritonAttentionBackend:
                 kind = "prefill"   # too many packed rows for one split-KV program
             plans.append((kind, max_q))
             if kind == "prefill":
-                tiles = prefill_tiles([s[1] for s in spans], [s[2] for s in spans], self.group,
-                                      block_m_for(self.head_dim))
+                tiles = prefill_tiles([s[1] for s in spans], [s[2] for s in spans], self.group, self.block_m)
                 tile_lists.append((len(ints), len(tiles)))
                 ints += [x for tile in tiles for x in tile]
             else:
@@ -119,6 +121,7 @@ class TritonAttentionBackend:
                 max_context=max(s[2] for s in spans))
             if tl_ is not None:
                 sec.tiles = flat[tl_[0]:tl_[0] + 2 * tl_[1]].view(-1, 2)
+                sec.block_m = self.block_m
             else:
                 self._plan_split(sec, len(spans))
             sections.append(sec)
@@ -188,5 +191,5 @@ class TritonAttentionBackend:
                                        s.workspace)
             else:
                 prefill_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
-                                  s.max_query_len, self.scale, window, s.tiles, out[rows])
+                                  s.max_query_len, self.scale, window, s.tiles, out[rows], s.block_m)
         return out.view(num_tokens, -1)

@@ -35,7 +35,7 @@ def _round(x, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, RNE_BITS: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, RNE_BITS: tl.constexpr, SUM_DOT: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -49,7 +49,10 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if SUM_DOT:   # the interpreter: products summed row by row, not through BLAS (see matmul)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * tl.trans(w).to(tl.float32)[None, :, :], 1)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:   # in fp32 before the one rounding, as the fused CPU kernel and cuBLAS's epilogue do
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -59,7 +62,9 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row's bits independent of the other rows: x [..., K]
     (rows may be strided, last dim contiguous), weight [N, K], bias [N]; fp32 accumulation,
-    output in x's dtype."""
+    output in x's dtype. Under the interpreter tl.dot is numpy's BLAS matmul, whose rounding of a
+    row follows its place in the tile on some CPUs (OpenBLAS on Zen 4: 10 of 16 rows of a 16x16
+    tile differ from the same row alone), so there the tile's products are summed elementwise."""
     k = x.shape[-1]
     n = weight.shape[0]
     lead = x.shape[:-1]
@@ -76,7 +81,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         _matmul_kernel[grid](x2, weight, bias if bias is not None else out, out, m, n, k,
                              x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                             PRECISION=precision, UPCAST=upcast, RNE_BITS=_rne_bits(x.dtype), **cfg)
+                             PRECISION=precision, UPCAST=upcast, RNE_BITS=_rne_bits(x.dtype),
+                             SUM_DOT=interpreting(), **cfg)
     return out.view(*lead, n)
 
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, head_block,
-                             interpreting, next_pow2)
+from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, fp32_pruner,
+                             head_block, interpreting, next_pow2)
 from kernels.prefill import prefill_attention
 
 MAX_ROWS = 128   # packed (query, head) rows one program holds; beyond, the prefill kernel tiles them
@@ -30,7 +30,11 @@ def _configs():
     return autotune_configs(space, dict(BLOCK_N=32, num_warps=4, num_stages=1))
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK_M", "BLOCK_D", "BLOCK_SIZE", "SPLIT", "IS_DECODE"])
+FP32_SPACE = [dict(BLOCK_N=64, num_warps=8, num_stages=2)]   # 80-128 registers, no spill at head dim 128
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_M", "BLOCK_D", "BLOCK_SIZE", "SPLIT", "IS_DECODE"],
+                 prune_configs_by=dict(early_config_prune=fp32_pruner(FP32_SPACE)))
 @triton.jit
 def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
                      scale, window, part_size, num_splits,
@@ -230,11 +234,16 @@ def paged_verify_attention(q, k_cache, v_cache, block_tables, query_starts, quer
                    max_query_len, max_context, scale, window, partition_size, out, workspace, False)
 
 
+PLANNING_SMS = 132   # the meta device plans for an H100/H200 SXM (the compile check's target)
+
+
 def default_partition(max_context, num_seqs, num_kv_heads, device) -> int | None:
     """Partition for this device: a small one under the interpreter so tests cover the merge."""
     if interpreting():
         return 64 if max_context > 64 else None
-    return choose_partition(max_context, num_seqs, num_kv_heads, _num_sms(torch.device(device).index))
+    device = torch.device(device)
+    sms = PLANNING_SMS if device.type == "meta" else _num_sms(device.index)
+    return choose_partition(max_context, num_seqs, num_kv_heads, sms)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, head_block, interpreting
+from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, fp32_pruner, head_block,
+                             interpreting)
 
 
 def _configs():
@@ -21,9 +22,15 @@ def _configs():
     return autotune_configs(space, dict(BLOCK_N=32, num_warps=4, num_stages=1))
 
 
-def block_m_for(head_dim: int) -> int:
-    """Rows per tile: fixed, not autotuned, because the host-built tile map depends on it."""
+FP32_SPACE = [dict(BLOCK_N=64, num_warps=8, num_stages=2)]   # with 32-row tiles: 128 registers, no spill
+
+
+def block_m_for(head_dim: int, dtype: torch.dtype | None = None) -> int:
+    """Rows per tile: fixed, not autotuned, because the host-built tile map depends on it. fp32
+    tiles are a quarter of the 16-bit ones: 64+ rows spilled at head dim 128 in every config."""
     if interpreting():
+        return 32
+    if dtype == torch.float32:
         return 32
     return 128 if head_dim <= 128 else 64
 
@@ -40,7 +47,8 @@ def prefill_tiles(query_lens: list[int], context_lens: list[int], group: int, bl
     return [(i, r) for _, i, r in tiles]
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK_M", "BLOCK_D", "BLOCK_SIZE", "GROUP"])
+@triton.autotune(configs=_configs(), key=["BLOCK_M", "BLOCK_D", "BLOCK_SIZE", "GROUP"],
+                 prune_configs_by=dict(early_config_prune=fp32_pruner(FP32_SPACE)))
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, q_starts, q_lens, tile_map,
                     scale, window,
@@ -83,17 +91,20 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, q_starts
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, max_query_len,
-                      scale, window=None, tiles=None, out=None):
+                      scale, window=None, tiles=None, out=None, block_m=None):
     """Span i owns q rows query_starts[i] .. + query_lens[i] at positions context_lens[i] -
     query_lens[i] .. context_lens[i] - 1 and attends causally to every earlier position of its
     sequence in the paged cache (its own K/V already stored). `tiles`: an int32 [n, 2] device
-    tensor from `prefill_tiles` (built on the host once per step; None builds it here, with a sync).
-    Returns [T, Hq, D]."""
+    tensor from `prefill_tiles` (built on the host once per step; None builds it here, with a sync)
+    for tiles of `block_m` rows (given with `tiles`: the map is only right for the rows it was cut
+    for). Returns [T, Hq, D]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_m = block_m_for(head_dim)
+    if (tiles is None) != (block_m is None):
+        raise ValueError("prefill_attention takes `tiles` and the `block_m` they were cut for together")
     if tiles is None:
+        block_m = block_m_for(head_dim, q.dtype)
         tiles = torch.tensor(prefill_tiles(query_lens.tolist(), context_lens.tolist(), group, block_m),
                              dtype=torch.int32, device=q.device).view(-1, 2)
     if out is None:

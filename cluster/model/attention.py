@@ -329,9 +329,11 @@ class TorchAttentionBackend:
 
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                           device: torch.device, plan: KernelPlan | None = None) -> AttentionBackend:
+                           device: torch.device, plan: KernelPlan | None = None,
+                           dtype: torch.dtype | None = None) -> AttentionBackend:
     """Registry with lazy imports: optional backends load only when chosen. The torch backend
-    follows `plan`'s decode-attention choice; both follow its batch-invariant mode."""
+    follows `plan`'s decode-attention choice; both follow its batch-invariant mode. `dtype`, the
+    KV cache's, sizes the Triton prefill tiles (smaller in fp32)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
@@ -347,7 +349,7 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
                 "attention backend 'triton' is not available in this build "
                 f"({exc}); use --attention-backend torch") from exc
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device,
-                                      invariant=plan is not None and plan.batch_invariant)
+                                      invariant=plan is not None and plan.batch_invariant, dtype=dtype)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
 
 

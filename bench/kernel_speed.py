@@ -1,6 +1,6 @@
 """The Triton attention kernels on a GPU: correctness against their torch references, then speed.
 
-    python bench/kernels.py [--peak-tbps 4.8] [--dtype bfloat16] [--skip-engine] [--smoke] [--json out.json]
+    python bench/kernel_speed.py [--peak-tbps 4.8] [--dtype bfloat16] [--skip-engine] [--smoke] [--json out.json]
 
 On CUDA:
   1. correctness: store_kv, paged decode (with and without split-KV), verification and prefill

@@ -1,0 +1,140 @@
+"""The steps the compile check records: the engine's attention steps and batch-invariant ops over
+the model shapes people serve, in every dtype the engine runs.
+
+Each case runs the real host code (the attention backend's `prepare` and `forward` on the meta
+device, `batch_invariant.matmul` and `rms_norm` on meta tensors) under
+`compile_check.record_launches`, so the launches are exactly what the backends would select:
+which kernel runs a section, split or not, BLOCK_M from the group and the verification width,
+the autotune space. The suite compiles `suite_launches()`, a subset that still covers every
+launchable kernel and every value of each constexpr the backends choose among; bench compiles
+`all_launches()`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import batch_invariant
+from kernels.backend import TritonAttentionBackend
+from kernels.compile_check import Launch, record_launches, unique
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+SHAPES = {s.name: s for s in (
+    AttentionShape("smollm2-135m", 9, 3, 64),            # the default model (stdlib-coder has the same group)
+    AttentionShape("llama3-8b", 32, 8, 128),
+    AttentionShape("qwen2.5-0.5b", 14, 2, 64),           # a group of 7
+    AttentionShape("mistral-7b", 32, 8, 128, window=4096),
+    AttentionShape("head-dim-80", 32, 32, 80),           # MHA, head dim padded to 128 lanes
+    AttentionShape("mqa-32", 32, 1, 128),                # wide verification through the prefill kernel
+)}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# The fields of cluster.model.attention.AttentionBatch and PrefillSpan that the backend reads
+# (kernels never imports cluster; tests/unit/test_compile_cases.py keeps the two in step).
+@dataclass(frozen=True)
+class Span:
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Batch:
+    num_decode: int
+    decode_context_lens: tuple[int, ...]
+    decode_block_tables: tuple[tuple[int, ...], ...]
+    prefills: tuple[Span, ...]
+    slot_mapping: torch.Tensor
+    block_size: int
+    verifies: tuple[Span, ...] = ()
+
+
+def make_batch(decodes: list[int], verifies: list[tuple[int, int]], prefills: list[tuple[int, int]],
+               block_size: int) -> Batch:
+    """decodes: context lengths; verifies and prefills: (query len, context len), laid out flat."""
+    def table(ctx: int) -> tuple[int, ...]:
+        return tuple(range(-(-ctx // block_size)))
+    spans, start = {}, len(decodes)
+    for kind, items in (("verify", verifies), ("prefill", prefills)):
+        spans[kind] = []
+        for q_len, ctx in items:
+            spans[kind].append(Span(start, q_len, ctx, table(ctx)))
+            start += q_len
+    return Batch(len(decodes), tuple(decodes), tuple(table(c) for c in decodes), tuple(spans["prefill"]),
+                 torch.empty(start, dtype=torch.long, device="meta"), block_size, tuple(spans["verify"]))
+
+
+def attention_steps(block_size: int, verify_lens: tuple[int, ...]) -> list[Batch]:
+    """A mixed short step (one pass each), a long one (split-KV), and verification spans of each
+    width (the width sets BLOCK_M; past 128 packed rows the prefill kernel takes them)."""
+    steps = [make_batch([40, 17], [(4, 50), (4, 33)], [(30, 30), (20, 100)], block_size),
+             make_batch([8192], [(5, 8192)], [], block_size)]
+    steps += [make_batch([], [(n, 200)], [], block_size) for n in verify_lens]
+    return steps
+
+
+def record_attention(shape: AttentionShape, dtype: torch.dtype, block_size: int = 16,
+                     verify_lens: tuple[int, ...] = (2, 9, 17, 33), invariant: bool = False) -> list[Launch]:
+    backend = TritonAttentionBackend(shape.num_heads, shape.num_kv_heads, shape.head_dim, "meta", invariant=invariant,
+                                     dtype=dtype)
+    with record_launches() as sink:
+        for batch in attention_steps(block_size, verify_lens):
+            meta = backend.prepare(batch)
+            tokens = batch.slot_mapping.numel()
+            q = torch.empty(tokens, shape.num_heads, shape.head_dim, dtype=dtype, device="meta")
+            # k and v arrive as views of the fused qkv projection, as the model passes them.
+            kv = torch.empty(tokens, 2, shape.num_kv_heads, shape.head_dim, dtype=dtype, device="meta")
+            cache = torch.empty(1024, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device="meta")
+            backend.forward(q, kv[:, 0], kv[:, 1], cache, cache, shape.window, meta)
+    return unique(sink)
+
+
+def record_batch_invariant(dtype: torch.dtype, hidden: int = 576, out_features: int = 1536) -> list[Launch]:
+    """The batch-invariant linear (with and without bias, one row and several) and RMSNorm
+    (with and without the residual) on meta tensors."""
+    with record_launches() as sink:
+        for rows in (1, 7):
+            x = torch.empty(rows, hidden, dtype=dtype, device="meta")
+            w = torch.empty(out_features, hidden, dtype=dtype, device="meta")
+            batch_invariant.matmul(x, w)
+            batch_invariant.matmul(x, w, torch.empty(out_features, dtype=dtype, device="meta"))
+            weight = torch.empty(hidden, dtype=dtype, device="meta")
+            batch_invariant.rms_norm(x, weight, 1e-6)
+            batch_invariant.rms_norm(x, weight, 1e-6, residual=torch.empty_like(x))
+    return unique(sink)
+
+
+def all_launches() -> list[Launch]:
+    """The whole matrix: every shape, dtype and block size 16 and 32, both attention modes."""
+    out = []
+    for dtype in DTYPES:
+        for shape in SHAPES.values():
+            for block_size in (16, 32):
+                for invariant in (False, True):
+                    out += record_attention(shape, dtype, block_size, invariant=invariant)
+        for hidden, features in ((576, 1536), (4096, 14336), (8192, 1024)):
+            out += record_batch_invariant(dtype, hidden, features)
+    return unique(out)
+
+
+def suite_launches() -> list[Launch]:
+    """The test suite's subset: the default model's shape in bf16 (every verification width, both
+    modes), the fp32 worst case for shared memory (head dim 128) and a window; fp16 once."""
+    out = record_attention(SHAPES["smollm2-135m"], torch.bfloat16)
+    out += record_attention(SHAPES["smollm2-135m"], torch.bfloat16, invariant=True)
+    out += record_attention(SHAPES["llama3-8b"], torch.float32, verify_lens=(33,))
+    out += record_attention(SHAPES["mistral-7b"], torch.float16, verify_lens=())
+    out += record_batch_invariant(torch.bfloat16)
+    return unique(out)
