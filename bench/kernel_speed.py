@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests")]
 
 from kernels import reference as ref  # noqa: E402
 from kernels.decode import default_partition, paged_decode_attention, paged_verify_attention  # noqa: E402
-from kernels.prefill import prefill_attention  # noqa: E402
+from kernels.prefill import block_m_for, prefill_attention, prefill_tiles  # noqa: E402
 from kernels.store_kv import store_kv  # noqa: E402
 
 # Peak HBM bandwidth, TB/s, by a substring of torch.cuda.get_device_name (first match wins).
@@ -87,11 +87,10 @@ def check(name, got, want, dtype, results):
     return ok
 
 
-def correctness(device, small: bool) -> list:
+def correctness(device, small: bool, dtypes=(torch.float32, torch.float16, torch.bfloat16)) -> list:
     """Every kernel against its reference: ragged lengths with block boundaries, GQA/MQA, windows."""
     results = []
     heads = [(4, 2, 16), (8, 1, 32)] if small else [(32, 8, 128), (16, 1, 64)]
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
     lens = [1, 16, 17, 100] if small else [1, 16, 17, 1000, 4097]
     for hq, hkv, d in heads:
         for dtype in dtypes:
@@ -141,14 +140,22 @@ def bench_ms(fn) -> float:
 
 
 def pinned_configs():
-    """Correctness first runs every kernel with its first autotune config only: autotuning each of
-    the many dtype/shape specializations would compile hundreds of variants. Returns a restorer."""
+    """Correctness first runs every kernel with one config (the first its pruner keeps, so fp32
+    gets its own space's): autotuning each of the many dtype/shape specializations would compile
+    hundreds of variants. Returns a restorer, which also forgets the pinned choices: the timed
+    parts share their autotune keys and must tune, not reuse the pin."""
     from kernels.decode import _split_kv_kernel
     from kernels.prefill import _prefill_kernel
-    saved = [(k, k.configs) for k in (_split_kv_kernel, _prefill_kernel)]
-    for k, configs in saved:
-        k.configs = configs[:1]
-    return lambda: [setattr(k, "configs", configs) for k, configs in saved]
+    saved = [(k, k.early_config_prune) for k in (_split_kv_kernel, _prefill_kernel)]
+    for k, prune in saved:
+        k.early_config_prune = (lambda configs, nargs, _p=prune, **kw:
+                                (_p(configs, nargs, **kw) if _p else configs)[:1])
+
+    def restore():
+        for k, prune in saved:
+            k.early_config_prune = prune
+            k.cache.clear()
+    return restore
 
 
 def decode_speed(dtype, peak, results, hq=32, hkv=8, d=128, bs=16,
@@ -188,6 +195,16 @@ def decode_speed(dtype, peak, results, hq=32, hkv=8, d=128, bs=16,
     results.append(dict(bench="verify", batch=batch, context=ctx_len, k=k, us=ms * 1e3, tbps=tbps, ok=ok))
 
 
+def prefill_call(q, kc, vc, tables, starts, qlens, ctx, max_q, scale, out):
+    """The timed prefill launch, as the backend makes it: the tile map built on the host and
+    copied to the device once, outside the timing (its .tolist() sync and copy are per step,
+    not per layer, in the engine)."""
+    block_m = block_m_for(q.shape[-1], q.dtype)
+    tiles = i32(prefill_tiles(qlens.tolist(), ctx.tolist(), q.shape[1] // kc.shape[2], block_m), q.device).view(-1, 2)
+    return lambda: prefill_attention(q, kc, vc, tables, starts, qlens, ctx, max_q, scale, tiles=tiles, out=out,
+                                     block_m=block_m)
+
+
 def prefill_speed(dtype, results, batch=4, seq=4096, hq=32, hkv=8, d=128, bs=16):
     import torch.nn.functional as F
     print(f"\nprefill attention vs SDPA, {batch} x {seq} tokens, {hq}/{hkv} heads, head dim {d}, {str(dtype)[6:]}")
@@ -201,7 +218,7 @@ def prefill_speed(dtype, results, batch=4, seq=4096, hq=32, hkv=8, d=128, bs=16)
     qf = q.reshape(-1, hq, d)
     starts, qlens = i32(starts_of([seq] * batch), DEV), i32([seq] * batch, DEV)
     out = torch.empty_like(qf)
-    ms_t = bench_ms(lambda: prefill_attention(qf, kc, vc, tables, starts, qlens, qlens, seq, d ** -0.5, out=out))
+    ms_t = bench_ms(prefill_call(qf, kc, vc, tables, starts, qlens, qlens, seq, d ** -0.5, out))
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
     sdpa = lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)  # noqa: E731
     ms_s = bench_ms(sdpa)
@@ -214,8 +231,8 @@ def prefill_speed(dtype, results, batch=4, seq=4096, hq=32, hkv=8, d=128, bs=16)
     # The same tokens as the last 1/4 of each sequence over a cached 3/4 prefix (no SDPA equivalent).
     n = seq // 4
     qp = q[:, -n:].reshape(-1, hq, d)
-    ms_p = bench_ms(lambda: prefill_attention(qp, kc, vc, tables, i32(starts_of([n] * batch), DEV),
-                                              i32([n] * batch, DEV), qlens, n, d ** -0.5))
+    ms_p = bench_ms(prefill_call(qp, kc, vc, tables, i32(starts_of([n] * batch), DEV), i32([n] * batch, DEV), qlens,
+                                 n, d ** -0.5, torch.empty_like(qp)))
     fp = 4 * batch * hq * d * n * (seq - n / 2)
     print(f"  over a cached prefix ({seq - n} cached + {n} new): {ms_p:7.3f} ms {fp / ms_p / 1e9:6.1f} TFLOP/s")
     results.append(dict(bench="prefill_prefix", batch=batch, cached=seq - n, new=n, ms=ms_p, tflops=fp / ms_p / 1e9))
@@ -268,7 +285,11 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="without CUDA: also walk the timing sections on tiny shapes under the interpreter "
                          "(tests the script, measures nothing)")
-    ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    ap.add_argument("--correctness-dtypes", nargs="+", default=["bfloat16", "float16", "float32"],
+                    choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--correctness-only", action="store_true", help="no timing sections")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also write every figure to this file, after each section (added to what it holds)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     t_start = time.perf_counter()
@@ -281,27 +302,50 @@ def main() -> int:
         name, peak = "cpu (TRITON_INTERPRET=1)", None
         print("# no CUDA device: correctness only, under the Triton interpreter on small shapes; "
               "the timings need a GPU")
-    print("correctness against kernels/reference.py")
+    results = []
+    save = Saver(args.json, dict(device=name, peak_tbps=peak), results)
+    dtypes = [getattr(torch, d) for d in args.correctness_dtypes]
+    print(f"correctness against kernels/reference.py ({', '.join(args.correctness_dtypes)})", flush=True)
     restore = pinned_configs()
-    results = correctness(DEV, small=not CUDA)
+    results += correctness(DEV, small=not CUDA, dtypes=dtypes)
     restore()
     failed = sum(not r["ok"] for r in results)
-    print(f"  {len(results) - failed} ok, {failed} failed ({time.perf_counter() - t_start:.0f} s)")
-    if CUDA:
-        decode_speed(dtype, peak, results)
-        prefill_speed(dtype, results)
-        if not args.skip_engine:
-            engine_speed(dtype, results)
-    elif args.smoke:
+    print(f"  {len(results) - failed} ok, {failed} failed ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    save()
+    if CUDA and not args.correctness_only:
+        for section in (lambda: decode_speed(dtype, peak, results), lambda: prefill_speed(dtype, results),
+                        *(() if args.skip_engine else (lambda: engine_speed(dtype, results),))):
+            section()
+            save()
+    elif args.smoke and not args.correctness_only:
         decode_speed(dtype, None, results, hq=4, hkv=2, d=16, bs=4, shapes=((3, 70), (1, 130)), verify=(2, 40, 3))
         prefill_speed(dtype, results, batch=2, seq=48, hq=4, hkv=2, d=16, bs=4)
         if not args.skip_engine:
             engine_speed(torch.float32, results, batch=2, prompt_len=12, new=3, hidden=64, layers=1, heads=(4, 2))
+        save()
     failed = sum(r.get("ok") is False for r in results)
     print(f"\n{failed} check(s) failed; {time.perf_counter() - t_start:.0f} s in all")
-    if args.json:
-        args.json.write_text(json.dumps(dict(device=name, peak_tbps=peak, results=results), indent=1))
     return 1 if failed else 0
+
+
+class Saver:
+    """Writes the figures so far after each section, so a run cut short keeps what it measured.
+    An existing file's results (an earlier run of the same check) are kept ahead of this run's."""
+
+    def __init__(self, path: Path | None, header: dict, results: list):
+        self.path, self.header, self.results = path, header, results
+        self.earlier = []
+        if path is not None and path.exists():
+            try:
+                self.earlier = json.loads(path.read_text()).get("results", [])
+            except (ValueError, AttributeError):
+                self.earlier = []
+
+    def __call__(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(dict(self.header, results=self.earlier + self.results), indent=1))
+            tmp.replace(self.path)   # whole or not at all, even when the step is killed mid-write
 
 
 if __name__ == "__main__":

@@ -164,7 +164,11 @@ def main() -> None:
     import torch
     torch.set_num_threads(1)
     copy, check, flat = memcpy_and_checksum(args.layout, args.sizes_mib, args.repeats)
-    results = {tr: run_transport(tr, args.layout, args.sizes_mib, args.repeats) for tr in args.transports}
+    print("# in-process copy, GB/s: " + ", ".join(f"{mib} MiB {copy[mib]:.2f}" for mib in args.sizes_mib), flush=True)
+    results = {}
+    for tr in args.transports:   # each transport's figures as soon as it has them: a run cut short keeps them
+        results[tr] = run_transport(tr, args.layout, args.sizes_mib, args.repeats)
+        print(f"# {tr}, GB/s: " + ", ".join(f"{mib} MiB {results[tr][mib]:.2f}" for mib in args.sizes_mib), flush=True)
     print(f"# KV pull between two processes, {args.device} arenas, layout {args.layout}, GB/s (ratio to the in-process copy of the same "
           f"segments); flat = one contiguous memcpy of as many bytes")
     head = f"{'MiB':>5} | {'flat':>6} | {'memcpy':>7} | " + " | ".join(f"{tr:>14}" for tr in args.transports)

@@ -17,6 +17,7 @@ same static buffers (the CPU tests' stand-in, and what `cuda_graphs="on"` means 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -93,6 +94,14 @@ class DecodeBucket:
         self.lens.copy_(torch.tensor([*lens, *(1,) * pad], dtype=self.lens.dtype), non_blocking=True)
 
 
+TUNE_CONTEXT = 4096   # keys each row attends in the capture's warm-up runs
+
+
+def _decode_step(model, arena: torch.Tensor, backend, bucket: DecodeBucket) -> torch.Tensor:
+    """One decode pass over `bucket`'s static buffers: what a replay runs (or captures)."""
+    return model(bucket.input_ids, bucket.positions, arena, backend, bucket.meta, bucket.logits_rows)
+
+
 class DecodeGraphs:
     """One replay per bucket size, built at start (largest first: they share CUDA's graph pool)."""
 
@@ -104,13 +113,15 @@ class DecodeGraphs:
         self.buckets: dict[int, DecodeBucket] = {}
         self.replays = 0
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        # The capture's warm-up runs are where Triton autotunes decode: rows of pad length 1 would
+        # tune for launch overhead. They attend TUNE_CONTEXT keys (all in the pad block) instead.
+        self.tune_context = min(TUNE_CONTEXT, width * block_size)
         for size in reversed(self.sizes):
             bucket = DecodeBucket(size, width, pad_block, block_size, device, backend.table_dtype)
             bucket.meta = backend.static_decode_meta(bucket.slots, bucket.tables, bucket.lens, width * block_size)
-
-            def step(b: DecodeBucket = bucket) -> torch.Tensor:
-                return model(b.input_ids, b.positions, arena, backend, b.meta, b.logits_rows)
-            bucket.replay = replay_factory(step, pool)
+            bucket.lens.fill_(self.tune_context)
+            bucket.replay = replay_factory(functools.partial(_decode_step, model, arena, backend, bucket), pool)
+            bucket.lens.fill_(1)   # pad rows again
             self.buckets[size] = bucket
         log.info("decode graphs for batch sizes %s (%s)", self.sizes, replay_factory.__name__)
 

@@ -29,8 +29,15 @@ _linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and torch.backends.mkldnn.is_available() and _linear_pointwise is not None)
+    """oneDNN's packed weights, where this CPU has them: its bf16 and fp16 paths need AVX-512
+    (bw/vl/dq) or AVX-NE-CONVERT, and refuse to pack on an AVX2-only CPU."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available() and _linear_pointwise is not None):
+        return False
+    if dtype == torch.float32:
+        return True
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    check = getattr(torch.ops.mkldnn, supported, None) if supported else None
+    return bool(check is not None and check())
 
 
 class SmallBatchLinear(nn.Module):

@@ -7,7 +7,7 @@ import torch
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.graphs import DecodeBucket, EagerReplay
+from cluster.engine.graphs import DecodeBucket, DecodeGraphs, EagerReplay
 from cluster.types import SamplingParams
 from logits_recorder import LogitsRecorder
 
@@ -33,6 +33,31 @@ def test_pad_rows_fill_the_bucket_with_the_pad_block():
     assert bucket.slots.tolist() == [22, 4, 36, 36]                       # pad rows write the pad block
     assert bucket.tables.tolist() == [[3, 5, 9], [1, 9, 9], [9, 9, 9], [9, 9, 9]]
     assert bucket.lens.tolist() == [6, 1, 1, 1]
+
+
+def test_capture_warm_up_attends_a_long_context(tiny_model_dir):
+    """The capture's warm-up runs are where Triton autotunes decode on CUDA: they attend the
+    tuning context (the model's whole context here, 256 < TUNE_CONTEXT), not pad rows of one
+    key; the buckets hold pad rows of length 1 again once captured."""
+    engine = _engine(tiny_model_dir("llama"), "on")
+    seen = []
+
+    def recording_replay(fn, pool):   # as CudaGraphReplay: warm-up runs at construction
+        bucket = fn.args[-1]
+        seen.append((bucket.size, bucket.lens.unique().tolist()))
+        assert torch.isfinite(fn()).any()
+        return EagerReplay(fn)
+    graphs = DecodeGraphs(engine.model, engine.kv_cache.arena, engine.backend, 4, engine.device, [1, 4, 8],
+                          engine.max_model_len // 4, engine.memory_plan.num_blocks, recording_replay)
+    assert graphs.tune_context == engine.max_model_len == 256
+    assert seen == [(8, [256]), (4, [256]), (1, [256])]
+    assert all(b.lens.tolist() == [1] * b.size for b in graphs.buckets.values())
+    prompts = _prompts(3, engine.model_config.vocab_size)
+    want = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    engine.runner.graphs = graphs
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == want
+    assert graphs.replays > 0
+    engine.pool.check_idle()
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

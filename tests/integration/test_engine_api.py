@@ -210,7 +210,11 @@ def test_warm_up_leaves_nothing_behind():
     from cluster.config import CacheConfig, EngineConfig
     from cluster.engine.engine import LLMEngine
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)))
+    before = engine.prompt_tokens_computed
     engine.warm_up()
+    # Prefill tunes on a prompt as long as the pool allows (half of 64 blocks of 16), not 35 tokens.
+    assert engine.warm_up_prompt_len() == 512
+    assert engine.prompt_tokens_computed - before == 512
     assert not engine.has_unfinished()
     engine.pool.check_idle()
     assert engine.pool.num_free == engine.pool.num_blocks and not any(engine.pool.block_hash)
