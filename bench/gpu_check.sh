@@ -16,6 +16,7 @@ set -u
 RESULTS="${1:-${OUT:-./gpu_results}}"
 PY="${PYTHON:-python3}"
 DEADLINE=${GPU_CHECK_DEADLINE:-575}   # seconds from the start by which every step has ended
+GRACE=${GPU_CHECK_GRACE:-15}          # seconds between a step's SIGINT and its SIGKILL
 mkdir -p "$RESULTS"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
@@ -24,21 +25,21 @@ START=$SECONDS
 
 step() {   # step NAME SECONDS COMMAND...: output to RESULTS/NAME.txt, status to RESULTS/summary.txt
   local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - (SECONDS - START) - 15))   # 15 s: the grace between SIGINT and SIGKILL
+  local left=$((DEADLINE - (SECONDS - START) - GRACE))
   if [ "$left" -lt 10 ]; then
     echo "$name skipped: the deadline is near" | tee -a "$RESULTS/summary.txt"
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
-  timeout -s INT -k 15 "$limit" "$@" >> "$RESULTS/$name.txt" 2>&1
+  timeout -s INT -k "$GRACE" "$limit" "$@" >> "$RESULTS/$name.txt" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s (limit ${limit}s)$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo ', cut at its limit')" \
     | tee -a "$RESULTS/summary.txt"
 }
 
 : > "$RESULTS/summary.txt"
-"$PY" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+timeout -k 5 60 "$PY" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" \
   >> "$RESULTS/summary.txt" 2>&1 || echo "env: no CUDA device or a package is missing" >> "$RESULTS/summary.txt"
 # 1. Kernels, bf16: correctness against the torch references, then decode attention GB/s against

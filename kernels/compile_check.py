@@ -264,13 +264,23 @@ def _compile_in_worker(launch: Launch) -> CompileReport:
     return compile_launch(launch)
 
 
+def _die_with_parent() -> None:
+    """A worker ends with the check (a timeout kills the check, not the pool's queue)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
 def compile_all(launches: list[Launch], jobs: int, progress=None) -> list[CompileReport]:
     """Compile in `jobs` fresh processes (spawned: no interpreter flag, no state of the caller)."""
     import concurrent.futures
     import multiprocessing
     reports = []
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_die_with_parent) as pool:
         for report in pool.map(_compile_in_worker, launches, chunksize=1):
             reports.append(report)
             if progress is not None:

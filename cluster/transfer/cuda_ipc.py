@@ -92,10 +92,13 @@ class CudaIpcTransport(TcpTransport):
             raise TransferError(f"unknown peer {peer!r}: add its metadata first")
         remote_ids, local_ids = self._plan(peer, remote_blocks, local_blocks, layers)
         dev = self.arena.device
-        remote_idx = torch.tensor(remote_ids, dtype=torch.long).to(dev, non_blocking=True)
-        local_idx = local_ids.to(dev, non_blocking=True)
         self._stream.wait_stream(torch.cuda.current_stream(dev))   # the KV the engine just wrote
         with torch.cuda.stream(self._stream):
+            # The index tensors are allocated on the side stream that reads them: made on the
+            # current stream, they would be freed when this returns and handed out again there
+            # before the copy ran (other blocks moved, silently, unless checksums are on).
+            remote_idx = torch.tensor(remote_ids, dtype=torch.long).to(dev, non_blocking=True)
+            local_idx = local_ids.to(dev, non_blocking=True)
             if into_local:
                 self._segments.index_copy_(0, local_idx, remote.index_select(0, remote_idx))
             else:

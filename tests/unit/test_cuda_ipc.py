@@ -66,6 +66,7 @@ def test_blocks_cross_processes_gpu_to_gpu():
         for local, remote in ((0, 1), (2, 6), (5, 3)):
             assert torch.equal(arena[:, :, local].cpu(), want[:, :, remote])
         assert not arena[:, :, 1].any()
+        _read_behind_a_busy_stream(client, peer, arena, want)
         client.notify(peer, b"done?")
         server.stdin.write("\n")
         server.stdin.flush()
@@ -73,3 +74,18 @@ def test_blocks_cross_processes_gpu_to_gpu():
     finally:
         client.close()
         server.wait(30)
+
+
+def _read_behind_a_busy_stream(client, peer, arena, want):
+    """A read queued behind other work on the transport's stream, while the current stream
+    allocates and overwrites memory at once: index tensors made on the current stream (and freed
+    when `read` returns) would be handed out again and hold 3s by the time the copy runs."""
+    with torch.cuda.stream(client._stream):
+        torch.cuda._sleep(500_000_000)   # ~0.3 s of GPU time ahead of the copy
+    x = client.read(peer, [4, 7], [6, 7])
+    junk = [torch.full((n,), 3, dtype=torch.long, device="cuda") for n in (2, 4, 8, 16, 64) for _ in range(4)]
+    while client.poll(x) is TransferStatus.PENDING:
+        pass
+    assert client.poll(x) is TransferStatus.DONE
+    assert torch.equal(arena[:, :, 6].cpu(), want[:, :, 4]) and torch.equal(arena[:, :, 7].cpu(), want[:, :, 7])
+    del junk
