@@ -83,6 +83,10 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
+        if not packing_available(weight.dtype, weight.device):
+            name = str(weight.dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float16", "fp16")
+            raise ValueError(f"the packed linear path needs oneDNN's {name} packing, which this CPU lacks "
+                             "(AVX-512 bw/vl/dq or AVX-NE-CONVERT): use a kernel plan with linear plain or fp32_upcast")
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, 1), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
