@@ -36,12 +36,16 @@ def test_a_step_cut_at_the_deadline_keeps_its_output(tmp_path):
     stub.write_text(STUB)
     stub.chmod(0o755)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=str(stub), GPU_CHECK_DEADLINE="14", GPU_CHECK_GRACE="2")
+    env = dict(os.environ, PYTHON=str(stub), GPU_CHECK_DEADLINE="20", GPU_CHECK_GRACE="2")
     proc = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0] == "stub interpreter"
-    assert re.fullmatch(r"kernels rc=137 \d+s \(limit 12s\), cut at its limit", summary[1]), summary
+    cut = re.fullmatch(r"kernels rc=137 \d+s \(limit (\d+)s\), cut at its limit", summary[1])
+    assert cut, summary
+    # The step gets what the deadline leaves after the versions line and the grace (at most 20 - 2;
+    # a step left under 10 s is skipped), however long that line took on a loaded machine.
+    assert 10 <= int(cut.group(1)) <= 18
     assert all(line.endswith("skipped: the deadline is near") for line in summary[2:]) and len(summary) == 7
     assert (out / "kernels.txt").read_text().startswith("partial figures of bench/kernel_speed.py")
     assert len(list(out.iterdir())) <= 8
