@@ -1,5 +1,5 @@
 """Torch references of every kernel, with the same signatures: plain loops over sequences, fp32
-softmax, written to be obviously right rather than fast. Tests and bench/kernels.py compare the
+softmax, written to be obviously right rather than fast. Tests and bench/kernel_speed.py compare the
 Triton kernels against these; tuning arguments (partition, tiles, workspace) are accepted and ignored.
 """
 from __future__ import annotations
