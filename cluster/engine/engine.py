@@ -123,7 +123,7 @@ class LLMEngine:
                                                     self.memory_plan.num_blocks, rows_per_seq=width)
         self._drafts: dict[Sequence, Draft] = {}
         if self.backend.name == "triton" and self.device.type == "cuda":
-            self.warm_up()
+            offline.warm_up(self)
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
                  mc.model_id, self.layout.dtype, mc.num_parameters() / 1e6, self.backend.name,
                  self.pool.num_blocks, cc.block_size)
@@ -136,24 +136,6 @@ class LLMEngine:
         sizes = [s for s in buckets.sizes if s < limit] + [buckets.bucket(limit)]
         return DecodeGraphs(model, arena, backend, bs, self.device, sizes, -(-self.max_model_len // bs), pad_block,
                             self.graph_replay)
-
-    WARM_UP_PROMPT = 2048   # tokens: prefill tunes on a chunk of this size, not on launch overhead
-
-    def warm_up_prompt_len(self) -> int:
-        """A prompt as long as a real one (WARM_UP_PROMPT), within the context, one step's token
-        budget and half the pool, so the autotuner picks the prefill config long prompts run."""
-        bs = self.config.cache.block_size
-        return max(1, min(self.WARM_UP_PROMPT, self.max_model_len - 4, self.config.scheduler.max_num_batched_tokens,
-                          self.pool.num_blocks // 2 * bs))
-
-    def warm_up(self) -> None:
-        """One request through prefill and decode before the engine reports ready, so Triton
-        compiles and autotunes on it rather than on a live request; its blocks and prefix-cache
-        entries are dropped. Decode (verification too) is tuned by the decode graphs' warm-up
-        runs over a long context; without graphs, verification widths tune at their first use."""
-        prompt = [int(self.tokenizer.token_to_id(" ") or 1)] * self.warm_up_prompt_len()
-        self.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, speculative="off"))
-        self.pool.reset_prefix_cache()
 
     def compute_setup(self) -> ComputeSetup:
         return ComputeSetup(self.kernel_plan, torch.get_num_threads(), self.config.cpus)

@@ -49,3 +49,24 @@ def generate(engine, prompts: Iterable[str | Seq[int]],
     return [Completion(rid, seqs[rid].prompt_token_ids, tuple(seqs[rid].output_token_ids),
                        "".join(texts[rid]), done[rid].finish_reason, tuple(seqs[rid].logprobs),
                        seqs[rid].num_cached_tokens) for rid in ids]
+
+
+WARM_UP_PROMPT = 2048   # tokens: prefill tunes on a chunk of this size, not on launch overhead
+
+
+def warm_up_prompt_len(engine) -> int:
+    """A prompt as long as a real one (WARM_UP_PROMPT), within the context, one step's token
+    budget and half the pool, so the autotuner picks the prefill config long prompts run."""
+    bs = engine.config.cache.block_size
+    return max(1, min(WARM_UP_PROMPT, engine.max_model_len - 4, engine.config.scheduler.max_num_batched_tokens,
+                      engine.pool.num_blocks // 2 * bs))
+
+
+def warm_up(engine) -> None:
+    """One request through prefill and decode before the engine reports ready (CUDA with
+    Triton), so Triton compiles and autotunes on it rather than on a live request; its blocks and
+    prefix-cache entries are dropped. Decode (verification too) is tuned by the decode graphs'
+    warm-up runs over a long context; without graphs, verification widths tune at their first use."""
+    prompt = [int(engine.tokenizer.token_to_id(" ") or 1)] * warm_up_prompt_len(engine)
+    generate(engine, [prompt], SamplingParams(max_tokens=3, ignore_eos=True, speculative="off"))
+    engine.pool.reset_prefix_cache()

@@ -208,12 +208,13 @@ def test_warm_up_leaves_nothing_behind():
     """The start-up warm-up (run on CUDA with Triton before the engine reports ready) leaves no
     request, no block and no prefix-cache entry."""
     from cluster.config import CacheConfig, EngineConfig
+    from cluster.engine import offline
     from cluster.engine.engine import LLMEngine
     engine = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)))
     before = engine.prompt_tokens_computed
-    engine.warm_up()
+    offline.warm_up(engine)
     # Prefill tunes on a prompt as long as the pool allows (half of 64 blocks of 16), not 35 tokens.
-    assert engine.warm_up_prompt_len() == 512
+    assert offline.warm_up_prompt_len(engine) == 512
     assert engine.prompt_tokens_computed - before == 512
     assert not engine.has_unfinished()
     engine.pool.check_idle()
