@@ -17,7 +17,10 @@ from cluster.model.model_config import load_model_config
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
+from router.admission import AdmissionConfig
+from router.connections import ConnectionLimits
 from router.health import is_actor_death
+from router.validation import RequestBounds
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,11 @@ class ClusterConfig:
     ray_token_file: str | None = None   # the Ray cluster's auth token, when joining one (RAY_AUTH_TOKEN_PATH)
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
-    max_in_flight: int = 256
+    # What a request may cost, who gets an in-flight slot, how long a connection may idle or trickle
+    # (router/validation.py, router/admission.py, router/connections.py).
+    bounds: RequestBounds = RequestBounds()
+    admission: AdmissionConfig = AdmissionConfig()
+    connections: ConnectionLimits = ConnectionLimits()
     frontends: int = 1          # gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers
     stream_interval: int = 1    # tokens per stream message (vLLM's --stream-interval)
     kv_checksums: bool = True   # per-block checksums on every handoff (xxh3 on host memory, a sum on device)
@@ -47,6 +54,7 @@ class ClusterConfig:
     cluster_secret: object = None
     tls_client_ca: bytes | None = None   # PEM: require client certificates signed by it (mTLS, gRPC and HTTP)
     metrics_port: int | None = None
+    metrics_host: str | None = None     # the scrape port's own bind address (None: `host`)
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # (private key, certificate chain), PEM
     worker_cpus: float = 1.0
     # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources). None: one GPU each
@@ -60,6 +68,16 @@ class ClusterConfig:
     http_port: int | None = None        # the OpenAI-compatible HTTP API beside gRPC (None: off)
     chat_template: str | None = None    # a Jinja file overriding the model's chat template
     served_model_name: str | None = None   # the model's name in both APIs (default: its directory's)
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token's text can cover (a bound for refusing an over-long text
+    prompt without tokenizing it). One more than the longest token's decoded text: a SentencePiece
+    token's leading space is dropped when it is decoded alone."""
+    longest = 0
+    for token_id in range(tokenizer.get_vocab_size()):
+        longest = max(longest, len(tokenizer.decode([token_id], skip_special_tokens=False).encode()))
+    return longest + 1
 
 
 def actor_class(cls):
@@ -292,6 +310,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     from prefill.worker import PrefillWorker  # noqa: PLC0415
     from router.frontend import Frontend, FrontendConfig, RayWorkerClient  # noqa: PLC0415
     from router.validation import Limits  # noqa: PLC0415
+    from cluster.model.loader import load_tokenizer  # noqa: PLC0415
 
     started = False
     if not ray.is_initialized():
@@ -308,7 +327,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     secret = cfg.cluster_secret or Secret(os.urandom(32))
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
     # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
-    data_slots = cfg.max_in_flight * cfg.frontends + 32
+    data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
     prefill, decode = {}, {}
     for i, share in enumerate(shares):
         role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
@@ -332,7 +351,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                     max_tokens_limit=cfg.max_tokens_limit,
                     spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
                     max_speculative_tokens=spec.max_speculative_tokens,
-                    default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit))
+                    default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
+                    max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))
     info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
             "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
             "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
@@ -341,7 +361,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     fcfg = FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, host=cfg.host,
                           port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
                           block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
-                          local_prefill_max_tokens=cfg.local_prefill_max_tokens, max_in_flight=cfg.max_in_flight,
+                          local_prefill_max_tokens=cfg.local_prefill_max_tokens, admission=cfg.admission,
+                          connections=cfg.connections,
                           api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca, transport=cfg.transport, roles=roles,
                           poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
                           http_port=cfg.http_port, http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
@@ -369,7 +390,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         await asyncio.gather(*(f.wait_ready.remote() for f in actors))
     supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roles, metas,
                                                   metrics, fcfg.poll_timeout_s))
-    metrics_server = metrics.serve(cfg.metrics_port, cfg.host) if cfg.metrics_port is not None else None
+    metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host) if cfg.metrics_port is not None else None
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)

@@ -145,7 +145,48 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", default=None, metavar="YAML",
                      help="YAML file of these options (keys as the flags, with underscores); flags given "
                           "on the command line win")
+    srv.add_argument("--metrics-host", default=None, help="address the --metrics-port binds to (default: --host)")
+    for title, cls in _limit_groups():
+        _add_dataclass_flags(srv.add_argument_group(title), cls)
     return parser
+
+
+def _limit_groups():
+    from router.admission import AdmissionConfig  # noqa: PLC0415
+    from router.connections import ConnectionLimits  # noqa: PLC0415
+    from router.validation import RequestBounds  # noqa: PLC0415
+    return (("request bounds (a request past one gets 400 naming it)", RequestBounds),
+            ("admission (in-flight slots, per tenant)", AdmissionConfig),
+            ("connections (HTTP and gRPC timeouts and limits)", ConnectionLimits))
+
+
+def _flag(name: str) -> str:
+    """A limit's flag: its field name with dashes, seconds' `_s` dropped (--queue-timeout)."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def _optional_int(text) -> int | None:
+    return None if text in (None, "none", "None") else int(text)
+
+
+def _add_dataclass_flags(group, cls) -> None:
+    """One flag per field of a limits dataclass, its default the dataclass's own (one place)."""
+    import dataclasses  # noqa: PLC0415
+    for f in dataclasses.fields(cls):
+        kind = {"int": int, "float": float, "int | None": _optional_int}[str(f.type)]
+        unit = " (seconds)" if f.name.endswith("_s") else ""
+        group.add_argument(_flag(f.name), dest=_dest(f.name), type=kind, default=f.default,
+                           metavar="SECONDS" if unit else "N", help=f"default {f.default}{unit}")
+
+
+def _dest(name: str) -> str:
+    return _flag(name)[2:].replace("-", "_")
+
+
+def _limits_from_args(args) -> dict:
+    import dataclasses  # noqa: PLC0415
+    return {key: cls(**{f.name: getattr(args, _dest(f.name)) for f in dataclasses.fields(cls)})
+            for key, (_, cls) in zip(("bounds", "admission", "connections"), _limit_groups())}
 
 
 def _json_resources(text) -> dict:
@@ -250,7 +291,8 @@ def _cluster_config(args):
                          worker_cpus=args.worker_cpus, worker_gpus=args.worker_gpus, frontends=args.frontends,
                          stream_interval=args.stream_interval, stall_timeout_s=args.stall_timeout,
                          kv_checksums=_switch(args.kv_checksums, "kv-checksums"), http_port=args.http_port,
-                         chat_template=args.chat_template, served_model_name=args.served_model_name)
+                         chat_template=args.chat_template, served_model_name=args.served_model_name,
+                         metrics_host=args.metrics_host, **_limits_from_args(args))
 
 
 def cmd_serve(args) -> int:

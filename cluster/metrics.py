@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 PREFIX = "splitserve_"
@@ -177,6 +177,9 @@ class ClusterMetrics:
                                      ["tenant"], registry=r)
         self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason and tenant",
                                 ["reason", "tenant"], registry=r)
+        self.refused = Counter(PREFIX + "requests_refused", "requests refused before any work (router/admission.py), "
+                               "by reason and tenant", ["reason", "tenant"], registry=r)
+        self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot", registry=r)
         self._requests = r
 
     def request_samples(self) -> list:

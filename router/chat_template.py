@@ -20,6 +20,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
+_RENDER_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tools"})   # the renderer's own
+
+
 class ChatTemplateError(ValueError):
     """A chat request or template that cannot be rendered; `field` is what to name in the 400."""
 
@@ -172,9 +175,15 @@ class ChatTemplate:
         return cls(source=source, bos_token=_token(config.get("bos_token")),
                    eos_token=_token(config.get("eos_token")), origin=origin)
 
-    def render(self, messages, add_generation_prompt: bool = True, tools=None, **extra) -> str:
-        """The prompt for `messages`; ChatTemplateError (naming the field) when it cannot be made."""
+    def render(self, messages, add_generation_prompt: bool = True, tools=None, extra: dict | None = None) -> str:
+        """The prompt for `messages`; ChatTemplateError (naming the field) when it cannot be made.
+        `extra`: the request's chat_template_kwargs (template variables)."""
         checked = _check_messages(messages)
+        extra = extra or {}
+        taken = sorted(set(extra) & _RENDER_ARGUMENTS)
+        if taken:
+            raise ChatTemplateError("chat_template_kwargs", f"may not set {', '.join(taken)}: give them as the request's "
+                                                            "own fields")
         if tools is not None and not isinstance(tools, list):
             raise ChatTemplateError("tools", "must be a list")
         template = _compile(self.source)

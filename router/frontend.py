@@ -16,6 +16,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from router.admission import AdmissionConfig
+from router.connections import ConnectionLimits
+
 log = logging.getLogger(__name__)
 
 
@@ -123,7 +126,8 @@ class FrontendConfig:
     block_size: int = 16
     colocated: bool = False
     local_prefill_max_tokens: int = 32
-    max_in_flight: int = 256
+    admission: AdmissionConfig = AdmissionConfig()
+    connections: ConnectionLimits = ConnectionLimits()
     api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
@@ -151,6 +155,7 @@ class Frontend:
         from cluster.metrics import ClusterMetrics  # noqa: PLC0415
         from cluster.model.loader import load_tokenizer  # noqa: PLC0415
         from cluster.token_stream import TokenReceiver  # noqa: PLC0415
+        from router.offload import batch_tokenize  # noqa: PLC0415
         from router.policy import make_policy  # noqa: PLC0415
         from router.router import Router, RouterConfig  # noqa: PLC0415
         from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
@@ -164,20 +169,22 @@ class Frontend:
         await receiver.start()
         self.router = Router(RouterConfig(block_size=cfg.block_size, colocated=cfg.colocated,
                                           local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-                                          max_in_flight=cfg.max_in_flight, stall_timeout_s=cfg.stall_timeout_s),
+                                          stall_timeout_s=cfg.stall_timeout_s),
                              make_policy(cfg.policy), prefill, decode,
                              receiver, metrics=self.metrics)
         tokenizer = load_tokenizer(cfg.model_dir)
-        self.service = InferenceService(self.router, cfg.limits, lambda t: tokenizer.encode(t, add_special_tokens=True).ids,
-                                        cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self)
+        self.service = InferenceService(self.router, cfg.limits, batch_tokenize(tokenizer, add_special_tokens=True),
+                                        cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,
+                                        admission=cfg.admission)
         self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
-                                                         client_ca=cfg.tls_client_ca)
+                                                         client_ca=cfg.tls_client_ca, connections=cfg.connections)
         if cfg.http_port is not None:
             from router.chat_template import ChatTemplate  # noqa: PLC0415
             from router.http_server import OpenAIServer  # noqa: PLC0415
             template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
             registry = self.metrics.registry if self.metrics.has_workers else None
-            self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry)
+            self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry,
+                                     connections=cfg.connections)
             await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port, tls=cfg.tls,
                                   client_ca=cfg.tls_client_ca)
         if cfg.poll_stats_s is not None:
@@ -233,8 +240,10 @@ class Frontend:
         if self._ready_task is not None:
             self._ready_task.cancel()
         await self.service.set_serving(False)
+        self.service.admission.close()
         await self.router.shutdown()
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace=1.0)
         await self.router.receiver.stop()
+        self.service.offload.close()

@@ -6,11 +6,16 @@ same keys, same metrics. Starlette on uvicorn, in the frontend's own event loop.
   GET  /metrics                                     (the cluster's, where this frontend holds them)
 
 Statuses: 400 naming the bad field (router/openai_protocol.py runs the gRPC validation), 401
-without a valid `Authorization: Bearer` key when keys are set (hmac.compare_digest), 404 for an
-unknown model, 413 for a body over the limit (counted while it is read, whatever Content-Length
-says), 429 when the in-flight limit is reached, 503 while no worker can serve (not ready, shutting
-down). A client that disconnects, mid-stream or while waiting for a whole response, aborts its
-requests on every worker.
+without a valid `Authorization: Bearer` key when keys are set (hmac.compare_digest; `/metrics`
+too), 404 for an unknown model, 408 for a body not received within its timeout, 413 for a body
+over the limit (counted while it is read, whatever Content-Length says), 429 when no in-flight slot
+frees up in time (router/admission.py), 503 while no worker can serve (not ready, shutting down).
+A client that disconnects, mid-stream or while waiting for a whole response, aborts its requests
+on every worker.
+
+A request's order of work, cheapest first: key, body (bounded in size and time), JSON (parsed off
+the loop), its sample count against the bounds, admission (a slot for every sample), and only then
+tokenization and template rendering (off the loop, router/offload.py).
 """
 from __future__ import annotations
 
@@ -27,9 +32,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cluster.errors import RequestError, error_message
+from router.admission import Admission, Refused, RefusedWhy, Ticket
+from router.connections import ConnectionLimits, guarded_h11
+from router.offload import Offload, batch_tokenize
+from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
+    parse_completion, samples_needed, usage
 from router.router import merge_streams
-from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, parse_chat, parse_completion, \
-    usage
+from router.validation import clip
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +55,20 @@ class _QuietServer(uvicorn.Server):
 
 
 class OpenAIServer:
-    def __init__(self, service, tokenizer, chat_template, max_body_bytes: int = 4 << 20, metrics_registry=None):
-        """`service`: the frontend's gRPC InferenceService (router, limits, keys, metrics)."""
+    def __init__(self, service, tokenizer, chat_template, metrics_registry=None,
+                 connections: ConnectionLimits = ConnectionLimits()):
+        """`service`: the frontend's gRPC InferenceService (router, limits, keys, metrics, admission
+        and the validation pool, shared by both APIs)."""
         self.service = service
         self.router = service.router
         self.limits = service.limits
+        self.admission: Admission = service.admission
+        self.offload: Offload = service.offload
         self.tokenizer = tokenizer
+        self.tokenize_rendered = batch_tokenize(tokenizer, add_special_tokens=False)
         self.chat_template = chat_template
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = service.limits.bounds.max_body_bytes
+        self.connections = connections
         self.metrics_registry = metrics_registry
         self._token_text: dict[int, str] = {}
         self.logprobs = LogprobFormatter(self.token_text)
@@ -86,8 +101,11 @@ class OpenAIServer:
         if client_ca and not tls:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
         context = _ssl_context(tls, client_ca) if tls else None
+        limits = self.connections
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, timeout_keep_alive=30,
+                                timeout_graceful_shutdown=2, http=guarded_h11(limits),
+                                timeout_keep_alive=limits.http_idle_timeout_s,
+                                limit_concurrency=limits.http_max_connections,
                                 ssl_context_factory=(lambda _config, _default: context) if context else None)
         self.server = _QuietServer(config)
         self._task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
@@ -122,10 +140,10 @@ class OpenAIServer:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def _not_found(self, request, exc) -> JSONResponse:
-        return JSONResponse(ApiError(404, f"no route {request.url.path}").body(), status_code=404)
+        return JSONResponse(ApiError(404, f"no route {clip(request.url.path)}").body(), status_code=404)
 
     async def _not_allowed(self, request, exc) -> JSONResponse:
-        return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+        return JSONResponse(ApiError(405, f"{request.method} is not allowed on {clip(request.url.path)}",
                                      type_="invalid_request_error").body(), status_code=405)
 
     def _authorize(self, request: Request) -> str:
@@ -142,24 +160,31 @@ class OpenAIServer:
             raise ApiError(413, f"the body has {declared} bytes; the limit is {self.max_body_bytes}")
         data = bytearray()
         try:
-            async for chunk in request.stream():
-                data += chunk
-                if len(data) > self.max_body_bytes:
-                    raise ApiError(413, f"the body is over the limit of {self.max_body_bytes} bytes")
+            async with asyncio.timeout(self.connections.http_body_timeout_s):
+                async for chunk in request.stream():
+                    data += chunk
+                    if len(data) > self.max_body_bytes:
+                        raise ApiError(413, f"the body is over the limit of {self.max_body_bytes} bytes")
         except ClientDisconnect:
             raise ApiError(400, "the client disconnected before sending the whole body") from None
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.connections.http_body_timeout_s:g}s",
+                           code="request_timeout") from None
+        return await self._offload(_parse_json, bytes(data), self.limits.bounds.max_json_depth)
 
-    def _admit(self, job: Job) -> None:
-        r = self.router
-        if r.closing:
+    async def _offload(self, fn, *args):
+        try:
+            return await self.offload.run(fn, *args)
+        except Refused as exc:
+            raise _refusal(exc) from None
+
+    async def _admit(self, tenant: str, slots: int) -> Ticket:
+        if self.router.closing:
             raise ApiError(503, "the server is shutting down; retry on another replica", code="unavailable")
-        if r.in_flight + job.num_requests > r.config.max_in_flight:
-            raise ApiError(429, f"the server is at its limit of {r.config.max_in_flight} requests in flight "
-                                f"(this one needs {job.num_requests}); retry later", code="overloaded")
+        try:
+            return await self.admission.acquire(tenant, slots)
+        except Refused as exc:
+            raise _refusal(exc) from None
 
     # --- routes ---------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -169,6 +194,7 @@ class OpenAIServer:
                             status_code=503)
 
     async def metrics(self, request: Request) -> Response:
+        self._authorize(request)      # tenant names and their counts: not for anyone who can reach the port
         if self.metrics_registry is None:
             raise ApiError(404, "metrics are served on the --metrics-port of the driver")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
@@ -185,22 +211,36 @@ class OpenAIServer:
     async def model(self, request: Request) -> Response:
         self._authorize(request)
         if request.path_params["model"] != self.limits.model_id:
-            raise ApiError(404, f"The model `{request.path_params['model']}` does not exist", param="model",
+            raise ApiError(404, f"The model {clip(request.path_params['model'])} does not exist", param="model",
                            code="model_not_found")
         return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
         tenant = self._authorize(request)
         body = await self._body(request)
-        job = parse_completion(body, self.limits, self.service.tokenize, self._detokenize, tenant)
-        return await self._serve(job, request)
+        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.COMPLETIONS))
+        return await self._parse_and_serve(ticket, request, parse_completion, body, self.limits,
+                                           self.service.tokenize, self._detokenize, tenant)
 
     async def chat(self, request: Request) -> Response:
         tenant = self._authorize(request)
         body = await self._body(request)
-        job = parse_chat(body, self.limits, self.chat_template,
-                         lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids, tenant)
-        return await self._serve(job, request)
+        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.CHAT))
+        return await self._parse_and_serve(ticket, request, parse_chat, body, self.limits, self.chat_template,
+                                           self.tokenize_rendered, tenant)
+
+    async def _parse_and_serve(self, ticket: Ticket, request: Request, parse, *args) -> Response:
+        """Tokenize and render off the loop, then serve; the ticket's slots go back when the last
+        sample's stream ends (or at once, if it never starts)."""
+        handed_over = False
+        try:
+            job = await self._offload(parse, *args)
+            response = await self._serve(job, request, ticket)
+            handed_over = isinstance(response, _StreamWithSlots)
+            return response
+        finally:
+            if not handed_over:
+                self.admission.release(ticket)
 
     def _detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -211,14 +251,14 @@ class OpenAIServer:
         streams = [self.router.generate(g.requests[0], g.requests[1:]) for g in job.groups]
         return streams[0] if len(streams) == 1 else merge_streams(streams)
 
-    async def _serve(self, job: Job, request: Request) -> Response:
-        self._admit(job)
+    async def _serve(self, job: Job, request: Request, ticket: Ticket) -> Response:
         index = {r.request_id: g.first_index + j for g in job.groups for j, r in enumerate(g.requests)}
         trackers = {r.request_id: self.service.metrics.track(r) if self.service.metrics else None
                     for g in job.groups for r in g.requests}
         if job.stream:
-            return StreamingResponse(self._events(job, index, trackers), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+            return _StreamWithSlots(lambda: self.admission.release(ticket), self._events(job, index, trackers),
+                                    media_type="text/event-stream",
+                                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         run = asyncio.ensure_future(self._collect(job, index, trackers))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -328,6 +368,40 @@ class OpenAIServer:
         if job.return_token_ids:
             chunk["token_ids"] = list(d.token_ids)
         return [chunk]
+
+
+class _StreamWithSlots(StreamingResponse):
+    """A streamed response that gives its request's in-flight slots back however it ends: done,
+    failed, cancelled by a client that left, or never started."""
+
+    def __init__(self, release, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _parse_json(data: bytes, max_depth: int):
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, f"the body nests deeper than {max_depth} levels") from None
+    check_body(body, max_depth)
+    return body
+
+
+def _refusal(exc: Refused) -> ApiError:
+    if exc.why is RefusedWhy.TOO_LARGE:
+        return ApiError(400, str(exc), param="n", code="too_many_samples")
+    if exc.why is RefusedWhy.SHUTTING_DOWN:
+        return ApiError(503, str(exc), code="unavailable")
+    return ApiError(429, str(exc), code="overloaded")
 
 
 def _ssl_context(tls: tuple[bytes, bytes], client_ca: bytes | None):

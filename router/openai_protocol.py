@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate, ChatTemplateError
-from router.validation import Limits, ValidationError, validate
+from router.validation import Limits, ValidationError, clip, validate
 
-MAX_N = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
-MAX_PROMPTS = 256
+INT32_MAX = 2**31 - 1
 
 
 class ApiError(Exception):
@@ -30,10 +29,11 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None):
+        message = message if len(message) <= 1024 else message[:1024] + "..."   # never a client's value at length
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+                              408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -86,6 +86,23 @@ def _field(body: dict, name: str, types, default=None, *, nullable: bool = True)
     return value
 
 
+def _int(body: dict, name: str, lo: int, hi: int, default=None):
+    value = _field(body, name, int, default)
+    if value is not None and not lo <= value <= hi:
+        raise _err(name, f"must be in [{lo}, {hi}], got {clip(value)}")
+    return value
+
+
+def _number(body: dict, name: str, default=None):
+    value = _field(body, name, (int, float), default)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        raise _err(name, f"is out of range: {clip(value)}") from None
+
+
 def _type_names(types) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
              dict: "an object"}
@@ -118,21 +135,21 @@ def _refuse_unsupported(body: dict) -> None:
         raise _err("best_of", "is not supported (only best_of == n)")
 
 
-def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
+def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, limits: Limits):
     sp = pb.SamplingParams(
-        temperature=float(_field(body, "temperature", (int, float), 1.0)),
-        top_k=int(_field(body, "top_k", int, 0)), min_p=float(_field(body, "min_p", (int, float), 0.0)),
-        ignore_eos=bool(_field(body, "ignore_eos", bool, False)),
+        temperature=_number(body, "temperature", 1.0), top_k=_int(body, "top_k", -1, INT32_MAX, 0),
+        min_p=_number(body, "min_p", 0.0), ignore_eos=bool(_field(body, "ignore_eos", bool, False)),
         cache_salt=_field(body, "cache_salt", str, ""), speculative=_field(body, "speculative", str, ""))
-    if (top_p := _field(body, "top_p", (int, float))) is not None:
-        sp.top_p = float(top_p)
-    if (rp := _field(body, "repetition_penalty", (int, float))) is not None:
-        sp.repetition_penalty = float(rp)
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int, max_tokens_default)
+    if (top_p := _number(body, "top_p")) is not None:
+        sp.top_p = top_p
+    if (rp := _number(body, "repetition_penalty")) is not None:
+        sp.repetition_penalty = rp
+    max_tokens = _field(body, "max_completion_tokens", int)
+    max_tokens = _field(body, "max_tokens", int, max_tokens_default) if max_tokens is None else max_tokens
     if max_tokens is not None:
         if max_tokens < 1:
-            raise _err("max_tokens", f"must be at least 1, got {max_tokens}")
-        sp.max_tokens = min(max_tokens, 2**31 - 1)
+            raise _err("max_tokens", f"must be at least 1, got {clip(max_tokens)}")
+        sp.max_tokens = min(max_tokens, INT32_MAX)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
@@ -141,6 +158,8 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
     stop_ids = _field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise _err("stop_token_ids", "expected an array of integers")
+    if not all(0 <= t < limits.vocab_size for t in stop_ids):
+        raise _err("stop_token_ids", f"ids must be in [0, {limits.vocab_size})")
     sp.stop_token_ids.extend(stop_ids)
     if logprobs is not None:
         sp.logprobs = logprobs
@@ -148,12 +167,13 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None):
     if k == "auto":
         sp.auto_lookahead = True
     elif k is not None:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise _err("num_speculative_tokens", "expected a positive integer or \"auto\"")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= limits.max_speculative_tokens:
+            raise _err("num_speculative_tokens", f"expected an integer in [1, {limits.max_speculative_tokens}] "
+                                                 "or \"auto\"")
         sp.num_speculative_tokens = k
     if (seed := _field(body, "seed", int)) is not None:
         if not 0 <= seed < 2**63:
-            raise _err("seed", f"must be a non-negative 63-bit integer, got {seed}")
+            raise _err("seed", f"must be a non-negative 63-bit integer, got {clip(seed)}")
         sp.seed = seed
     return sp
 
@@ -170,29 +190,65 @@ def _validated(proto, limits: Limits, tokenize, prompt_param: str, tenant: str) 
         raise ApiError(400, f"{param}{str(exc)[len(exc.field):]}", param=param) from None
 
 
-def _prompts(value) -> list[str | list[int]]:
+def _prompts(value, vocab_size: int) -> list[str | list[int]]:
     """OpenAI's prompt: a string, an array of strings, an array of token ids, or an array of those."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return [value]
-        if all(isinstance(p, str) for p in value):
+            prompts = [value]
+        elif all(isinstance(p, str) for p in value):
             return list(value)
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in value):
-            return list(value)
+        elif all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                 for p in value):
+            prompts = list(value)
+        else:
+            prompts = None
+        if prompts is not None:
+            if not all(0 <= t < vocab_size for p in prompts for t in p):
+                raise _err("prompt", f"token ids must be in [0, {vocab_size})")
+            return prompts
     raise _err("prompt", "expected a non-empty string, array of strings, array of token ids, or array of those")
+
+
+def samples_needed(body, limits: Limits, endpoint: Endpoint) -> int:
+    """The in-flight slots a body asks for (prompts x n), checked against the request bounds:
+    cheap, so that admission comes before any tokenization."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    b = limits.bounds
+    n = _int(body, "n", 1, b.max_n, 1)
+    prompts = 1
+    if endpoint is Endpoint.COMPLETIONS:
+        value = body.get("prompt")
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            prompts = len(value)
+    if prompts * n > b.max_samples_per_request:
+        raise _err("n" if prompts == 1 else "prompt",
+                   f"{prompts} prompt(s) x n={n} is {prompts * n} samples; a request may have at most "
+                   f"{b.max_samples_per_request} (--max-samples-per-request)")
+    return prompts * n
+
+
+def _memo(tokenize):
+    """Tokenize each distinct text once (a prompt's `n` samples share it)."""
+    done: dict[str, list[int]] = {}
+
+    def once(text: str) -> list[int]:
+        if text not in done:
+            done[text] = tokenize(text)
+        return done[text]
+    return once
 
 
 def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
             max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str) -> tuple[PromptGroup, ...]:
-    n = _field(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise _err("n", f"must be in [1, {MAX_N}], got {n}")
-    if len(prompts) > MAX_PROMPTS:
-        raise _err("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
-    base = _sampling(body, max_tokens_default, logprobs)
+    n = _int(body, "n", 1, limits.bounds.max_n, 1)
+    if len(prompts) * n > limits.bounds.max_samples_per_request:
+        raise _err("prompt", f"{len(prompts)} prompt(s) x n={n} is over the limit of "
+                             f"{limits.bounds.max_samples_per_request} samples per request (--max-samples-per-request)")
+    base = _sampling(body, max_tokens_default, logprobs, limits)
+    tokenize = _memo(tokenize) if tokenize is not None else None
     rid = uuid.uuid4().hex
     groups = []
     for p, prompt in enumerate(prompts):
@@ -215,12 +271,43 @@ def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
     return tuple(groups)
 
 
+def check_body(body, max_depth: int) -> None:
+    """A parsed JSON body holds no lone surrogate (JSON's "\\ud800" escape, which no UTF-8 text can
+    hold) in any key or string, and nests at most `max_depth` deep; the 400 names the first place."""
+    stack = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > max_depth:
+            raise _err(_path(path) or "body", f"nests deeper than {max_depth} levels")
+        if isinstance(value, str):
+            _utf8(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _utf8(k, path)
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, depth + 1, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1, (*path, i)) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+
+
+def _utf8(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _err(_path(path) or "body", "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+                                          "send valid Unicode") from None
+
+
+def _path(path: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
+
+
 def _common(body: dict, limits: Limits) -> tuple[str, bool, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = _field(body, "model", str, limits.model_id)
     if model != limits.model_id:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{limits.model_id}`",
+        raise ApiError(404, f"The model {clip(model)} does not exist; this server serves `{limits.model_id}`",
                        param="model", code="model_not_found")
     _refuse_unsupported(body)
     stream = bool(_field(body, "stream", bool, False))
@@ -232,11 +319,9 @@ def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "
     model, stream, usage = _common(body, limits)
     if "prompt" not in body:
         raise _err("prompt", "is required")
-    logprobs = _field(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise _err("logprobs", f"must be in [0, 20], got {logprobs}")
+    logprobs = _int(body, "logprobs", 0, limits.bounds.max_logprobs)
     echo = bool(_field(body, "echo", bool, False))
-    groups = _groups(body, _prompts(body["prompt"]), limits, tokenize, detokenize,
+    groups = _groups(body, _prompts(body["prompt"], limits.vocab_size), limits, tokenize, detokenize,
                      min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_limit), logprobs, echo, "prompt", tenant)
     return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
@@ -251,12 +336,13 @@ def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_ren
     try:
         text = template.render(body.get("messages"),
                                add_generation_prompt=bool(_field(body, "add_generation_prompt", bool, True)),
-                               tools=body.get("tools"), **_field(body, "chat_template_kwargs", dict, {}))
+                               tools=body.get("tools"), extra=_field(body, "chat_template_kwargs", dict, {}))
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
-    top = _field(body, "top_logprobs", int)
-    if top is not None and not 0 <= top <= 20:
-        raise _err("top_logprobs", f"must be in [0, 20], got {top}")
+    if limits.surely_too_long(text):
+        raise _err("messages", f"the conversation has {len(text)} characters, more than the model's context of "
+                               f"{limits.max_model_len} tokens can hold")
+    top = _int(body, "top_logprobs", 0, limits.bounds.max_logprobs)
     logprobs = (top or 0) if _field(body, "logprobs", bool, False) else None
     if top is not None and logprobs is None:
         raise _err("top_logprobs", "needs logprobs: true")

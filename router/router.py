@@ -47,7 +47,6 @@ class RouterConfig:
     colocated: bool = False
     local_prefill_max_tokens: int = 32       # prompts this short are prefilled on the decode worker
     local_prefill_cached_fraction: float = 0.9  # ... and so are prompts this cached there
-    max_in_flight: int = 256
     final_delta_grace_s: float = 30.0        # after a stream's call returns, its last frame must arrive
     stall_timeout_s: float = 60.0            # work queued and no engine step this long: stuck
     unavailable_wait_s: float = 120.0        # how long a request waits for a routable worker

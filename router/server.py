@@ -1,10 +1,12 @@
 """The gRPC front door: splitserve.v1.Inference, grpc.health.v1 and server reflection.
 
-Each RPC validates first (INVALID_ARGUMENT naming the field), refuses work past the in-flight limit
-(RESOURCE_EXHAUSTED), honours the client's deadline (DEADLINE_EXCEEDED, and the request stops on
+Each RPC decodes its message itself (a malformed one is INVALID_ARGUMENT, not a traceback), takes
+an in-flight slot (router/admission.py: a fair, bounded wait, then RESOURCE_EXHAUSTED), validates
+off the event loop (INVALID_ARGUMENT naming the field; router/offload.py), honours the client's deadline (DEADLINE_EXCEEDED, and the request stops on
 every worker) and aborts everywhere when the client cancels. A worker's refusal of the request
 itself (`RequestError`) keeps its own code; a server that cannot serve it (no worker, shutting
-down) answers UNAVAILABLE. gRPC health says NOT_SERVING until every worker has loaded and been
+down) answers UNAVAILABLE. Request ids are scoped per tenant: two tenants may use the same one.
+Error messages are cut to `MAX_DETAILS` characters (they travel in the trailers). gRPC health says NOT_SERVING until every worker has loaded and been
 handshaken (`set_serving`); requests that arrive before then wait for it, within their deadline.
 """
 from __future__ import annotations
@@ -20,15 +22,22 @@ from cluster.errors import RequestError, error_message
 from cluster.secrets import as_api_keys, authenticate
 from cluster.types import FinishReason, TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
-from proto.splitserve.v1 import inference_pb2_grpc as pb_grpc
+from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
+from router.connections import ConnectionLimits, grpc_options
+from router.offload import Offload
 from router.router import Router
-from router.validation import Limits, ValidationError, validate
+from router.validation import Limits, ValidationError, scoped_id, validate
 
 log = logging.getLogger(__name__)
 
 _REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
             FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 SERVICE_NAME = "splitserve.v1.Inference"
+MAX_DETAILS = 1024
+
+
+async def _abort(context, code: grpc.StatusCode, message: str):
+    await context.abort(code, message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "...")
 
 
 def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
@@ -47,12 +56,15 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
     return msg
 
 
-class InferenceService(pb_grpc.InferenceServicer):
+class InferenceService:
     def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple = (),
-                 metrics=None, siblings=None):
+                 metrics=None, siblings=None, admission: AdmissionConfig = AdmissionConfig(),
+                 offload: Offload | None = None):
         """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
-        process does not own to the other frontends."""
+        process does not own to the other frontends. `tokenize` runs in the `offload` pool."""
         self.router = router
+        self.admission = Admission(admission, metrics)
+        self.offload = offload or Offload()
         self.limits = limits
         self.tokenize = tokenize
         self.info = info
@@ -81,15 +93,30 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
+        if self.router.closing:
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         try:
-            req = validate(request, self.limits, self.tokenize, tenant)
+            ticket = await self.admission.acquire(tenant, 1)
+        except Refused as exc:
+            code = grpc.StatusCode.UNAVAILABLE if exc.why is RefusedWhy.SHUTTING_DOWN else \
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+            await _abort(context, code, str(exc))
+        try:
+            async for msg in self._generate(request, context, tenant):
+                yield msg
+        finally:
+            self.admission.release(ticket)
+
+    async def _generate(self, request, context, tenant: str):
+        try:
+            req = await self.offload.run(validate, request, self.limits, self.tokenize, tenant)
         except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self.router.in_flight >= self.router.config.max_in_flight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server is at its limit of {self.router.config.max_in_flight} requests; retry later")
-        if req.request_id in self.router.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req.request_id!r} is already running")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Refused as exc:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if req.request_id in self.router.active:     # the same tenant's own id: ids are scoped per tenant
+            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
+        client_id = request.request_id or req.request_id
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         stream = self.router.generate(req)
@@ -108,17 +135,19 @@ class InferenceService(pb_grpc.InferenceServicer):
                 produced += len(delta.token_ids)
                 if tracker:
                     tracker.tokens(len(delta.token_ids), delta)
-                yield to_proto(delta, produced)
+                msg = to_proto(delta, produced)
+                msg.request_id = client_id
+                yield msg
         except TimeoutError:
             timed_out = True
         except RequestError as exc:      # the request's fault, found by a worker
             if tracker:
                 tracker.finish("error")
-            await context.abort(grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
+            await _abort(context, grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
         except Exception as exc:  # noqa: BLE001 - no worker could serve it, or the server is stopping
             if tracker:
                 tracker.finish("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, error_message(exc))
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, error_message(exc))
         finally:
             await stream.aclose()               # stops the request on every worker
             if tracker and not tracker.done:
@@ -129,9 +158,10 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Abort(self, request, context):
         """Only the owner's tenant may abort a request; another's is answered as an unknown id."""
         tenant = await self._authorize(context)
+        rid = scoped_id(tenant, request.request_id)
         if self.siblings is not None:
-            return pb.AbortResponse(found=await self.siblings.abort_anywhere(request.request_id, tenant))
-        return pb.AbortResponse(found=await self.router.abort(request.request_id, tenant))
+            return pb.AbortResponse(found=await self.siblings.abort_anywhere(rid, tenant))
+        return pb.AbortResponse(found=await self.router.abort(rid, tenant))
 
     async def ListModels(self, request, context):
         await self._authorize(context)
@@ -143,14 +173,40 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.ServerInfoResponse(**self.info)
 
 
-async def start_grpc_server(service: InferenceService, host: str, port: int, max_message_bytes: int = 4 << 20,
-                            tls: tuple[bytes, bytes] | None = None,
-                            client_ca: bytes | None = None) -> tuple[grpc.aio.Server, int]:
+_METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),
+            "ListModels": (pb.ListModelsRequest, False), "ServerInfo": (pb.ServerInfoRequest, False)}
+
+
+async def _decode(cls, raw: bytes, context):
+    try:
+        return cls.FromString(raw)
+    except Exception:  # noqa: BLE001 - DecodeError, or invalid UTF-8 in a string field
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {cls.DESCRIPTOR.full_name}")
+
+
+def _handler(method, cls, streaming: bool):
+    """A method handler that takes the raw bytes, so that a malformed message is the client's
+    INVALID_ARGUMENT (grpc's own deserializer turns it into UNKNOWN with a traceback)."""
+    response = getattr(pb, cls.__name__.replace("Request", "Response")).SerializeToString
+    if streaming:
+        async def unary_stream(raw, context):
+            async for msg in method(await _decode(cls, raw, context), context):
+                yield msg
+        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=response)
+
+    async def unary_unary(raw, context):
+        return await method(await _decode(cls, raw, context), context)
+    return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=response)
+
+
+async def start_grpc_server(service: InferenceService, host: str, port: int,
+                            tls: tuple[bytes, bytes] | None = None, client_ca: bytes | None = None,
+                            connections: ConnectionLimits = ConnectionLimits()) -> tuple[grpc.aio.Server, int]:
     """`tls`: (private key, certificate chain), PEM; `client_ca`: with it, mutual TLS (a client
     without a certificate signed by that CA fails the handshake)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.max_send_message_length", max_message_bytes)])
-    pb_grpc.add_InferenceServicer_to_server(service, server)
+    server = grpc.aio.server(options=grpc_options(connections, service.limits.bounds.max_message_bytes))
+    handlers = {name: _handler(getattr(service, name), cls, streaming) for name, (cls, streaming) in _METHODS.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -4,17 +4,39 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.types import GenerateRequest, SamplingParams
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_ECHO_CHARS = 64      # a client's value quoted in an error message is cut to this
+
+
+def clip(value, limit: int = MAX_ECHO_CHARS) -> str:
+    """`repr(value)`, cut: an error message never echoes a client's value at any length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ValidationError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one request may cost: every bound is a setting (`splitserve serve --help`), and a
+    request past one gets 400 / INVALID_ARGUMENT naming it."""
+    max_stop_strings: int = 32          # OpenAI allows 4
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_n: int = 64                     # samples per prompt
+    max_samples_per_request: int = 64   # prompts x n: the in-flight slots one request takes
+    max_logprobs: int = 20              # OpenAI's limit for top_logprobs
+    max_body_bytes: int = 4 << 20       # HTTP body
+    max_message_bytes: int = 4 << 20    # gRPC message
+    max_json_depth: int = 32            # nesting of a JSON body (chat content parts, tool schemas)
 
 
 @dataclass(frozen=True)
@@ -26,6 +48,13 @@ class Limits:
     default_max_tokens: int = 256
     spec_methods: tuple[str, ...] = ("off", "ngram")   # what the decode workers have loaded
     max_speculative_tokens: int = 8
+    bounds: RequestBounds = field(default_factory=RequestBounds)
+    max_token_bytes: int = 0     # the vocabulary's longest token in UTF-8 bytes (0: unknown)
+
+    def surely_too_long(self, text: str) -> bool:
+        """A text that must tokenize past the context, known without tokenizing it (each token
+        covers at most `max_token_bytes` bytes): refused before it costs a tokenizer pass."""
+        return self.max_token_bytes > 0 and len(text) > self.max_token_bytes * self.max_model_len
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
@@ -34,13 +63,14 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
 
 def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
     has = msg.HasField
+    _check_stops(msg, limits)
     max_tokens = msg.max_tokens if has("max_tokens") else limits.default_max_tokens
     if max_tokens > limits.max_tokens_limit:
         raise ValidationError("sampling.max_tokens",
                               f"{max_tokens} exceeds the server's limit of {limits.max_tokens_limit}")
     speculative = msg.speculative or None
     if speculative is not None and speculative not in limits.spec_methods:
-        raise ValidationError("sampling.speculative", f"{speculative!r} is not available on this server; choose "
+        raise ValidationError("sampling.speculative", f"{clip(speculative)} is not available on this server; choose "
                                                       f"one of {', '.join(limits.spec_methods)} or leave it unset")
     lookahead = msg.WhichOneof("lookahead")
     k = None if lookahead is None else ("auto" if lookahead == "auto_lookahead" else msg.num_speculative_tokens)
@@ -64,6 +94,29 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
         raise ValidationError(f"sampling.{field}" if field != "sampling" else field, text) from exc
 
 
+def _check_stops(msg, limits: Limits) -> None:
+    b = limits.bounds
+    if len(msg.stop) > b.max_stop_strings:
+        raise ValidationError("sampling.stop", f"at most {b.max_stop_strings} stop strings (--max-stop-strings), "
+                                               f"got {len(msg.stop)}")
+    long = next((s for s in msg.stop if len(s) > b.max_stop_string_chars), None)
+    if long is not None:
+        raise ValidationError("sampling.stop", f"a stop string may have at most {b.max_stop_string_chars} characters "
+                                               f"(--max-stop-string-chars), got one of {len(long)}")
+    if len(msg.stop_token_ids) > b.max_stop_token_ids:
+        raise ValidationError("sampling.stop_token_ids", f"at most {b.max_stop_token_ids} ids, "
+                                                         f"got {len(msg.stop_token_ids)}")
+    bad = [t for t in msg.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValidationError("sampling.stop_token_ids", f"ids must be in [0, {limits.vocab_size}); got {bad[:5]}")
+
+
+def scoped_id(tenant: str, request_id: str) -> str:
+    """The id a request runs under: the client's, within its tenant's own namespace, so that
+    two tenants may use one id and neither learns of, or blocks, the other's."""
+    return f"{len(tenant)}:{tenant}/{request_id}" if tenant else request_id
+
+
 def tenant_salt(tenant: str, salt: str) -> str | None:
     """The prefix cache is partitioned per tenant: its name salts every block hash (with the
     client's own `cache_salt` inside it), so no tenant can hit, or time, another's cached prefix."""
@@ -78,13 +131,16 @@ def validate(req, limits: Limits, tokenize: Callable[[str], list[int]], tenant: 
     if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         raise ValidationError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable characters")
     if req.model and req.model != limits.model_id:
-        raise ValidationError("model", f"{req.model!r} is not served here; this server serves {limits.model_id!r}")
+        raise ValidationError("model", f"{clip(req.model)} is not served here; this server serves {limits.model_id!r}")
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise ValidationError("prompt", "set either text or token_ids")
     if kind == "text":
         if not req.text:
             raise ValidationError("prompt.text", "is empty")
+        if limits.surely_too_long(req.text):
+            raise ValidationError("prompt", f"has {len(req.text)} characters, more than the model's context of "
+                                            f"{limits.max_model_len} tokens can hold")
         ids = tokenize(req.text)
     else:
         ids = list(req.token_ids.ids)
@@ -97,5 +153,5 @@ def validate(req, limits: Limits, tokenize: Callable[[str], list[int]], tenant: 
         raise ValidationError("prompt", f"has {len(ids)} tokens but the model's context is {limits.max_model_len} "
                                         "tokens (at least one must be left to generate)")
     sampling = _sampling(req.sampling, limits, tenant)
-    return GenerateRequest(request_id=rid, prompt_token_ids=tuple(ids), sampling=sampling, model=limits.model_id,
+    return GenerateRequest(request_id=scoped_id(tenant, rid), prompt_token_ids=tuple(ids), sampling=sampling, model=limits.model_id,
                            tenant=tenant)

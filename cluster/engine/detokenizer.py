@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
+from cluster.engine.stop_matcher import StopMatcher
+
 _CONTEXT = 6  # prompt tokens decoded as context so the first output token gets its leading space right
 
 
@@ -20,6 +22,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = tuple(stop)
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self.text = ""        # all final output text so far
         self.emitted = 0      # chars of `text` already returned to the caller
         self.stopped = False
@@ -39,25 +42,15 @@ class IncrementalDetokenizer:
         return self._release(final)
 
     def _release(self, final: bool) -> str:
-        if self.stop and not self.stopped:
-            start = max(0, self.emitted - max(len(s) for s in self.stop))
-            cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+        end = len(self.text)
+        if self._matcher is not None and not self.stopped:
+            cut = self._matcher.feed(self.text)
             if cut >= 0:
                 self.text = self.text[:cut]
                 self.stopped = True
-        end = len(self.text)
-        if self.stop and not self.stopped and not final:
-            end -= self._held_back()
+                end = cut
+            elif not final:
+                end -= self._matcher.held_back    # it may yet become a stop string
         out = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best

@@ -1,9 +1,9 @@
 """The disaggregated cluster as users meet it: real Ray actors, real gRPC on 127.0.0.1, real NIXL."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
+import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -136,15 +136,15 @@ def test_deadline_exceeded_stops_the_request(cluster):
 
 
 def test_overload_answers_resource_exhausted(cluster):
-    router = cluster.cluster.router
-    old = router.config.max_in_flight
-    router.config.max_in_flight = 0
+    admission = cluster.cluster.frontend.service.admission
+    old = admission.cfg
+    admission.cfg = dataclasses.replace(old, max_in_flight=0)
     try:
         with pytest.raises(grpc.RpcError) as info:
             Client(cluster.target).generate("x", max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
-        router.config.max_in_flight = old
+        admission.cfg = old
 
 
 def test_api_key_required_when_configured(cluster):

@@ -241,8 +241,9 @@ def test_errors_have_openai_shapes_and_statuses(served):
     assert e.value.body["code"] == "model_not_found"
     status, body = _post(served, "/v1/completions", b" " * (5 << 20))
     assert status == 413 and body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(openai.RateLimitError):          # 5 prompts x n=64 over the 256 in flight
+    with pytest.raises(openai.BadRequestError) as e:    # 5 prompts x n=64: over one request's share
         api.completions.create(model=model, prompt=["a"] * 5, n=64, max_tokens=1)
+    assert e.value.body["param"] == "prompt" and "--max-samples-per-request" in e.value.body["message"]
     assert all(s["blocks_used"] == 0 for s in served.wait_idle())
 
 
@@ -286,7 +287,11 @@ def test_models_health_and_not_serving_while_shutting_down(served):
     resp = conn.getresponse()
     resp.read()
     assert resp.status == 200
-    conn.request("GET", "/metrics")                      # the cluster's series, on the same port
+    conn.request("GET", "/metrics")                      # tenant names and counts: behind the key
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 401
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})   # the cluster's series
     resp = conn.getresponse()
     assert resp.status == 200 and b"splitserve_prompt_tokens_computed" in resp.read()
     served.run(served.cluster.router.shutdown())        # what stopping the server does first

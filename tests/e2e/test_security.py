@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -139,8 +140,12 @@ def test_usage_metrics_name_tenants_never_keys(served, pki):
     with open(served.tmp_client_pem, "wb") as f:
         f.write(pki["client"][1] + pki["client"][0])
     ctx.load_cert_chain(served.tmp_client_pem)
-    text = urllib.request.urlopen(f"https://127.0.0.1:{served.cluster.http_port}/metrics", context=ctx,
-                                  timeout=10).read().decode()
+    url = f"https://127.0.0.1:{served.cluster.http_port}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as e:     # the API port's metrics name tenants: a key is needed
+        urllib.request.urlopen(url, context=ctx, timeout=10)
+    assert e.value.code == 401
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEYS['beta']}"})
+    text = urllib.request.urlopen(request, context=ctx, timeout=10).read().decode()
     assert 'tenant="alpha"' in text and 'tenant="beta"' in text
     assert not any(k in text for k in KEYS.values())
 

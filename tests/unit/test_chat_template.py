@@ -171,7 +171,7 @@ def test_globals_filters_and_extra():
                   "|{{ {'é': [1]} | tojson }}|{{ {'a': 1} | tojson(indent=2) }}|{{ strftime_now('%Y') | length }}"
                   "|{{ enable_thinking }}|{{ tools | length }}")
     out = t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-                   tools=[{"n": 1}], enable_thinking=False)
+                   tools=[{"n": 1}], extra={"enable_thinking": False})
     assert out == 'a|{"é": [1]}|{\n  "a": 1\n}|4|False|1'
 
 

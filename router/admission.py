@@ -1,0 +1,153 @@
+"""Who gets an in-flight slot: a bounded, tenant-fair share of the frontend's requests.
+
+Every sample of a request (OpenAI's prompts x n; one for gRPC) takes a slot from the moment it is
+admitted until its stream ends. A request is admitted at once when its slots are free and nobody
+waits; otherwise it waits in a bounded queue, for at most `queue_timeout_s`, and then gets 429 /
+RESOURCE_EXHAUSTED. When slots free up they go to the waiting tenant that holds the fewest (its
+oldest request first): a tenant that floods the server waits behind every quieter tenant, never
+the other way round. A tenant may also be capped outright (`max_in_flight_per_tenant`).
+
+Admission comes before the expensive work (tokenization, template rendering): a request that
+cannot be admitted costs only its body's parse.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_in_flight: int = 256                 # slots of one frontend (vLLM: --max-num-seqs is the engine's)
+    max_in_flight_per_tenant: int | None = None   # None: a tenant may take every slot nobody else waits for
+    max_queued: int = 256                    # requests waiting for slots; beyond this, refused at once
+    queue_timeout_s: float = 30.0            # how long a request waits for slots before 429
+
+
+class RefusedWhy(enum.Enum):
+    TOO_LARGE = "too_large"          # more slots than it could ever get (a 400: the client must change it)
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class Refused(Exception):
+    def __init__(self, why: RefusedWhy, message: str):
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Slots held by one request; give them back with `Admission.release` exactly once."""
+    tenant: str
+    slots: int
+
+
+class _Waiter:
+    __slots__ = ("tenant", "slots", "future", "since")
+
+    def __init__(self, tenant: str, slots: int, future: asyncio.Future):
+        self.tenant, self.slots, self.future, self.since = tenant, slots, future, time.monotonic()
+
+
+class Admission:
+    def __init__(self, cfg: AdmissionConfig, metrics=None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.in_use = 0
+        self.by_tenant: Counter[str] = Counter()
+        self.waiting: list[_Waiter] = []
+        self.closed = False
+
+    @property
+    def tenant_cap(self) -> int:
+        cap = self.cfg.max_in_flight_per_tenant
+        return self.cfg.max_in_flight if cap is None else min(cap, self.cfg.max_in_flight)
+
+    def _fits(self, tenant: str, slots: int) -> bool:
+        return self.in_use + slots <= self.cfg.max_in_flight and self.by_tenant[tenant] + slots <= self.tenant_cap
+
+    async def acquire(self, tenant: str, slots: int) -> Ticket:
+        """Slots for one request, now or after a wait in the fair queue; raises `Refused`."""
+        if self.closed:
+            raise self._refuse(tenant, RefusedWhy.SHUTTING_DOWN, "the server is shutting down; retry on another replica")
+        if slots > self.tenant_cap:
+            raise self._refuse(tenant, RefusedWhy.TOO_LARGE,
+                               f"this request needs {slots} in-flight slots (one per prompt and sample) but the server "
+                               f"gives a tenant at most {self.tenant_cap} (--max-in-flight"
+                               f"{'-per-tenant' if self.tenant_cap < self.cfg.max_in_flight else ''}); split it")
+        if not self.waiting and self._fits(tenant, slots):
+            return self._grant(tenant, slots)
+        if len(self.waiting) >= self.cfg.max_queued or self.cfg.queue_timeout_s <= 0:
+            raise self._refuse(tenant, RefusedWhy.QUEUE_FULL,
+                               f"the server is at its limit of {self.cfg.max_in_flight} requests in flight and "
+                               f"{len(self.waiting)} waiting; retry later")
+        waiter = _Waiter(tenant, slots, asyncio.get_running_loop().create_future())
+        self.waiting.append(waiter)
+        self._gauge()
+        try:
+            # shield: a timeout or a cancelled client must not cancel a grant that just happened
+            async with asyncio.timeout(self.cfg.queue_timeout_s):
+                return await asyncio.shield(waiter.future)
+        except TimeoutError:
+            self._abandon(waiter)
+            raise self._refuse(tenant, RefusedWhy.QUEUE_TIMEOUT,
+                               f"no in-flight slot freed up within {self.cfg.queue_timeout_s:g}s (the server is at "
+                               f"its limit of {self.cfg.max_in_flight}); retry later") from None
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """A waiter that stops waiting: out of the queue, or, if it was granted meanwhile, its slots back."""
+        if waiter.future.done():
+            if not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result())
+        else:
+            waiter.future.cancel()
+            self.waiting.remove(waiter)
+            self._gauge()
+
+    def close(self) -> None:
+        """Shutting down: waiters are refused, and so is every later request."""
+        self.closed = True
+        for w in list(self.waiting):
+            w.future.set_exception(Refused(RefusedWhy.SHUTTING_DOWN, "the server is shutting down"))
+        self.waiting.clear()
+        self._gauge()
+
+    def _refuse(self, tenant: str, why: RefusedWhy, message: str) -> Refused:
+        if self.metrics is not None:
+            self.metrics.refused.labels(reason=why.value, tenant=tenant).inc()
+        return Refused(why, message)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queued.set(len(self.waiting))
+
+    def _grant(self, tenant: str, slots: int) -> Ticket:
+        self.in_use += slots
+        self.by_tenant[tenant] += slots
+        return Ticket(tenant, slots)
+
+    def release(self, ticket: Ticket) -> None:
+        self.in_use -= ticket.slots
+        self.by_tenant[ticket.tenant] -= ticket.slots
+        if self.by_tenant[ticket.tenant] <= 0:
+            del self.by_tenant[ticket.tenant]
+        self._wake()
+
+    def _wake(self) -> None:
+        """Grant waiting requests while any fits: the tenant holding fewest slots first, then the oldest."""
+        while self.waiting:
+            fitting = [w for w in self.waiting if self._fits(w.tenant, w.slots)]
+            if not fitting:
+                return
+            w = min(fitting, key=lambda w: (self.by_tenant[w.tenant], w.since))
+            self.waiting.remove(w)
+            self._gauge()
+            w.future.set_result(self._grant(w.tenant, w.slots))

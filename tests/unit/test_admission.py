@@ -1,0 +1,104 @@
+"""Admission's policy: slots are never over-granted or lost, a flooding tenant waits behind a quiet
+one, the queue is bounded in length and in time, and a waiter that leaves gives back what it was
+granted (asyncio, no cluster: this is the policy alone)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _settle():
+    for _ in range(5):          # a grant reaches its waiter through a few callbacks
+        await asyncio.sleep(0)
+
+
+def test_fair_queue_serves_the_quiet_tenant_before_the_flooder():
+    async def go():
+        a = Admission(AdmissionConfig(max_in_flight=4, queue_timeout_s=5))
+        held = [await a.acquire("flood", 1) for _ in range(4)]
+        order = []
+
+        async def wait(tenant):
+            t = await a.acquire(tenant, 1)
+            order.append(tenant)
+            return t
+        flood = [asyncio.ensure_future(wait("flood")) for _ in range(3)]
+        await asyncio.sleep(0)
+        quiet = asyncio.ensure_future(wait("quiet"))       # arrives last
+        await asyncio.sleep(0)
+        assert len(a.waiting) == 4
+        a.release(held.pop())
+        await _settle()
+        assert order == ["quiet"]                        # holds 0 slots: it goes first
+        for t in held:
+            a.release(t)
+        tickets = await asyncio.gather(*flood, quiet)
+        for t in tickets:
+            a.release(t)
+        assert a.in_use == 0 and not a.by_tenant and not a.waiting
+    _run(go())
+
+
+def test_queue_bounds_timeouts_and_too_large():
+    async def go():
+        a = Admission(AdmissionConfig(max_in_flight=2, max_queued=1, queue_timeout_s=0.05,
+                                      max_in_flight_per_tenant=2))
+        t = await a.acquire("x", 2)
+        with pytest.raises(Refused) as e:
+            await a.acquire("x", 3)
+        assert e.value.why is RefusedWhy.TOO_LARGE and "--max-in-flight" in str(e.value)
+        waiter = asyncio.ensure_future(a.acquire("y", 1))
+        await asyncio.sleep(0)
+        with pytest.raises(Refused) as e:
+            await a.acquire("z", 1)
+        assert e.value.why is RefusedWhy.QUEUE_FULL
+        with pytest.raises(Refused) as e:
+            await waiter
+        assert e.value.why is RefusedWhy.QUEUE_TIMEOUT
+        a.release(t)
+        assert a.in_use == 0 and not a.waiting
+    _run(go())
+
+
+def test_per_tenant_cap_leaves_room_for_others():
+    async def go():
+        a = Admission(AdmissionConfig(max_in_flight=4, max_in_flight_per_tenant=2, queue_timeout_s=0.05))
+        mine = [await a.acquire("big", 1), await a.acquire("big", 1)]
+        with pytest.raises(Refused):
+            await a.acquire("big", 1)                     # over its cap: waits, then times out
+        other = await a.acquire("small", 2)               # the rest is still there for others
+        for t in (*mine, other):
+            a.release(t)
+        assert a.in_use == 0
+    _run(go())
+
+
+def test_a_cancelled_waiter_leaves_nothing_behind_even_if_granted_meanwhile():
+    async def go():
+        a = Admission(AdmissionConfig(max_in_flight=1, queue_timeout_s=5))
+        t = await a.acquire("x", 1)
+        waiter = asyncio.ensure_future(a.acquire("y", 1))
+        await asyncio.sleep(0)
+        a.release(t)                 # grants the waiter ...
+        waiter.cancel()              # ... which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert a.in_use == 0 and not a.waiting and not a.by_tenant
+        t = await a.acquire("x", 1)
+        queued = asyncio.ensure_future(a.acquire("z", 1))
+        await asyncio.sleep(0)
+        a.close()                    # shutting down: the waiter is refused, and so is what comes later
+        for attempt in (queued, a.acquire("z", 1)):
+            with pytest.raises(Refused) as e:
+                await attempt
+            assert e.value.why is RefusedWhy.SHUTTING_DOWN
+        a.release(t)
+        assert a.in_use == 0 and not a.waiting
+    _run(go())
