@@ -11,14 +11,22 @@ to quiet, and the worst `/health` latency seen meanwhile (the frontend's event l
 under 100 ms). Attacks:
 
   stop_flood         completions with the most stop strings allowed (32 x 256 chars), 4 at once,
-                     and the original 5,000 x 400 (2 MB), which is refused up front
-  validation_flood   the largest body the bounds allow (64 prompts of 900 characters), 2 at once;
-                     the original 256 prompts x n=64 and a 3.9 MB text prompt, refused up front
+                     and the original 5,000 x 400 (2 MB), which is refused up front;
+  stop_control       the same 4 completions without stop strings: the load alone, so that
+                     stop_flood / stop_control is what the stop strings cost
+  validation_flood   costly validation the bounds allow: 4 MB bodies of 64 prompts of random words
+                     that tokenize past the context, and 4 MB chat conversations of 8,000
+                     messages (rendered, then refused), 2 at once; the original 256 prompts x
+                     n=64 and a 3.9 MB single prompt, refused up front
   malformed          the bodies that used to answer 500 (huge numbers, lone surrogates, deep JSON,
                      template argument collisions), in a loop
-  slowloris          200 connections trickling header bytes, and 50 that send nothing
-  slot_hog           the attacker's tenant keeps its requests of 64 samples in flight, 2 at once
-                     (the original 256-prompt request is refused up front)
+  slowloris          200 connections trickling header bytes, and 50 that send nothing (the phase
+                     lasts until the server has closed them all, or 60 s)
+  slot_hog           the attacker's tenant keeps 4 requests of n=16 samples in flight (the original
+                     256-prompt request is refused up front); not an attack the bounds refuse but
+                     load they admit: it shares the engine's batch with the victim, which only a
+                     per-tenant cap (--max-in-flight-per-tenant) limits
+Extra server flags go after `--`, e.g. `-- --max-in-flight-per-tenant 16`.
 Writes hostile.json to --out.
 """
 from __future__ import annotations
@@ -28,8 +36,10 @@ import http.client
 import json
 import os
 import platform
+import random
 import socket
 import statistics
+import string
 import sys
 import tempfile
 import threading
@@ -41,14 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from servers import SERVED_NAME, start_splitserve  # noqa: E402
 
 ATTACKER, VICTIM = "sk-attacker-0123456789", "sk-victim-0123456789"
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 BIG = "1" + "0" * 400
 
 
-def _post(addr, body, key: str, timeout: float = 120.0) -> int:
+def _post(addr, body, key: str, timeout: float = 120.0, path: str = "/v1/completions") -> int:
     conn = http.client.HTTPConnection(*addr, timeout=timeout)
     try:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        conn.request("POST", "/v1/completions", body=data,
+        conn.request("POST", path, body=data,
                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
         r = conn.getresponse()
         r.read()
@@ -120,12 +132,22 @@ def _once(addr, body) -> int:
     return _post(addr, body, ATTACKER)
 
 
+def _chat(addr, body) -> int:
+    return _post(addr, body, ATTACKER, path="/v1/chat/completions")
+
+
 def _attacks(addr) -> dict:
     stops = [f"{i:04d}" + "s" * 252 for i in range(32)]
     flood = {"model": SERVED_NAME, "prompt": "x", "max_tokens": 64, "ignore_eos": True, "stop": stops}
+    control = {k: v for k, v in flood.items() if k != "stop"}
     original_stops = {"model": SERVED_NAME, "prompt": "x", "stop": ["s" * 400] * 5000}
-    largest = {"model": SERVED_NAME, "prompt": ["word " * 180] * 64, "max_tokens": 1}
-    samples = {"model": SERVED_NAME, "prompt": "def f():\n", "n": 64, "max_tokens": 16, "ignore_eos": True}
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(2, 9))) for _ in range(5000)]
+    too_long = {"model": SERVED_NAME, "max_tokens": 1,      # 3.8 MB, each prompt past the context
+                "prompt": [" ".join(rng.choice(words) for _ in range(10_000))[:60_000] for _ in range(64)]}
+    chat = {"model": SERVED_NAME, "max_tokens": 1,
+            "messages": [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(80))[:480]}] * 8000}
+    samples = {"model": SERVED_NAME, "prompt": "def f():\n", "n": 16, "max_tokens": 16, "ignore_eos": True}
     malformed = [b'{"prompt": "x", "temperature": %s}' % BIG.encode(), b'{"prompt": "x", "top_k": 1099511627776}',
                  b'{"prompt": [2147483648]}', b'{"prompt": "\\ud800"}', b"[" * 10000 + b"]" * 10000,
                  b'{"messages": [], "chat_template_kwargs": {"messages": 1}}']
@@ -133,12 +155,13 @@ def _attacks(addr) -> dict:
     return {
         "stop_flood": ([lambda: _once(addr, flood)] * 4,
                        {"original 5,000 x 400 stop strings": _once(addr, original_stops)}),
-        "validation_flood": ([lambda: _once(addr, largest)] * 2, {
+        "stop_control": ([lambda: _once(addr, control)] * 4, {}),
+        "validation_flood": ([lambda: _once(addr, too_long), lambda: _chat(addr, chat)], {
             "original 256 prompts x n=64": _once(addr, {"prompt": ["y" * 900] * 256, "n": 64}),
             "3.9 MB text prompt": _once(addr, {"prompt": "def f(x):\n    return x\n" * 160_000})}),
         "malformed": ([lambda: _once(addr, malformed[next(counter) % len(malformed)])], {}),
         "slowloris": ([], {}),
-        "slot_hog": ([lambda: _once(addr, samples)] * 2,
+        "slot_hog": ([lambda: _once(addr, samples)] * 4,
                      {"original 256-prompt request": _once(addr, {"prompt": ["z"] * 256, "max_tokens": 1})}),
     }
 
@@ -151,7 +174,7 @@ def _slowloris(addr, stop: threading.Event) -> dict:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         socks.append(s)
     start, closed_at = time.monotonic(), {}
-    while not stop.is_set() and len(closed_at) < len(socks):
+    while time.monotonic() - start < 60 and len(closed_at) < len(socks):
         for i, s in enumerate(socks):
             if i in closed_at:
                 continue
@@ -179,6 +202,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--out", default="bench-out/hostile")
+    p.add_argument("server_args", nargs="*", help="more `splitserve serve` flags (after --)")
     args = p.parse_args()
     from cluster.config import default_model_dir
     model = Path(args.model) if args.model else default_model_dir()
@@ -187,14 +211,18 @@ def main() -> int:
     keys = Path(tempfile.mkdtemp()) / "keys"
     keys.write_text(f"attacker:{ATTACKER}\nvictim:{VICTIM}\n")
     os.chmod(keys, 0o600)
+    template = keys.parent / "chatml.jinja"        # the default model has none: the chat attack needs one
+    template.write_text(CHATML)
     server = start_splitserve(args.mode, model, out / "server.log", args.threads,
-                              extra_args=["--api-key-file", str(keys), "--max-tokens-limit", "256"])
+                              extra_args=["--api-key-file", str(keys), "--max-tokens-limit", "256",
+                                          "--chat-template", str(template),
+                                          *args.server_args])
     try:
         addr = tuple(server.target.removeprefix("http://").split(":"))
         addr = (addr[0], int(addr[1]))
         _run_phase(addr, 2.0, [])                                # warm-up
         results = {"machine": platform.processor() or platform.machine(), "cpu": _cpu_model(),
-                   "mode": args.mode, "quiet": _run_phase(addr, args.seconds, [])}
+                   "mode": args.mode, "server_args": args.server_args, "quiet": _run_phase(addr, args.seconds, [])}
         for name, (attackers, up_front) in _attacks(addr).items():
             if name == "slowloris":
                 stop = threading.Event()
@@ -202,8 +230,7 @@ def main() -> int:
                 t = threading.Thread(target=lambda: held.update(_slowloris(addr, stop)))
                 t.start()
                 phase = _run_phase(addr, args.seconds, [])
-                stop.set()
-                t.join(60)
+                t.join(90)
                 phase["connections"] = held
             else:
                 phase = _run_phase(addr, args.seconds, attackers)

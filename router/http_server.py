@@ -154,7 +154,7 @@ class OpenAIServer:
                            code="invalid_api_key")
         return tenant
 
-    async def _body(self, request: Request):
+    async def _body(self, request: Request, tenant: str):
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"the body has {declared} bytes; the limit is {self.max_body_bytes}")
@@ -170,11 +170,11 @@ class OpenAIServer:
         except TimeoutError:
             raise ApiError(408, f"the body did not arrive within {self.connections.http_body_timeout_s:g}s",
                            code="request_timeout") from None
-        return await self._offload(_parse_json, bytes(data), self.limits.bounds.max_json_depth)
+        return await self._offload(tenant, _parse_json, bytes(data), self.limits.bounds.max_json_depth)
 
-    async def _offload(self, fn, *args):
+    async def _offload(self, tenant: str, fn, *args):
         try:
-            return await self.offload.run(fn, *args)
+            return await self.offload.run(tenant, fn, *args)
         except Refused as exc:
             raise _refusal(exc) from None
 
@@ -217,24 +217,24 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         tenant = self._authorize(request)
-        body = await self._body(request)
+        body = await self._body(request, tenant)
         ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.COMPLETIONS))
-        return await self._parse_and_serve(ticket, request, parse_completion, body, self.limits,
+        return await self._parse_and_serve(tenant, ticket, request, parse_completion, body, self.limits,
                                            self.service.tokenize, self._detokenize, tenant)
 
     async def chat(self, request: Request) -> Response:
         tenant = self._authorize(request)
-        body = await self._body(request)
+        body = await self._body(request, tenant)
         ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.CHAT))
-        return await self._parse_and_serve(ticket, request, parse_chat, body, self.limits, self.chat_template,
-                                           self.tokenize_rendered, tenant)
+        return await self._parse_and_serve(tenant, ticket, request, parse_chat, body, self.limits,
+                                           self.chat_template, self.tokenize_rendered, tenant)
 
-    async def _parse_and_serve(self, ticket: Ticket, request: Request, parse, *args) -> Response:
+    async def _parse_and_serve(self, tenant: str, ticket: Ticket, request: Request, parse, *args) -> Response:
         """Tokenize and render off the loop, then serve; the ticket's slots go back when the last
         sample's stream ends (or at once, if it never starts)."""
         handed_over = False
         try:
-            job = await self._offload(parse, *args)
+            job = await self._offload(tenant, parse, *args)
             response = await self._serve(job, request, ticket)
             handed_over = isinstance(response, _StreamWithSlots)
             return response

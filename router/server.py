@@ -109,7 +109,7 @@ class InferenceService:
 
     async def _generate(self, request, context, tenant: str):
         try:
-            req = await self.offload.run(validate, request, self.limits, self.tokenize, tenant)
+            req = await self.offload.run(tenant, validate, request, self.limits, self.tokenize, tenant)
         except ValidationError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Refused as exc:

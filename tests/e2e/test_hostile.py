@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import time
 
@@ -26,6 +27,8 @@ from router.client import Client, _metadata
 from router.connections import ConnectionLimits
 from tiny_models import make_chat_model
 
+# The suite's bounded size; bench/fuzz_api.py runs the same fuzz with more examples.
+FUZZ_EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "120"))
 KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789"}
 TIMEOUT_S = 1.0
 
@@ -241,7 +244,8 @@ _body = st.dictionaries(st.sampled_from(_FIELDS), _json, max_size=6).flatmap(
                                      "messages": st.lists(_message, max_size=3)}))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=FUZZ_EXAMPLES <= 120)
 @given(body=_body, chat=st.booleans())
 def test_fuzzed_openai_bodies_never_get_a_5xx(served, body, chat):
     status, answer = _post(served, "/v1/chat/completions" if chat else "/v1/completions",
@@ -259,7 +263,8 @@ _request = st.builds(pb.GenerateRequest, request_id=st.text(max_size=10), model=
                      text=st.text(max_size=20), sampling=_sampling)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=FUZZ_EXAMPLES <= 120)
 @given(request=_request, junk=st.binary(max_size=64), cut=st.integers(0, 200), short=st.booleans())
 def test_fuzzed_grpc_messages_get_a_status_of_their_own(served, request, junk, cut, short):
     client = _fuzz_client(served)

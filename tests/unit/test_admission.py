@@ -1,4 +1,4 @@
-"""Admission's policy: slots are never over-granted or lost, a flooding tenant waits behind a quiet
+"""Admission's policy and the validation pool's: slots are never over-granted or lost, a flooding tenant waits behind a quiet
 one, the queue is bounded in length and in time, and a waiter that leaves gives back what it was
 granted (asyncio, no cluster: this is the policy alone)."""
 from __future__ import annotations
@@ -7,7 +7,11 @@ import asyncio
 
 import pytest
 
+import os
+import threading
+
 from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
+from router.offload import NICE, Offload
 
 
 def _run(coro):
@@ -101,4 +105,35 @@ def test_a_cancelled_waiter_leaves_nothing_behind_even_if_granted_meanwhile():
             assert e.value.why is RefusedWhy.SHUTTING_DOWN
         a.release(t)
         assert a.in_use == 0 and not a.waiting
+    _run(go())
+
+
+def test_validation_pool_runs_a_tenant_one_job_at_a_time_below_serving_priority():
+    async def go():
+        pool = Offload(threads=2, max_pending=3)
+        release = threading.Event()
+        running: list[str] = []
+
+        def job(name):
+            running.append(name)
+            release.wait(5)
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        first = asyncio.ensure_future(pool.run("flood", job, "flood-1"))
+        second = asyncio.ensure_future(pool.run("flood", job, "flood-2"))
+        quiet = asyncio.ensure_future(pool.run("quiet", job, "quiet-1"))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(running) == 2:
+                break
+        assert sorted(running) == ["flood-1", "quiet-1"]      # the flood's second job waits its turn
+        with pytest.raises(Refused):
+            await pool.run("other", job, "x")                   # max_pending: refused, not queued
+        first.cancel()                                          # its caller leaves; the thread goes on ...
+        await asyncio.sleep(0.05)
+        assert running == ["flood-1", "quiet-1"]                # ... and keeps the tenant's turn
+        release.set()
+        assert await quiet == await second == NICE
+        assert pool.pending == 0 and not pool._jobs             # noqa: SLF001
+        pool.close()
     _run(go())
