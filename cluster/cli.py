@@ -169,11 +169,15 @@ def _optional_int(text) -> int | None:
     return None if text in (None, "none", "None") else int(text)
 
 
+def _optional_float(text) -> float | None:
+    return None if text in (None, "none", "None") else float(text)
+
+
 def _add_dataclass_flags(group, cls) -> None:
     """One flag per field of a limits dataclass, its default the dataclass's own (one place)."""
     import dataclasses  # noqa: PLC0415
     for f in dataclasses.fields(cls):
-        kind = {"int": int, "float": float, "int | None": _optional_int}[str(f.type)]
+        kind = {"int": int, "float": float, "int | None": _optional_int, "float | None": _optional_float}[str(f.type)]
         unit = " (seconds)" if f.name.endswith("_s") else ""
         group.add_argument(_flag(f.name), dest=_dest(f.name), type=kind, default=f.default,
                            metavar="SECONDS" if unit else "N", help=f"default {f.default}{unit}")

@@ -9,7 +9,8 @@ HTTP (uvicorn's h11 protocol, with the two timers it lacks):
   - body: `http_body_timeout_s` to read the whole body (router/http_server.py answers 408);
   - `http_max_connections`: past it, uvicorn answers 503.
 gRPC (core's channel arguments): the handshake within `grpc_handshake_timeout_s`, keepalive pings
-to find dead clients, idle connections closed, at most `grpc_max_streams_per_connection` streams.
+to find dead clients, idle connections closed, at most `grpc_max_streams_per_connection` streams,
+and optionally a maximum connection age (clients reconnect, and a load balancer sees them anew).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class ConnectionLimits:
     grpc_keepalive_s: float = 60.0             # the server pings a silent client this often ...
     grpc_keepalive_timeout_s: float = 20.0     # ... and drops it when no answer comes within this
     grpc_idle_timeout_s: float = 300.0         # a connection with no call in progress
+    grpc_max_connection_age_s: float | None = None   # then GOAWAY (calls in progress get as long again)
     grpc_max_streams_per_connection: int = 128
 
 
@@ -85,6 +87,9 @@ def grpc_options(limits: ConnectionLimits, max_message_bytes: int) -> list[tuple
             ("grpc.keepalive_timeout_ms", ms(limits.grpc_keepalive_timeout_s)),
             ("grpc.max_connection_idle_ms", ms(limits.grpc_idle_timeout_s)),
             ("grpc.max_concurrent_streams", limits.grpc_max_streams_per_connection),
+            *([("grpc.max_connection_age_ms", ms(limits.grpc_max_connection_age_s)),
+               ("grpc.max_connection_age_grace_ms", ms(limits.grpc_max_connection_age_s))]
+              if limits.grpc_max_connection_age_s else []),
             # A client may ping at most every 10 s without data; two strikes and it is dropped.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 2)]

@@ -33,7 +33,7 @@ class RequestBounds:
     max_stop_token_ids: int = 64
     max_n: int = 64                     # samples per prompt
     max_samples_per_request: int = 64   # prompts x n: the in-flight slots one request takes
-    max_logprobs: int = 20              # OpenAI's limit for top_logprobs
+    max_logprobs: int = 20              # OpenAI's limit for top_logprobs (and the engine's)
     max_body_bytes: int = 4 << 20       # HTTP body
     max_message_bytes: int = 4 << 20    # gRPC message
     max_json_depth: int = 32            # nesting of a JSON body (chat content parts, tool schemas)
@@ -63,7 +63,7 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
 
 def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
     has = msg.HasField
-    _check_stops(msg, limits)
+    _check_bounds(msg, limits)
     max_tokens = msg.max_tokens if has("max_tokens") else limits.default_max_tokens
     if max_tokens > limits.max_tokens_limit:
         raise ValidationError("sampling.max_tokens",
@@ -94,8 +94,12 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
         raise ValidationError(f"sampling.{field}" if field != "sampling" else field, text) from exc
 
 
-def _check_stops(msg, limits: Limits) -> None:
+def _check_bounds(msg, limits: Limits) -> None:
     b = limits.bounds
+    for name in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(name) and not 0 <= getattr(msg, name) <= b.max_logprobs:
+            raise ValidationError(f"sampling.{name}", f"must be in [0, {b.max_logprobs}] (--max-logprobs), "
+                                                      f"got {getattr(msg, name)}")
     if len(msg.stop) > b.max_stop_strings:
         raise ValidationError("sampling.stop", f"at most {b.max_stop_strings} stop strings (--max-stop-strings), "
                                                f"got {len(msg.stop)}")

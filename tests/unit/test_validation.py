@@ -39,10 +39,29 @@ def test_valid_text_and_ids():
     ({"text": "x", "sampling": {"min_p": 2}}, "sampling.min_p", "[0, 1]"),
     ({"text": "x", "sampling": {"repetition_penalty": 0}}, "sampling.repetition_penalty", "> 0"),
     ({"text": "x", "sampling": {"stop": [""]}}, "sampling.stop", "non-empty"),
-    ({"text": "x", "sampling": {"logprobs": 99}}, "sampling.logprobs", "between 0 and 20"),
+    ({"text": "x", "sampling": {"logprobs": 99}}, "sampling.logprobs", "in [0, 20] (--max-logprobs)"),
+    ({"text": "x", "sampling": {"stop": ["s"] * 33}}, "sampling.stop", "--max-stop-strings"),
+    ({"text": "x", "sampling": {"stop": ["s" * 257]}}, "sampling.stop", "--max-stop-string-chars"),
+    ({"text": "x", "sampling": {"stop_token_ids": [1] * 65}}, "sampling.stop_token_ids", "at most 64"),
+    ({"text": "x", "sampling": {"stop_token_ids": [10**6]}}, "sampling.stop_token_ids", "ids must be in"),
+    ({"text": "x", "model": "m" * 10_000}, "model", "(10002 characters)"),
 ])
 def test_every_bad_field_is_named(kwargs, field, text):
     with pytest.raises(ValidationError) as info:
         validate(_req(**kwargs), LIMITS, _tok)
     assert info.value.field == field
     assert text in str(info.value)
+
+
+def test_request_ids_are_scoped_per_tenant_and_long_texts_refused_untokenized():
+    from dataclasses import replace
+    from router.validation import scoped_id
+    a = validate(_req(text="x", request_id="same"), LIMITS, _tok, tenant="a")
+    b = validate(_req(text="x", request_id="same"), LIMITS, _tok, tenant="a/b")
+    assert a.request_id == scoped_id("a", "same") != b.request_id == scoped_id("a/b", "same")
+    assert validate(_req(text="x", request_id="same"), LIMITS, _tok).request_id == "same"   # no keys: as given
+    calls = []
+    bounded = replace(LIMITS, max_token_bytes=4)            # 32 tokens x 4 bytes: 128 characters at most
+    with pytest.raises(ValidationError, match="more than the model's context"):
+        validate(_req(text="y" * 129), bounded, lambda t: calls.append(t) or _tok(t))
+    assert calls == []                                       # refused before the tokenizer saw it
