@@ -26,7 +26,7 @@ from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
 from router.connections import ConnectionLimits, grpc_options
 from router.offload import Offload
 from router.router import Router
-from router.validation import Limits, ValidationError, scoped_id, validate
+from router.validation import Limits, ValidationError, client_id, scoped_id, validate
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class InferenceService:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if req.request_id in self.router.active:     # the same tenant's own id: ids are scoped per tenant
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
-        client_id = request.request_id or req.request_id
+        their_id = client_id(tenant, req.request_id)
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         stream = self.router.generate(req)
@@ -136,7 +136,7 @@ class InferenceService:
                 if tracker:
                     tracker.tokens(len(delta.token_ids), delta)
                 msg = to_proto(delta, produced)
-                msg.request_id = client_id
+                msg.request_id = their_id
                 yield msg
         except TimeoutError:
             timed_out = True

@@ -121,6 +121,11 @@ def scoped_id(tenant: str, request_id: str) -> str:
     return f"{len(tenant)}:{tenant}/{request_id}" if tenant else request_id
 
 
+def client_id(tenant: str, scoped: str) -> str:
+    """The id the client knows a request by (`scoped_id` undone)."""
+    return scoped[len(scoped_id(tenant, "")):]
+
+
 def tenant_salt(tenant: str, salt: str) -> str | None:
     """The prefix cache is partitioned per tenant: its name salts every block hash (with the
     client's own `cache_salt` inside it), so no tenant can hit, or time, another's cached prefix."""

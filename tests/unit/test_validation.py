@@ -55,8 +55,11 @@ def test_every_bad_field_is_named(kwargs, field, text):
 
 def test_request_ids_are_scoped_per_tenant_and_long_texts_refused_untokenized():
     from dataclasses import replace
-    from router.validation import scoped_id
+    from router.validation import client_id, scoped_id
     a = validate(_req(text="x", request_id="same"), LIMITS, _tok, tenant="a")
+    assert client_id("a", a.request_id) == "same"
+    anonymous = validate(_req(text="x"), LIMITS, _tok, tenant="a")      # the server picks the id
+    assert len(client_id("a", anonymous.request_id)) == 32
     b = validate(_req(text="x", request_id="same"), LIMITS, _tok, tenant="a/b")
     assert a.request_id == scoped_id("a", "same") != b.request_id == scoped_id("a/b", "same")
     assert validate(_req(text="x", request_id="same"), LIMITS, _tok).request_id == "same"   # no keys: as given
