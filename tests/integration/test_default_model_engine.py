@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import DEFAULT_MODEL_DIR, CacheConfig, EngineConfig
+from cluster.config import STDLIB_CODER_DIR, CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 
@@ -14,7 +14,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(se
 @pytest.mark.parametrize("name", ["stdlib-coder", "stdlib-coder-draft", "stdlib-coder-draft-nodistill"])
 def test_shipped_checkpoint_greedy_matches_transformers(name):
     import transformers
-    model_dir = DEFAULT_MODEL_DIR.parent / name
+    model_dir = STDLIB_CODER_DIR.parent / name
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", cache=CacheConfig(num_blocks=64)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -30,4 +30,4 @@ def test_shipped_checkpoint_greedy_matches_transformers(name):
 
 def test_default_model_is_what_the_cli_uses():
     from cluster.config import EngineConfig as Cfg
-    assert Cfg().model == DEFAULT_MODEL_DIR and (DEFAULT_MODEL_DIR / "config.json").is_file()
+    assert Cfg().model == STDLIB_CODER_DIR and (STDLIB_CODER_DIR / "config.json").is_file()

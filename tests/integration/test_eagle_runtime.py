@@ -2,7 +2,7 @@
 reference computes: the same drafted tokens from the same prefix, in fp32."""
 import torch
 
-from cluster.config import DEFAULT_MODEL_DIR, EngineConfig, SpeculativeConfig
+from cluster.config import STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import StepPlan
 from cluster.model.training.eagle import (EagleConfig, EagleHead, FeatureHook, draft_greedy, load_target_parts,
@@ -13,7 +13,7 @@ from decode.spec.speculator import make_speculator
 
 def test_paged_head_drafts_what_the_dense_reference_drafts(tmp_path):
     import transformers
-    head = EagleHead(EagleConfig.from_target(str(DEFAULT_MODEL_DIR)))
+    head = EagleHead(EagleConfig.from_target(str(STDLIB_CODER_DIR)))
     head.init_weights(seed=0, std=0.05)
     save_eagle_head(head, str(tmp_path / "head"))
     head = head.float().eval()
@@ -27,13 +27,13 @@ def test_paged_head_drafts_what_the_dense_reference_drafts(tmp_path):
     assert engine.scheduler.lookahead_room(seq, k, StepPlan(budget_left=k)) == k
     drafted = engine.speculator.proposers["eagle"].propose([seq], [k], [None])[0].tokens
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(STDLIB_CODER_DIR, torch_dtype=torch.float32).eval()
     hook = FeatureHook(hf)
     with torch.no_grad():
         hf(torch.tensor([seq.token_ids]))
     features = hook.f[0]
     hook.remove()
-    tp = load_target_parts(str(DEFAULT_MODEL_DIR))
+    tp = load_target_parts(str(STDLIB_CODER_DIR))
     assert list(drafted) == draft_greedy(head, tp, list(seq.token_ids), features, k)
     engine.abort(rid)
     engine.step()

@@ -1,0 +1,93 @@
+"""What the command line sends a model: a chat model gets its chat template applied (the text as
+one user message), a model without one gets the text as is; `--raw` sends the text as is always.
+And `splitserve chat`, a conversation in the terminal, against a local cluster or a running server.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+STOP_WORDS = ("/exit", "/quit")
+
+
+class PromptBuilder:
+    """Token ids for a conversation, as the OpenAI chat endpoint makes them (the model's template,
+    then the tokenizer without special tokens: the template writes its own)."""
+
+    def __init__(self, model_dir: Path, chat_template: str | None = None):
+        from cluster.model.loader import load_tokenizer  # noqa: PLC0415
+        from router.chat_template import ChatTemplate  # noqa: PLC0415
+        self.template = ChatTemplate.load(model_dir, chat_template)
+        self.tokenizer = load_tokenizer(model_dir)
+
+    @property
+    def has_template(self) -> bool:
+        return self.template is not None
+
+    def conversation(self, messages: list[dict]) -> list[int]:
+        text = self.template.render(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, text: str, raw: bool = False) -> str | list[int]:
+        """What to send for one prompt: its chat-formatted ids, or the text itself."""
+        if raw or not self.has_template:
+            return text
+        return self.conversation([{"role": "user", "content": text}])
+
+
+def chat_loop(reply, out=sys.stdout, read=input) -> int:
+    """Read a line, send the conversation so far, stream the answer; /exit or end of input stops.
+    `reply(messages)` yields text pieces."""
+    messages: list[dict] = []
+    while True:
+        try:
+            line = read("> ")
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return 0
+        if line.strip() in STOP_WORDS:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        answer = []
+        for piece in reply(messages):
+            answer.append(piece)
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def http_reply(base_url: str, model: str | None, api_key: str | None, max_tokens: int, temperature: float):
+    """A `reply` over a server's OpenAI API (/v1/chat/completions, streamed): its template applies."""
+    import http.client  # noqa: PLC0415
+    from urllib.parse import urlsplit  # noqa: PLC0415
+    url = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+
+    def reply(messages):
+        conn = (http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection)(
+            url.hostname, url.port, timeout=600)
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+        if model:
+            body["model"] = model
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"the server answered {resp.status}: {resp.read().decode(errors='replace')[:300]}")
+        for line in resp:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    yield choice.get("delta", {}).get("content") or ""
+        conn.close()
+    return reply
+
+
+def grpc_reply(client, builder: PromptBuilder, max_tokens: int, temperature: float):
+    """A `reply` through a local cluster's gRPC API, the conversation rendered here."""
+    def reply(messages):
+        for msg in client.stream(builder.conversation(messages), max_tokens=max_tokens, temperature=temperature):
+            yield msg.text
+    return reply
