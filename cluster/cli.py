@@ -430,7 +430,7 @@ def _read_tls(cert: str | None, key: str | None):
 def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """`serve --config FILE`: the file's values become the serve options' defaults."""
     args, _ = parser.parse_known_args(argv)
-    if getattr(args, "command", None) not in ("serve", "chat") or not args.config:
+    if getattr(args, "command", None) not in ("serve", "chat") or not getattr(args, "config", None):
         return
     import yaml  # noqa: PLC0415
     values = yaml.safe_load(Path(args.config).read_text()) or {}

@@ -136,6 +136,7 @@ class Completion:
     finish_reason: FinishReason
     logprobs: tuple[TokenLogprob, ...] = field(default=())
     num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = field(default=())   # with SamplingParams.prompt_logprobs
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,15 @@ def generate(engine, prompts: Iterable[str | Seq[int]],
     ids = [engine.add_request(p, s) for p, s in zip(prompts, sampling)]
     seqs = {rid: engine.sequence(rid) for rid in ids}
     texts = {rid: [] for rid in ids}
+    prompt_lps: dict[str, tuple] = {}
     done: dict[str, TokenDelta] = {}
     try:
         while len(done) < len(ids):
             for d in engine.step():
                 if d.request_id in texts:
                     texts[d.request_id].append(d.text)
+                    if d.prompt_logprobs:
+                        prompt_lps[d.request_id] = d.prompt_logprobs
                     if d.finished:
                         done[d.request_id] = d
     finally:
@@ -48,7 +51,7 @@ def generate(engine, prompts: Iterable[str | Seq[int]],
                 engine.abort(rid)
     return [Completion(rid, seqs[rid].prompt_token_ids, tuple(seqs[rid].output_token_ids),
                        "".join(texts[rid]), done[rid].finish_reason, tuple(seqs[rid].logprobs),
-                       seqs[rid].num_cached_tokens) for rid in ids]
+                       seqs[rid].num_cached_tokens, prompt_lps.get(rid, ())) for rid in ids]
 
 
 WARM_UP_PROMPT = 2048   # tokens: prefill tunes on a chunk of this size, not on launch overhead

@@ -75,3 +75,43 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
         time.sleep(0.2)
     assert not _raylets() - before, "the Ray it started was left running"
     assert not _workers() - workers_before, "a worker process was left running"
+
+
+def test_the_main_job_answers_a_question_with_the_real_default_model():
+    """The README's main job as a new user runs it: no --model (SmolLM2-135M-Instruct from its
+    GGUF), the question sent through the chat template, a sensible answer on stdout."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
+    served = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--transport", "tcp",
+                             "--request", "What is the capital of France?", "--max-tokens", "24"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert served.returncode == 0, served.stderr[-2000:]
+    assert "Paris" in served.stdout, served.stdout
+    assert "SmolLM2-135M-Instruct" in served.stderr
+
+
+def test_chat_and_generate_apply_the_models_template(tmp_path):
+    """`splitserve chat` against a local cluster: two turns, each answered as the single engine
+    answers the conversation rendered by the model's template; `generate` renders the same way."""
+    from tiny_models import make_chat_model
+    from cluster.chat_cli import PromptBuilder
+    from cluster.config import EngineConfig
+    from cluster.engine.engine import LLMEngine
+    from cluster.types import SamplingParams
+    model = make_chat_model(tmp_path / "chat", "llama")
+    chat = subprocess.run([sys.executable, "-m", "cluster.cli", "chat", "--model", str(model), "--port", "0",
+                           "--transport", "tcp", "--max-tokens", "6", "--colocated"],
+                          input="hello there\nand again\n/exit\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    builder = PromptBuilder(model)
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch"))
+    messages, want = [], []
+    for line in ("hello there", "and again"):
+        messages.append({"role": "user", "content": line})
+        text = engine.generate([builder.conversation(messages)], SamplingParams(max_tokens=6))[0].text
+        messages.append({"role": "assistant", "content": text})
+        want.append(text)
+    assert chat.stdout == "".join(f"> {t}\n" for t in want) + "> ", chat.stdout
+    alone = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(model), "--max-tokens",
+                            "6", "hello there"], capture_output=True, text=True, timeout=120, check=True)
+    assert alone.stdout == want[0] + "\n"
