@@ -93,7 +93,8 @@ def export_hf(gguf_path: Path, out_dir: Path, digest: str | None = None) -> Path
     reader = GGUFReader(str(gguf_path))
     meta = _Metadata(reader)
     config = hf_config(meta)
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in hf_tensors(reader, config).items()}
+    tensors = {name: torch.from_numpy(np.require(t, requirements=["C", "W"]))    # a memory-mapped view is read-only
+               for name, t in hf_tensors(reader, config).items()}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
