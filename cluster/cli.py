@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default=None, help="API key for --server (sent as 'authorization: Bearer')")
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is (default: as a user message through the model's chat template, "
-                          "when it has one; with --server the text is always sent as is)")
+                          "when it has one; with --server, when the server serves the --model this command names)")
     gen.add_argument("prompt")
     srv = sub.add_parser("serve", help="serve the gRPC API from a disaggregated prefill/decode cluster on Ray")
     _add_cluster_args(srv)
@@ -252,6 +252,25 @@ def _sampling(args):
                           seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
+def _remote_prompt(client, args):
+    """The chat template applies when the server serves the model this command would load (the
+    same name): the conversation is rendered and tokenized here; otherwise the text goes as is."""
+    if args.raw:
+        return args.prompt
+    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
+    from cluster.config import resolve_model  # noqa: PLC0415
+    from proto.splitserve.v1 import inference_pb2 as pb  # noqa: PLC0415
+    from router.client import _metadata  # noqa: PLC0415
+    try:
+        local = resolve_model(args.model) if args.model else default_model_dir()
+    except FileNotFoundError:
+        return args.prompt
+    served = client.stub.ListModels(pb.ListModelsRequest(), metadata=_metadata(client.api_key)).models
+    if not any(m.id == local.name for m in served):
+        return args.prompt
+    return PromptBuilder(local).prompt(args.prompt)
+
+
 def cmd_generate_remote(args) -> int:
     from router.client import Client  # noqa: PLC0415
     client = Client(args.server, api_key=args.api_key)
@@ -268,7 +287,7 @@ def cmd_generate_remote(args) -> int:
         sampling["num_speculative_tokens"] = args.num_speculative_tokens
     ids, text, reason = [], [], None
     names = {1: "stop", 2: "length", 3: "abort"}
-    for msg in client.stream(args.prompt, **sampling):
+    for msg in client.stream(_remote_prompt(client, args), **sampling):
         ids.extend(msg.token_ids)
         text.append(msg.text)
         if not args.json and msg.text:
@@ -337,7 +356,8 @@ def cmd_serve(args) -> int:
               f"{args.host}:{cluster.port}", file=sys.stderr)
         if args.metrics_port is not None:
             print(f"metrics: http://{args.host}:{cluster.metrics_server[0].server_port}/metrics", file=sys.stderr)
-        print(f"try: splitserve generate --server {args.host}:{cluster.port} \"def fibonacci(n):\"", file=sys.stderr)
+        print(f"try: splitserve generate --server {args.host}:{cluster.port} \"What is the capital of France?\"",
+              file=sys.stderr)
         if cluster.http_port is not None:
             print(f"OpenAI API: http://{args.host}:{cluster.http_port}/v1", file=sys.stderr)
         if args.request is not None:
