@@ -53,7 +53,8 @@ class TritonAttentionBackend:
     table_dtype = torch.int32   # of the tables and lengths the kernels read
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None):
+                 partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None,
+                 scale: float | None = None):
         device = torch.device(device)
         # "meta" plans launches without running them (kernels/compile_check.py records them).
         if device.type not in ("cuda", "meta") and not interpreting():
@@ -63,7 +64,7 @@ class TritonAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale   # the softmax scale (a runtime argument)
         self.device = device
         self.partition_size = partition_size   # None: chosen per step for the device
         self.invariant = invariant

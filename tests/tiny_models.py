@@ -33,15 +33,44 @@ def make_tokenizer(out_dir: Path, bos: bool) -> None:
         "pad_token": "<pad>", "add_bos_token": bos}))
 
 
+KINDS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")
+
+
+def _family_config(kind: str, common: dict):
+    """The three later families: (config, model class)."""
+    import transformers
+    if kind == "qwen3":   # per-head q/k norms; head_dim 32 with 4 heads: q is wider than hidden
+        return transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        tie_word_embeddings=True, **common), transformers.Qwen3ForCausalLM
+    if kind == "gemma3":
+        # Sliding (window 8, base 1000) and global (base 50000, linear x2) layers; a softmax scale
+        # of 24 ** -0.5 against head_dim 16; logits capped at 3.
+        gemma = dict(common, num_hidden_layers=3, pad_token_id=2)
+        return transformers.Gemma3TextConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, final_logit_softcapping=3.0, rope_theta=50000.0,
+            rope_local_base_freq=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+            tie_word_embeddings=True, **gemma), transformers.Gemma3ForCausalLM
+    if kind == "phi3":   # fused qkv_proj and gate_up_proj in the checkpoint; sliding window 12 on every layer
+        return transformers.Phi3Config(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+                                       pad_token_id=2, tie_word_embeddings=False,
+                                       **common), transformers.Phi3ForCausalLM
+    raise ValueError(kind)
+
+
 def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """kind: llama (GQA 4/2, untied), qwen2 (q/k/v bias, tied, MQA), mistral (sliding window 8, GQA)."""
+    """kind: llama (GQA 4/2, untied), qwen2 (q/k/v bias, tied, MQA), mistral (sliding window 8, GQA),
+    qwen3 (q/k norms, head_dim 32, tied), gemma3 (see _family_config), phi3 (fused projections, window 12)."""
     import transformers
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
                   initializer_range=0.2)
-    if kind == "llama":
+    if kind in ("qwen3", "gemma3", "phi3"):
+        cfg, cls = _family_config(kind, common)
+    elif kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -59,14 +88,20 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
         raise ValueError(kind)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
-    with torch.no_grad():   # make norms and biases non-trivial so every parameter matters
+    with torch.no_grad():   # make norms and biases non-trivial so every parameter matters (Gemma's
+        # norms scale by 1 + w, their w starts at 0)
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        if kind == "gemma3":   # the embeddings, scaled by sqrt(64) = 8, would drown the layers out (the
+            # tied head would repeat the last token whatever the layers compute): smaller embeddings, and
+            # a final norm of about 8 for logits large enough that the soft-cap bends them
+            model.model.embed_tokens.weight.mul_(0.125)
+            model.model.norm.weight.add_(7.0)
     model.generation_config.eos_token_id = 1
     model.generation_config.bos_token_id = 0
     model.save_pretrained(out_dir)
-    make_tokenizer(out_dir, bos=kind != "qwen2")
+    make_tokenizer(out_dir, bos=kind not in ("qwen2", "qwen3"))
     return out_dir
 
 

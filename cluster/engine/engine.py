@@ -84,7 +84,8 @@ class LLMEngine:
                                        self.max_model_len, self.device, draft_per_block, draft_bytes)
         log.info("%s", self.memory_plan.describe())
         self.backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                              mc.head_dim, self.device, self.kernel_plan, self.dtype)
+                                              mc.head_dim, self.device, self.kernel_plan, self.dtype,
+                                              scale=mc.attention_scale)
         replay = replay_factory(self.device, config.cuda_graphs)
         if replay is not None and config.cuda_graphs == "auto" and not self.backend.static_decode_ready():
             log.info("decode graphs off: the %s attention backend cannot replay static decode steps here",

@@ -109,13 +109,13 @@ class TorchAttentionBackend:
     table_dtype = torch.long   # of the tables and lengths the C kernel reads
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 plan: KernelPlan | None = None):
+                 plan: KernelPlan | None = None, scale: float | None = None):
         self.plan = plan          # its decode_attention choice, per bucket of decode rows
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale   # the softmax scale (ModelConfig.attention_scale)
         self.device = device
 
     def prepare(self, batch: AttentionBatch) -> _TorchMeta:
@@ -330,17 +330,18 @@ class TorchAttentionBackend:
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                            device: torch.device, plan: KernelPlan | None = None,
-                           dtype: torch.dtype | None = None) -> AttentionBackend:
+                           dtype: torch.dtype | None = None, scale: float | None = None) -> AttentionBackend:
     """Registry with lazy imports: optional backends load only when chosen. The torch backend
     follows `plan`'s decode-attention choice; both follow its batch-invariant mode. `dtype`, the
-    KV cache's, sizes the Triton prefill tiles (smaller in fp32)."""
+    KV cache's, sizes the Triton prefill tiles (smaller in fp32). `scale`: the softmax scale
+    (None: head_dim ** -0.5; a model's is `ModelConfig.attention_scale`)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         if plan is not None and plan.batch_invariant and device.type != "cpu":
             raise ValueError("deterministic mode on a GPU runs the triton attention backend "
                              "(--attention-backend triton or auto), not torch")
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan, scale=scale)
     if name == "triton":
         try:
             from kernels.backend import TritonAttentionBackend  # noqa: PLC0415
@@ -349,7 +350,7 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
                 "attention backend 'triton' is not available in this build "
                 f"({exc}); use --attention-backend torch") from exc
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device,
-                                      invariant=plan is not None and plan.batch_invariant, dtype=dtype)
+                                      invariant=plan is not None and plan.batch_invariant, dtype=dtype, scale=scale)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
 
 

@@ -37,19 +37,26 @@ class EagleHead(nn.Module):
                 kv_layer: torch.Tensor, backend, meta, logits_indices: torch.Tensor | None = None):
         """Returns (g [T, H], fp32 logits of `logits_indices` rows or None); stores the head's KV."""
         target = self.target[0]
-        u = self.fc.forward(torch.cat((target.embed_tokens(input_ids), prev_features), dim=-1))
+        u = self.fc.forward(torch.cat((target.embed(input_ids), prev_features), dim=-1))
         fp = target.new_pass(positions, u.dtype, backend, meta)
         g = self.layer.forward(u, fp, kv_layer[0], kv_layer[1])
         if logits_indices is None:
             return g, None
-        return g, target.lm_head.forward(target.final_norm(g.index_select(0, logits_indices), fp)).float()
+        return g, target.logits(g.index_select(0, logits_indices), fp)
 
 
 def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,
                     device: torch.device) -> EagleHead:
     raw = read_eagle_config(head_dir)
-    layer_cfg = replace(target_cfg, num_layers=1, intermediate_size=int(raw["intermediate_size"]),
-                        qkv_bias=False, o_bias=False, mlp_bias=False, layer_windows=(None,))
+    if target_cfg.attention_scale != target_cfg.head_dim ** -0.5:
+        # The head attends through the target's backend, whose softmax scale is the target's.
+        raise ValueError("an EAGLE head over a target with query_pre_attn_scalar (a softmax scale other "
+                         "than head_dim ** -0.5) is not supported")
+    # The head's layer is a plain Llama layer, whatever the target's family.
+    layer_cfg = replace(target_cfg, architecture="LlamaForCausalLM", num_layers=1,
+                        intermediate_size=int(raw["intermediate_size"]), qkv_bias=False, o_bias=False,
+                        mlp_bias=False, layer_windows=(None,), hidden_act="silu", qk_norm=False, norm_offset=0.0,
+                        sandwich_norm=False, local_rope=None, local_layers=())
     take = TensorTaker(LazyCheckpoint(Path(head_dir)))
     state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
     if take.missing:

@@ -1,4 +1,10 @@
-"""One decoder-only model for Llama, Qwen2 and Mistral checkpoints.
+"""One decoder-only model for Llama, Qwen2, Mistral, Qwen3, Gemma 3 (text) and Phi-3 checkpoints.
+
+The families differ by ModelConfig's feature fields, each a branch here: per-head q/k norms on
+the fused qkv output before RoPE (Qwen3, Gemma 3); Gemma's sandwich norms, GeGLU, scaled
+embeddings, per-layer-type RoPE tables and final-logit soft-capping. Gemma's (1 + w) norms are
+folded into the weights when they load (`loader.py`), and its softmax scale is the attention
+backend's (`ModelConfig.attention_scale`).
 
 The forward pass works on a flat run of tokens (no padding) whose attention context lives in
 the paged KV cache. Projections are fused (qkv, gate+up) so a layer is a handful of large ops:
@@ -67,15 +73,22 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, fp: ForwardPass, k_cache, v_cache, window):
+    def forward(self, x, fp: ForwardPass, k_cache, v_cache, window, local: bool = False):
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        if cfg.qk_norm:   # in place on the fused output: RoPE, and the fused decode block, read it after
+            fp.head_norm(qkv, self.q_norm.weight, self.k_norm.weight, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, self.q_norm.eps)
         if fp.fused_block:
-            out = fp.backend.decode_block(qkv, fp.positions, fp.rotary, k_cache, v_cache, window, fp.meta)
+            rotary = fp.local_rotary if local else fp.rotary
+            out = fp.backend.decode_block(qkv, fp.positions, rotary, k_cache, v_cache, window, fp.meta)
             return self.o_proj.forward(out)
-        qk = fp.rope(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        qk = fp.rope(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, local)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         out = fp.backend.forward(q, k, v, k_cache, v_cache, window, fp.meta)
@@ -90,26 +103,39 @@ class MLP(nn.Module):
         # halves are slow at prefill).
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.geglu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
-        return self.down_proj.forward(fp.silu_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward(fp.gelu_mul(gate_up) if self.geglu else fp.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None):
+    def __init__(self, cfg: ModelConfig, window: int | None, local: bool = False):
         super().__init__()
         self.window = window
+        self.local = local   # RoPE from the local table (Gemma 3's sliding layers)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norm
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, fp: ForwardPass, k_cache, v_cache):
         """Updates x (the residual stream, [T, H]) in place and returns it. Submodules are called
         through .forward: nn.Module.__call__'s hook machinery costs more than a small op."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        attn = self.self_attn.forward(fp.norm(x, n1.weight, n1.eps), fp, k_cache, v_cache, self.window)
-        x.add_(self.mlp.forward(fp.add_norm(attn, x, n2.weight, n2.eps), fp))
+        attn = self.self_attn.forward(fp.norm(x, n1.weight, n1.eps), fp, k_cache, v_cache, self.window, self.local)
+        if not self.sandwich:
+            x.add_(self.mlp.forward(fp.add_norm(attn, x, n2.weight, n2.eps), fp))
+            return x
+        # Gemma 3: x += post_attention_norm(attn); x += post_feedforward_norm(mlp(pre_feedforward_norm(x))).
+        n3, n4 = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        h = fp.add_norm(fp.norm(attn, n2.weight, n2.eps), x, n3.weight, n3.eps)
+        x.add_(fp.norm(self.mlp.forward(h, fp), n4.weight, n4.eps))
         return x
 
 
@@ -118,13 +144,26 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.layer_windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i))
+                                    for i, w in enumerate(cfg.layer_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions)
+        self.build_rotary(max_positions)
         self.kernel_plan: KernelPlan | None = None   # set by cluster.model.kernels.apply_kernel_plan
+        self._embed_scales: dict[torch.dtype, float] = {}
+
+    def build_rotary(self, max_positions: int, device: torch.device | str | None = None) -> None:
+        """The RoPE tables (computed, never loaded): the global one and, where the config has
+        one, the local layers'."""
+        cfg = self.cfg
+
+        def table(rope: RopeConfig) -> RotaryTable:   # computed where torch's default device is, then moved
+            t = RotaryTable(rope, cfg.head_dim, max_positions)
+            return t if device is None else t.to(device)
+        self.rotary = table(cfg.rope)
+        self.local_rotary = None if cfg.local_rope is None else table(cfg.local_rope)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -134,19 +173,38 @@ class CausalLM(nn.Module):
         Returns fp32 logits for the rows in `logits_indices` (and the pre-norm hidden states of
         every row with `return_hidden`). `layer_hook(i)` runs once layer i's
         KV is in the cache (layer-wise KV push overlaps the transfer with the rest of the pass)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
         for i, layer in enumerate(self.layers):
             layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
             if layer_hook is not None:
                 layer_hook(i)
-        logits = self.lm_head.forward(self.final_norm(x.index_select(0, logits_indices), fp)).float()
+        logits = self.logits(x.index_select(0, logits_indices), fp)
         # The last layer's output before the norm: what an EAGLE head reads.
         return (logits, x) if return_hidden else logits
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, H] (a new tensor), scaled where the family scales them."""
+        x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale is not None:
+            scale = self._embed_scales.get(x.dtype)
+            if scale is None:   # transformers rounds the scale to the model's dtype first
+                scale = self._embed_scales[x.dtype] = float(torch.tensor(self.cfg.embed_scale, dtype=x.dtype))
+            x.mul_(scale)
+        return x
+
+    def logits(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
+        """fp32 logits of the rows of x (hidden states before the final norm), soft-capped in the
+        model's dtype where the config caps them."""
+        logits = self.lm_head.forward(self.final_norm(x, fp))
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
     def new_pass(self, positions: torch.Tensor, dtype: torch.dtype, backend, meta) -> ForwardPass:
         plan = self.kernel_plan or KernelPlan.reference(dtype, positions.device)
-        return ForwardPass(plan, positions, self.rotary, dtype, backend, meta)
+        return ForwardPass(plan, positions, self.rotary, dtype, backend, meta, self.local_rotary)
 
     def final_norm(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
         return fp.norm(x, self.norm.weight, self.norm.eps)

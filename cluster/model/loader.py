@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from cluster.model.llama import CausalLM, RotaryTable
+from cluster.model.llama import CausalLM
 from cluster.model.model_config import ModelConfig, load_model_config
 
 log = logging.getLogger(__name__)
@@ -92,26 +92,48 @@ class TensorTaker:
         return self.hf[name]
 
 
+# Checkpoints whose attention and MLP input projections are stored fused already, in our layout
+# (q, k, v rows; gate, up rows).
+_FUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+
+
+def _fused(take, prefix: str, fused: str, parts: tuple[str, ...], stored_fused: bool,
+           kind: str = "weight") -> torch.Tensor:
+    if stored_fused:
+        return take(f"{prefix}{fused}.{kind}")
+    return torch.cat([take(f"{prefix}{p}.{kind}") for p in parts])
+
+
 def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) -> dict[str, torch.Tensor]:
     """One decoder layer: transformers' names under `hf_prefix` onto ours under `our_prefix`,
-    q, k and v fused into one projection, gate and up into another. `take(name)` fetches a tensor (and records a miss)."""
+    q, k and v fused into one projection, gate and up into another (taken as they are where the
+    checkpoint stores them fused: Phi-3). `take(name)` fetches a tensor (and records a miss)."""
     a, m = hf_prefix + "self_attn.", hf_prefix + "mlp."
-    out = {our_prefix + "self_attn.qkv_proj.weight": torch.cat(
-        [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])}
+    stored_fused = cfg.architecture in _FUSED_CHECKPOINTS
+    qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    out = {our_prefix + "self_attn.qkv_proj.weight": _fused(take, a, "qkv_proj", qkv, stored_fused)}
     if cfg.qkv_bias:
-        out[our_prefix + "self_attn.qkv_proj.bias"] = torch.cat(
-            [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+        out[our_prefix + "self_attn.qkv_proj.bias"] = _fused(take, a, "qkv_proj", qkv, stored_fused, "bias")
     out[our_prefix + "self_attn.o_proj.weight"] = take(a + "o_proj.weight")
     if cfg.o_bias:
         out[our_prefix + "self_attn.o_proj.bias"] = take(a + "o_proj.bias")
-    out[f"{our_prefix}mlp.gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+    out[f"{our_prefix}mlp.gate_up_proj.weight"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused)
     out[f"{our_prefix}mlp.down_proj.weight"] = take(m + "down_proj.weight")
     if cfg.mlp_bias:
-        out[f"{our_prefix}mlp.gate_up_proj.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+        out[f"{our_prefix}mlp.gate_up_proj.bias"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused, "bias")
         out[f"{our_prefix}mlp.down_proj.bias"] = take(m + "down_proj.bias")
-    out[our_prefix + "input_layernorm.weight"] = take(hf_prefix + "input_layernorm.weight")
-    out[our_prefix + "post_attention_layernorm.weight"] = take(hf_prefix + "post_attention_layernorm.weight")
+    for name in _layer_norms(cfg):
+        out[our_prefix + name] = take(hf_prefix + name)
     return out
+
+
+def _layer_norms(cfg: ModelConfig) -> list[str]:
+    names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if cfg.sandwich_norm:
+        names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+    if cfg.qk_norm:
+        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return names
 
 
 def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -126,6 +148,9 @@ def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tenso
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing tensors: {shown}")
+    if cfg.norm_offset:   # Gemma's norms scale by (1 + w): folded in once, in fp32 as transformers adds it
+        for name in [n for n in out if n.endswith("norm.weight")]:
+            out[name] = out[name].float() + cfg.norm_offset
     return out
 
 
@@ -143,11 +168,12 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
     # The rotary table is computed, not loaded.
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
-    model.rotary = RotaryTable(cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings).to(device)
+    model.build_rotary(max_positions or cfg.max_position_embeddings, device)
     # One tensor at a time: each source is dropped as soon as its converted copy exists.
     converted = {k: state.pop(k).to(device=device, dtype=dtype) for k in list(state)}
     result = model.load_state_dict(converted, strict=False, assign=True)
-    unexpected = [k for k in result.missing_keys if not k.startswith("rotary.") and k != "lm_head.weight"]
+    unexpected = [k for k in result.missing_keys
+                  if not k.startswith(("rotary.", "local_rotary.")) and k != "lm_head.weight"]
     if unexpected:
         raise ValueError(f"weights not loaded: {unexpected}")
     if cfg.tie_word_embeddings:

@@ -1,4 +1,9 @@
-"""The model's shape, read from a Hugging Face `config.json` (transformers 4.x and 5.x spellings)."""
+"""The model's shape, read from a Hugging Face `config.json` (transformers 4.x and 5.x spellings).
+
+Families: Llama, Qwen2, Mistral, Qwen3 (per-head q/k RMSNorm), Gemma 3 text (norms with (1 + w),
+GeGLU, scaled embeddings, sandwich norms, sliding and global layers with their own RoPE, logit
+soft-capping, `query_pre_attn_scalar`) and Phi-3 (fused qkv and gate/up in the checkpoint). What a
+checkpoint needs beyond that is refused here, with an error that names the feature."""
 from __future__ import annotations
 
 import json
@@ -7,9 +12,19 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gated MLP's: SwiGLU, GeGLU (tanh approximation)
+ROPE_KINDS = ("default", "linear", "llama3")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_GEMMA3 = "Gemma3ForCausalLM"
+# Architectures named in a checkpoint that we know and refuse, with the reason.
+_REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, "
+                                      "vision tower) are not supported; the text model Gemma3ForCausalLM is",
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,16 @@ class ModelConfig:
     rope: RopeConfig
     layer_windows: tuple[int | None, ...]  # sliding window per layer (None: full attention)
     dtype: torch.dtype
+    # Family features; the defaults are Llama's.
+    hidden_act: str = "silu"                   # the gated MLP's activation (ACTIVATIONS)
+    qk_norm: bool = False                      # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0                   # norms scale by (offset + checkpoint weight) (Gemma: 1)
+    sandwich_norm: bool = False                # norms on the attention and MLP outputs, and before the MLP (Gemma 3)
+    embed_scale: float | None = None           # embeddings times this, rounded to the dtype (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # the softmax scale is its -1/2 power (None: head_dim's)
+    final_logit_softcap: float | None = None   # logits = cap * tanh(logits / cap)
+    local_rope: RopeConfig | None = None       # RoPE of the layers in `local_layers` (Gemma 3's sliding layers)
+    local_layers: tuple[bool, ...] = ()        # per layer: True where local_rope applies (empty: none)
 
     @property
     def q_size(self) -> int:
@@ -51,9 +76,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim ** -0.5, or query_pre_attn_scalar ** -0.5 where set (Gemma)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_is_local(self, i: int) -> bool:
+        return bool(self.local_layers) and self.local_layers[i]
+
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        norms = 2 * h + (2 * h if self.sandwich_norm else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + norms
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + lm_head
 
@@ -67,15 +101,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 
 def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"unsupported architecture {archs or raw.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: only silu (SwiGLU) is supported")
+    arch = _architecture(raw)
+    _refuse_unsupported(raw, arch)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in raw:
             raise ValueError(f"config.json lacks required field {key!r}")
@@ -85,7 +112,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     n_layers = raw["num_hidden_layers"]
-    is_qwen = arch == "Qwen2ForCausalLM"
+    is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(raw.get("attention_bias", False))
     dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if dtype_name not in TORCH_DTYPES:
@@ -102,27 +129,94 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=True if is_qwen else attention_bias,
-        o_bias=False if is_qwen else attention_bias,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == _GEMMA3)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        rope=_parse_rope(raw),
         layer_windows=_layer_windows(raw, arch, n_layers),
         dtype=TORCH_DTYPES[dtype_name],
+        **_family_fields(raw, arch, n_layers),
     )
 
 
-def _parse_rope(raw: dict) -> RopeConfig:
-    # transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`.
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        refused = next((_REFUSED_ARCHITECTURES[a] for a in archs if a in _REFUSED_ARCHITECTURES), None)
+        if refused:
+            raise ValueError(refused)
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _refuse_unsupported(raw: dict, arch: str) -> None:
+    """A ValueError naming the first feature of the checkpoint that this model code lacks."""
+    act = _activation(raw, arch)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden activation {act!r} (hidden_act): supported are silu (SwiGLU) "
+                         "and gelu_pytorch_tanh (GeGLU)")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    partial = _rope_sources(raw)[0].get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+
+
+def _activation(raw: dict, arch: str) -> str:
+    if arch == _GEMMA3:   # Gemma writes hidden_activation
+        return raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    return raw.get("hidden_act", "silu")
+
+
+def _family_fields(raw: dict, arch: str, n_layers: int) -> dict:
+    """The ModelConfig fields beyond Llama's: per-head norms, Gemma's norms, scales and RoPE."""
+    rope, local_rope = _parse_ropes(raw, arch)
+    fields = dict(rope=rope, hidden_act=_activation(raw, arch),
+                  qk_norm=arch in ("Qwen3ForCausalLM", _GEMMA3))
+    cap = raw.get("final_logit_softcapping")
+    if cap is not None:
+        fields["final_logit_softcap"] = float(cap)
+    if arch == _GEMMA3:
+        fields.update(norm_offset=1.0, sandwich_norm=True, embed_scale=raw["hidden_size"] ** 0.5,
+                      query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)))
+        if local_rope != rope:
+            fields.update(local_rope=local_rope,
+                          local_layers=tuple(t == "sliding_attention" for t in _layer_types(raw, arch, n_layers)))
+    return fields
+
+
+def _rope_sources(raw: dict) -> tuple[dict, dict | None]:
+    """(the global RoPE's parameters, the sliding layers' or None). transformers 5 writes
+    `rope_parameters` (per layer type for Gemma 3); 4.x writes `rope_theta` + `rope_scaling`."""
     params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if "full_attention" in params or "sliding_attention" in params:
+        return dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    return {**(raw.get("rope_scaling") or {}), **params}, None
+
+
+def _parse_ropes(raw: dict, arch: str) -> tuple[RopeConfig, RopeConfig | None]:
+    full, local = _rope_sources(raw)
+    gemma = arch == _GEMMA3
+    rope = _rope(full, float(raw.get("rope_theta", 1_000_000.0 if gemma else 10000.0)))
+    if not gemma:
+        return rope, None
+    if local is None:   # transformers 4.x: the sliding layers' base is rope_local_base_freq, unscaled
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    return rope, _rope(local, 10000.0)
+
+
+def _rope(params: dict, default_theta: float) -> RopeConfig:
     kind = params.get("rope_type") or params.get("type") or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"unsupported rope type {kind!r}: supported are default, linear, llama3")
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"RoPE scaling {kind!r} (rope_type in rope_scaling / rope_parameters) is not supported: "
+                         f"supported are {', '.join(ROPE_KINDS)}")
     return RopeConfig(
-        theta=theta,
+        theta=float(params.get("rope_theta", default_theta)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
@@ -131,16 +225,28 @@ def _parse_rope(raw: dict) -> RopeConfig:
     )
 
 
-def _layer_windows(raw: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
-    window = raw.get("sliding_window")
-    if arch == "LlamaForCausalLM" or not window:
-        return (None,) * n_layers
+def _layer_types(raw: dict, arch: str, n_layers: int) -> tuple[str, ...] | None:
     layer_types = raw.get("layer_types")
     if layer_types:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch == "Qwen2ForCausalLM":
-        if not raw.get("use_sliding_window", False):
-            return (None,) * n_layers
+        if len(layer_types) != n_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} layers, num_hidden_layers is {n_layers}")
+        return tuple(layer_types)
+    if arch == _GEMMA3:   # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers))
+    return None
+
+
+def _layer_windows(raw: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    # Qwen's configs keep a window that only `use_sliding_window` turns on (transformers drops it otherwise).
+    if arch == "LlamaForCausalLM" or not window or (qwen and not raw.get("use_sliding_window", False)):
+        return (None,) * n_layers
+    layer_types = _layer_types(raw, arch, n_layers)
+    if layer_types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if qwen:
         first = raw.get("max_window_layers", n_layers)
         return tuple(window if i >= first else None for i in range(n_layers))
     return (int(window),) * n_layers

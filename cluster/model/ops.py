@@ -34,12 +34,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class ForwardPass:
-    def __init__(self, plan: KernelPlan, positions: torch.Tensor, rotary, dtype: torch.dtype, backend, meta):
+    def __init__(self, plan: KernelPlan, positions: torch.Tensor, rotary, dtype: torch.dtype, backend, meta,
+                 local_rotary=None):
+        """`local_rotary`: the RoPE table of the layers that run with `local=True` (Gemma 3's
+        sliding layers); None: every layer uses `rotary`."""
         bucket = plan.buckets.index(positions.shape[0])
         self.backend = backend
         self.meta = meta
         self.positions = positions
         self.rotary = rotary
+        self.local_rotary = rotary if local_rotary is None else local_rotary
         self.norm_path = plan.norm[bucket]
         self.rope_path = plan.rope[bucket]
         self.act_path = plan.act[bucket]
@@ -55,9 +59,11 @@ class ForwardPass:
         # RoPE, K/V store and attention of a layer as one C call: pure decode on the fused paths.
         ready = getattr(backend, "fused_block_ready", None)
         self.fused_block = self.rope_path is RopePath.FUSED_C and ready is not None and ready(meta)
-        self.cos = self.sin = None
+        self.cos = self.sin = self.local_cos = self.local_sin = None
         if self.rope_path is RopePath.TORCH:
             self.cos, self.sin = rotary.lookup(positions, dtype)
+            self.local_cos, self.local_sin = (self.cos, self.sin) if local_rotary is None else \
+                local_rotary.lookup(positions, dtype)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm_path is NormPath.FUSED_C:
@@ -77,14 +83,28 @@ class ForwardPass:
         residual.add_(delta)
         return self.norm(residual, weight, eps)
 
-    def rope(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    def rope(self, qkv: torch.Tensor, heads: int, head_dim: int, local: bool = False) -> torch.Tensor:
         """RoPE on the first `heads` heads (queries, then keys) of the fused projection [T, *];
-        returns them as [T, heads, head_dim]."""
+        returns them as [T, heads, head_dim]. `local`: with the local table (see __init__)."""
         t = qkv.shape[0]
         if self.rope_path is RopePath.FUSED_C:
-            self.c_ops.rope_(qkv, self.positions, self.rotary.cos, self.rotary.sin, heads, head_dim)
+            rotary = self.local_rotary if local else self.rotary
+            self.c_ops.rope_(qkv, self.positions, rotary.cos, rotary.sin, heads, head_dim)
             return qkv[:, : heads * head_dim].view(t, heads, head_dim)
-        return apply_rope(qkv[:, : heads * head_dim].view(t, heads, head_dim), self.cos, self.sin)
+        cos, sin = (self.local_cos, self.local_sin) if local else (self.cos, self.sin)
+        return apply_rope(qkv[:, : heads * head_dim].view(t, heads, head_dim), cos, sin)
+
+    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                  kv_heads: int, head_dim: int, eps: float) -> None:
+        """RMSNorm over each query and key head of the fused projection [T, *], in place, before
+        RoPE (Qwen3, Gemma 3). Torch ops whatever the plan: the heads are strided rows; the
+        rounding follows the plan's norm path (transformers' on the paths that mimic it)."""
+        t = qkv.shape[0]
+        norm = _torch_norm_fused if self.norm_path is NormPath.TORCH_FUSED else _torch_norm_ops
+        q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+        q.copy_(norm(q, q_weight, eps))
+        k.copy_(norm(k, k_weight, eps))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [T, 2I] projection."""
@@ -92,3 +112,9 @@ class ForwardPass:
             return self.c_ops.silu_mul(gate_up)
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
+
+    @staticmethod
+    def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) * up (tanh approximation: transformers' gelu_pytorch_tanh, GeGLU), torch ops."""
+        half = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[:, :half], approximate="tanh") * gate_up[:, half:]

@@ -48,7 +48,8 @@ class DraftModelProposer:
         sched = engine.config.scheduler
         num_blocks = engine.pool.num_blocks + sched.max_num_seqs * (-(-(config.max_speculative_tokens + 1) // bs))
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype)
+                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
+                                         scale=mc.attention_scale)
         graphed = engine.graph_replay is not None and backend.static_decode_ready()
         # With decode graphs, one more block than the pool's: their pad rows write there.
         self.cache = PagedKVCache(self.layout, num_blocks + (1 if graphed else 0), engine.device)
