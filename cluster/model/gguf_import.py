@@ -5,7 +5,7 @@ and the tokenizer with its chat template. `hf_dir_for(path)` converts it once in
 directory that everything else serves as it serves any checkpoint (and that transformers and vLLM
 load too: `splitserve export-hf`):
 
-  config.json              from the `llama.*` metadata (the Llama-family GGUF architectures)
+  config.json              from the `llama.*` metadata (GGUF's "llama" architecture)
   model.safetensors        every tensor dequantized to float32 by the `gguf` library, with the
                            row permutation llama.cpp applies to Q and K undone
   tokenizer.json, ...      transformers' GGUF tokenizer converter (its vocab, merges, special
@@ -32,7 +32,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1        # part of the cache key: a fix to the conversion makes new directories
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp writes Mistral and Llama 2/3 checkpoints (and SmolLM2) as "llama"; other GGUF
+# architectures (qwen2, qwen3, gemma3, phi3: served here from Hugging Face directories) are refused
+# until a test holds their conversion to transformers' own GGUF loader.
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
