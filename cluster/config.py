@@ -54,7 +54,7 @@ def resolve_model(model: str | Path) -> Path:
     if gguf is not None:
         return _converted(gguf.resolve())
     if not path.exists():
-        raise FileNotFoundError(f"--model {model}: no such file or directory (a Hugging Face directory, a .gguf "
+        raise FileNotFoundError(f"--model {model} does not exist (give a Hugging Face directory, a .gguf "
                                 f"file, or a built-in name: {', '.join(BUILTIN_MODELS)})")
     return path
 
