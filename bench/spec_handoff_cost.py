@@ -51,11 +51,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
-    plain = LLMEngine(EngineConfig(num_threads=args.threads))
-    drafted = LLMEngine(EngineConfig(num_threads=args.threads, speculative=SpeculativeConfig(method="draft")))
+    plain = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads))
+    drafted = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method="draft")))
     eagle = None
     if DEFAULT_EAGLE_DIR.is_dir():
-        eagle = LLMEngine(EngineConfig(num_threads=args.threads, speculative=SpeculativeConfig(method="eagle")))
+        eagle = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method="eagle")))
         extra = eagle.layout.bytes_per_block() / plain.layout.bytes_per_block() - 1
         print(f"eagle: KV bytes per block {plain.layout.bytes_per_block()} -> {eagle.layout.bytes_per_block()} "
               f"(+{extra:.1%} per handoff), plus {eagle.model_config.hidden_size * eagle.dtype.itemsize} bytes "

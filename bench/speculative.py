@@ -74,9 +74,9 @@ def main() -> None:
     torch.manual_seed(0)
     prompts = heldout_windows(str(STDLIB_CODER_DIR), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
-    engines = {"off": LLMEngine(EngineConfig(num_threads=args.threads), speculator_factory=make_speculator)}
+    engines = {"off": LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads), speculator_factory=make_speculator)}
     for m in methods:
-        engines[m] = LLMEngine(EngineConfig(num_threads=args.threads, speculative=SpeculativeConfig(method=m)),
+        engines[m] = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method=m)),
                                speculator_factory=make_speculator)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.threads} threads, bf16")

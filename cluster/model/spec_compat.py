@@ -29,6 +29,10 @@ def read_eagle_config(head_dir: Path) -> dict:
     return raw
 
 
+_SHIPPED = ("; the shipped draft model and EAGLE head are stdlib-coder's (--model stdlib-coder): give this model "
+            "its own (--draft-model, --eagle-head), or use --speculative ngram")
+
+
 def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
     spec = cfg.speculative
     if spec.method in ("off", "ngram"):
@@ -39,13 +43,14 @@ def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
         if draft.vocab_size != target.vocab_size or \
                 _sha(spec.draft_dir / "tokenizer.json") != _sha(Path(cfg.model) / "tokenizer.json"):
             raise ValueError(f"draft model {spec.draft_dir} does not share the target's tokenizer "
-                             f"({cfg.model}/tokenizer.json): its tokens would mean something else")
+                             f"({cfg.model}/tokenizer.json): its tokens would mean something else"
+                             f"{_SHIPPED if spec.draft_model is None else ''}")
         return
     head = read_eagle_config(spec.eagle_dir)
     if head.get("vocab_size") != target.vocab_size or head.get("hidden_size") != target.hidden_size:
         raise ValueError(f"EAGLE head {spec.eagle_dir} was built for a model with hidden size "
                          f"{head.get('hidden_size')} and vocab {head.get('vocab_size')}, but the target has "
-                         f"{target.hidden_size} and {target.vocab_size}")
+                         f"{target.hidden_size} and {target.vocab_size}{_SHIPPED if spec.eagle_head is None else ''}")
     head_kv = (head.get("num_key_value_heads"), head.get("head_dim"))
     if head_kv != (target.num_kv_heads, target.head_dim):
         where = " and across the P/D handoff" if disaggregated else ""
