@@ -53,10 +53,7 @@ def resolve_model(model: str | Path) -> Path:
     gguf = find_gguf(path)
     if gguf is not None:
         return _converted(gguf.resolve())
-    if not path.exists():
-        raise FileNotFoundError(f"--model {model} does not exist (give a Hugging Face directory, a .gguf "
-                                f"file, or a built-in name: {', '.join(BUILTIN_MODELS)})")
-    return path
+    return path          # a path that does not exist here (yet: a container's) is refused when it is loaded
 
 
 _CONVERTED: dict[tuple, Path] = {}

@@ -159,7 +159,8 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
     """Build the model and load its weights. `dtype` None keeps the checkpoint's own dtype."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        raise FileNotFoundError(f"model directory {model_dir} does not exist (--model takes a Hugging Face "
+                                "directory, a .gguf file, or a built-in name: stdlib-coder)")
     cfg = load_model_config(model_dir)
     dtype = dtype or cfg.dtype
     state = _our_state_dict(cfg, LazyCheckpoint(model_dir, device))   # read onto the device, fused there
