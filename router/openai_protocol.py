@@ -216,18 +216,23 @@ def samples_needed(body, limits: Limits, endpoint: Endpoint) -> int:
     cheap, so that admission comes before any tokenization."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    b = limits.bounds
-    n = _int(body, "n", 1, b.max_n, 1)
     prompts = 1
     if endpoint is Endpoint.COMPLETIONS:
         value = body.get("prompt")
         if isinstance(value, list) and value and not isinstance(value[0], int):
             prompts = len(value)
+    return prompts * _samples_per_prompt(body, prompts, limits)
+
+
+def _samples_per_prompt(body: dict, prompts: int, limits: Limits) -> int:
+    """`n`, checked: in range, and prompts x n within the request's share of the slots."""
+    b = limits.bounds
+    n = _int(body, "n", 1, b.max_n, 1)
     if prompts * n > b.max_samples_per_request:
         raise _err("n" if prompts == 1 else "prompt",
                    f"{prompts} prompt(s) x n={n} is {prompts * n} samples; a request may have at most "
                    f"{b.max_samples_per_request} (--max-samples-per-request)")
-    return prompts * n
+    return n
 
 
 def _memo(tokenize):
@@ -243,10 +248,7 @@ def _memo(tokenize):
 
 def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
             max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str) -> tuple[PromptGroup, ...]:
-    n = _int(body, "n", 1, limits.bounds.max_n, 1)
-    if len(prompts) * n > limits.bounds.max_samples_per_request:
-        raise _err("prompt", f"{len(prompts)} prompt(s) x n={n} is over the limit of "
-                             f"{limits.bounds.max_samples_per_request} samples per request (--max-samples-per-request)")
+    n = _samples_per_prompt(body, len(prompts), limits)
     base = _sampling(body, max_tokens_default, logprobs, limits)
     tokenize = _memo(tokenize) if tokenize is not None else None
     rid = uuid.uuid4().hex

@@ -274,6 +274,11 @@ def test_a_client_that_disconnects_stops_its_request_everywhere(served):
         sock.close()
         stats = served.wait_idle(timeout=20)            # every block released, nothing left running
         assert all(s["blocks_used"] == 0 and s["running"] == 0 for s in stats)
+        admission = served.cluster.frontend.service.admission   # and every in-flight slot given back: the
+        limit = time.monotonic() + 10                           # frontend does so once the worker's abort returns
+        while admission.in_use and time.monotonic() < limit:
+            time.sleep(0.05)
+        assert admission.in_use == 0 and not admission.waiting
         # Stopped, not run to the end: 250 tokens would take at least 250 engine steps.
         taken = sum(s["steps"] for s in stats) - steps
         assert taken < 150, taken

@@ -18,6 +18,13 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+async def _refused(attempt, why: RefusedWhy) -> Refused:
+    with pytest.raises(Refused) as e:
+        await attempt
+    assert e.value.why is why, e.value
+    return e.value
+
+
 async def _settle():
     for _ in range(5):          # a grant reaches its waiter through a few callbacks
         await asyncio.sleep(0)
@@ -55,17 +62,11 @@ def test_queue_bounds_timeouts_and_too_large():
         a = Admission(AdmissionConfig(max_in_flight=2, max_queued=1, queue_timeout_s=0.05,
                                       max_in_flight_per_tenant=2))
         t = await a.acquire("x", 2)
-        with pytest.raises(Refused) as e:
-            await a.acquire("x", 3)
-        assert e.value.why is RefusedWhy.TOO_LARGE and "--max-in-flight" in str(e.value)
+        assert "--max-in-flight" in str(await _refused(a.acquire("x", 3), RefusedWhy.TOO_LARGE))
         waiter = asyncio.ensure_future(a.acquire("y", 1))
         await asyncio.sleep(0)
-        with pytest.raises(Refused) as e:
-            await a.acquire("z", 1)
-        assert e.value.why is RefusedWhy.QUEUE_FULL
-        with pytest.raises(Refused) as e:
-            await waiter
-        assert e.value.why is RefusedWhy.QUEUE_TIMEOUT
+        await _refused(a.acquire("z", 1), RefusedWhy.QUEUE_FULL)
+        await _refused(waiter, RefusedWhy.QUEUE_TIMEOUT)
         a.release(t)
         assert a.in_use == 0 and not a.waiting
     _run(go())
@@ -75,8 +76,7 @@ def test_per_tenant_cap_leaves_room_for_others():
     async def go():
         a = Admission(AdmissionConfig(max_in_flight=4, max_in_flight_per_tenant=2, queue_timeout_s=0.05))
         mine = [await a.acquire("big", 1), await a.acquire("big", 1)]
-        with pytest.raises(Refused):
-            await a.acquire("big", 1)                     # over its cap: waits, then times out
+        await _refused(a.acquire("big", 1), RefusedWhy.QUEUE_TIMEOUT)   # over its cap: waits, then times out
         other = await a.acquire("small", 2)               # the rest is still there for others
         for t in (*mine, other):
             a.release(t)
@@ -100,9 +100,7 @@ def test_a_cancelled_waiter_leaves_nothing_behind_even_if_granted_meanwhile():
         await asyncio.sleep(0)
         a.close()                    # shutting down: the waiter is refused, and so is what comes later
         for attempt in (queued, a.acquire("z", 1)):
-            with pytest.raises(Refused) as e:
-                await attempt
-            assert e.value.why is RefusedWhy.SHUTTING_DOWN
+            await _refused(attempt, RefusedWhy.SHUTTING_DOWN)
         a.release(t)
         assert a.in_use == 0 and not a.waiting
     _run(go())
