@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate, ChatTemplateError
-from router.validation import Limits, ValidationError, clip, validate
+from router.validation import Limits, ValidationError, clip, cut_message, validate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
 INT32_MAX = 2**31 - 1
@@ -29,7 +29,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None):
-        message = message if len(message) <= 1024 else message[:1024] + "..."   # never a client's value at length
+        message = cut_message(message)     # never a client's value at length
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -6,7 +6,7 @@ off the event loop (INVALID_ARGUMENT naming the field; router/offload.py), honou
 every worker) and aborts everywhere when the client cancels. A worker's refusal of the request
 itself (`RequestError`) keeps its own code; a server that cannot serve it (no worker, shutting
 down) answers UNAVAILABLE. Request ids are scoped per tenant: two tenants may use the same one.
-Error messages are cut to `MAX_DETAILS` characters (they travel in the trailers). gRPC health says NOT_SERVING until every worker has loaded and been
+Error messages are cut to `MAX_MESSAGE_CHARS` characters (router/validation.py). gRPC health says NOT_SERVING until every worker has loaded and been
 handshaken (`set_serving`); requests that arrive before then wait for it, within their deadline.
 """
 from __future__ import annotations
@@ -26,18 +26,15 @@ from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
 from router.connections import ConnectionLimits, grpc_options
 from router.offload import Offload
 from router.router import Router
-from router.validation import Limits, ValidationError, client_id, scoped_id, validate
+from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
 log = logging.getLogger(__name__)
 
 _REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
             FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 SERVICE_NAME = "splitserve.v1.Inference"
-MAX_DETAILS = 1024
-
-
 async def _abort(context, code: grpc.StatusCode, message: str):
-    await context.abort(code, message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "...")
+    await context.abort(code, cut_message(message))
 
 
 def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:

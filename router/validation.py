@@ -10,6 +10,11 @@ from cluster.types import GenerateRequest, SamplingParams
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_ECHO_CHARS = 64      # a client's value quoted in an error message is cut to this
+MAX_MESSAGE_CHARS = 1024  # and the whole message to this (gRPC sends it in the trailers)
+
+
+def cut_message(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
 
 
 def clip(value, limit: int = MAX_ECHO_CHARS) -> str:
