@@ -134,7 +134,7 @@ def make_workload(args, vocab: int, max_model_len: int) -> list[dict]:
 # --- the cluster on a background event loop (the pattern of tests/e2e/cluster_harness.py) ------
 class ClusterThread:
     def __init__(self, cfg):
-        from cluster.app import start_cluster
+        from cluster.launch.app import start_cluster
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -358,7 +358,7 @@ def print_report(report: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from cluster.app import ClusterConfig
+    from cluster.launch.app import ClusterConfig
     from cluster.config import CacheConfig, EngineConfig
     from cluster.model.model_config import load_model_config
     engine = EngineConfig(dtype=args.dtype, cache=CacheConfig(num_blocks=args.kv_blocks),

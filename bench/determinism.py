@@ -131,7 +131,7 @@ def profile_prefill(model_dir, threads, device) -> None:
 
 
 def _cluster_matrix(threads) -> None:
-    from cluster.app import ClusterConfig
+    from cluster.launch.app import ClusterConfig
     from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
     from cluster.types import SamplingParams
     from router.client import AsyncClient

@@ -24,7 +24,7 @@ PHASES = ("call", "queue", "read", "verify", "confirm", "join")
 
 def run(transport: str, args, prompts) -> list[dict]:
     import ray
-    from cluster.app import ClusterConfig
+    from cluster.launch.app import ClusterConfig
     from cluster.config import EngineConfig
     from cluster_harness import ClusterThread
     from router.client import Client

@@ -4,7 +4,7 @@
                              [--env RAY_X=1 ...] [--serve-arg=--prefill=3 ...] [--stacks] [--hold S]
                              [--out bench/results/idle_cpu.json]
 
-For each mode it starts `python -m cluster.cli serve` (colocated: `--colocated`; pd-nixl / pd-tcp:
+For each mode it starts `python -m cluster.launch.cli serve` (colocated: `--colocated`; pd-nixl / pd-tcp:
 `--prefill 1 --decode 1 --transport nixl|tcp`) on a free port, waits until the gRPC health check
 says SERVING, sends one request (`def f(x):`, 8 tokens) so every worker is warm, waits --settle
 seconds, then reads utime+stime from /proc/<pid>/stat (and /proc/<pid>/task/*/stat) of the serve
@@ -251,7 +251,7 @@ def run_mode(mode: str, args) -> dict:
     target = f"127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.update(dict(kv.split("=", 1) for kv in args.env))
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", *MODES[mode], "--port", str(port), *args.serve_arg]
+    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *MODES[mode], "--port", str(port), *args.serve_arg]
     log_path = Path(args.out).with_name(f"idle_cpu_{mode}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"\n== {mode}: {' '.join(cmd[1:])}" + (f"  env: {' '.join(args.env)}" if args.env else ""), flush=True)

@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import random
-    from cluster.app import ClusterConfig
+    from cluster.launch.app import ClusterConfig
     from cluster.config import EngineConfig, default_model_dir
     from cluster.model.loader import load_tokenizer
     from cluster_harness import ClusterThread

@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--itl-slo", type=float, default=0.2)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    from cluster.app import ClusterConfig, start_cluster
+    from cluster.launch.app import ClusterConfig, start_cluster
     from cluster.config import CacheConfig, EngineConfig, default_model_dir
     from cluster.model.loader import load_tokenizer
     model = Path(args.model) if args.model else default_model_dir()

@@ -13,7 +13,7 @@ A server's `target` is what bench/loadgen.py connects to: http://HOST:PORT for v
 modes (its OpenAI-compatible HTTP API), HOST:PORT for the gRPC modes. Every mode serves the model
 as SERVED_NAME ("bench"), the "model" of each HTTP request.
 
-splitserve runs as `python -m cluster.cli serve ...` (what the `splitserve` script runs) so that the
+splitserve runs as `python -m cluster.launch.cli serve ...` (what the `splitserve` script runs) so that the
 code of this tree is served, not whichever checkout is installed. Each server gets its own session
 (process group); stopping sends SIGINT (the Ctrl-C both servers handle), waits for the leader to
 exit, then ends by pid whatever of that session is left (here vLLM's API server leaves two of its
@@ -178,7 +178,7 @@ def start_splitserve(mode: str, model: Path, log: Path, threads: int, transport:
     http = mode.endswith("-http")
     port = free_port()
     topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--transport", transport, "--num-threads", str(threads)]
     if http:
         http_port = free_port()

@@ -88,6 +88,21 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
+class Fork:
+    """One more sample of a request's prompt (OpenAI's `n`): computed once with the request, drawn
+    with its own sampling, streamed under its own id. The one shape forks take everywhere: the
+    engine, the worker calls and the engine loop each set the fields they know."""
+    request_id: str
+    sampling: SamplingParams
+    first_token: int | None = None   # drawn by the prefill worker: a handoff's forks continue from it
+    stream_key: int | None = None    # its stream at the frontend that owns it (worker calls)
+
+    def __post_init__(self):
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError("a fork's sampling must be a SamplingParams")
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
     logprob: float

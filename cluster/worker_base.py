@@ -4,7 +4,7 @@ usage, queues, prefix cache, and what its health is judged by: the incarnation, 
 handshaken, and the engine's step counter for the progress watchdog).
 
 The control methods (`stats`, `abort`, `metadata`, `add_peer`, `set_ready`, ...) are called in
-Ray's "control" concurrency group (`cluster/app.py`): they never queue behind the long streaming
+Ray's "control" concurrency group (`cluster/launch/app.py`): they never queue behind the long streaming
 calls of the data group, and none of them blocks an event loop.
 """
 from __future__ import annotations

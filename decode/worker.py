@@ -12,7 +12,7 @@ free blocks is declined at once (the producer is told and releases its pins) wit
 router then continues the request elsewhere or later, instead of recomputing it into a full pool.
 Blocks taken for a pull belong to its `_Handoff` until the engine owns them, and are freed on
 every path that does not get that far.
-A plain class; `cluster/app.py` runs it as a Ray actor in its own process.
+A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The prefill worker: computes a prompt's KV (chunked, prefix cache first), samples the first
 token and publishes the blocks under a lease for a decode worker to pull.
 
-A plain class; `cluster/app.py` runs it as a Ray actor in its own process.
+A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class StatsCadence:
         return self.busy_s if now - self.last_busy < self.linger_s else self.idle_s
 
 
-CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/app.py)
+CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
 
 
 class RayWorkerClient:

@@ -56,7 +56,7 @@ class RouterConfig:
 class Router:
     def __init__(self, config: RouterConfig, policy, prefill: dict, decode: dict, receiver: TokenReceiver,
                  metrics=None):
-        """`prefill`/`decode`: worker name -> client (see cluster/app.py)."""
+        """`prefill`/`decode`: worker name -> client (see cluster/launch/app.py)."""
         self.config = config
         self.receiver = receiver
         self.policy = policy

@@ -17,7 +17,7 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": 
 
 class ServeProcess:
     def __init__(self, *args: str, timeout: float = 180.0, env: dict | None = None):
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--metrics-port", "0", *args]
+        cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--metrics-port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **RAY_ENV, **(env or {})}, start_new_session=True)
         self.lines: list[str] = []

@@ -37,7 +37,7 @@ def test_installs_what_ci_installs(dockerfile):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_default_command_parses(dockerfile):
-    from cluster import cli
+    from cluster.launch import cli
     text = dockerfile.read_text()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))

@@ -213,7 +213,7 @@ def _help(*cmd: str) -> str:
 
 
 def _check_splitserve(argv: list[str], cfg_text: str, tmp: Path) -> None:
-    from cluster import cli
+    from cluster.launch import cli
     sub = argv[1]
     help_text = _help("splitserve", sub, "--help")
     for flag in (a.split("=")[0] for a in argv[2:] if a.startswith("--")):

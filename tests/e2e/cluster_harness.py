@@ -8,7 +8,7 @@ import time
 
 class ClusterThread:
     def __init__(self, cfg):
-        from cluster.app import start_cluster
+        from cluster.launch.app import start_cluster
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -12,11 +12,11 @@ def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_m
     model = str(tiny_model_dir("llama"))
     prompt = "def add(a, b):"
     before = _raylets()
-    served = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", model, "--port", "0",
+    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model", model, "--port", "0",
                              "--transport", "tcp", "--request", prompt, "--max-tokens", "12"],
                             capture_output=True, text=True, timeout=240)
     assert served.returncode == 0, served.stderr[-2000:]
-    alone = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", model, "--max-tokens", "12",
+    alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens", "12",
                             prompt], capture_output=True, text=True, timeout=120, check=True)
     assert served.stdout == alone.stdout
     assert "(1 prefill + 1 decode, KV over tcp)" in served.stderr
@@ -42,7 +42,7 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
 
     from router.client import Client
     before, workers_before = _raylets(), _workers()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--transport", "tcp"],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--transport", "tcp"],
                             stderr=subprocess.PIPE, text=True)
     try:
         target = None
@@ -82,7 +82,7 @@ def test_the_main_job_answers_a_question_with_the_real_default_model():
     GGUF), the question sent through the chat template, a sensible answer on stdout."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
-    served = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--transport", "tcp",
+    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--transport", "tcp",
                              "--request", "What is the capital of France?", "--max-tokens", "24"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert served.returncode == 0, served.stderr[-2000:]
@@ -94,12 +94,12 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
     """`splitserve chat` against a local cluster: two turns, each answered as the single engine
     answers the conversation rendered by the model's template; `generate` renders the same way."""
     from tiny_models import make_chat_model
-    from cluster.chat_cli import PromptBuilder
+    from cluster.launch.chat_cli import PromptBuilder
     from cluster.config import EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
     model = make_chat_model(tmp_path / "chat", "llama")
-    chat = subprocess.run([sys.executable, "-m", "cluster.cli", "chat", "--model", str(model), "--port", "0",
+    chat = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "chat", "--model", str(model), "--port", "0",
                            "--transport", "tcp", "--max-tokens", "6", "--colocated"],
                           input="hello there\nand again\n/exit\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
@@ -112,6 +112,6 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
         messages.append({"role": "assistant", "content": text})
         want.append(text)
     assert chat.stdout == "".join(f"> {t}\n" for t in want) + "> ", chat.stdout
-    alone = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(model), "--max-tokens",
+    alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", str(model), "--max-tokens",
                             "6", "hello there"], capture_output=True, text=True, timeout=120, check=True)
     assert alone.stdout == want[0] + "\n"

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams

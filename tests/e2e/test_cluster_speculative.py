@@ -12,7 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
-from cluster.app import ClusterConfig, start_cluster
+from cluster.launch.app import ClusterConfig, start_cluster
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -51,7 +51,7 @@ def reference() -> list[list[int]]:
     engine = LLMEngine(_engine_config())
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     ref = [list(engine.generate([p], sp)[0].token_ids) for p in PROMPTS]
-    cli = subprocess.run([sys.executable, "-m", "cluster.cli", "--log-level", "WARNING", "generate",
+    cli = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "--log-level", "WARNING", "generate",
                           "--deterministic", "--json", "--ignore-eos", "--max-tokens", str(MAX_TOKENS), PROMPTS[7]],
                          capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(cli.stdout)["token_ids"] == ref[7]

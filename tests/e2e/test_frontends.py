@@ -11,7 +11,7 @@ import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -140,7 +140,7 @@ def test_one_scrape_covers_both_frontends(cluster):
 
 
 def test_bad_frontend_count_is_refused(tiny_model_dir):
-    from cluster.app import start_cluster
+    from cluster.launch.app import start_cluster
     import asyncio
     with pytest.raises(ValueError, match="frontends must be >= 1"):
         asyncio.run(start_cluster(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), frontends=0)))

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster_harness import ClusterThread
 from proto.splitserve.v1 import inference_pb2 as pb

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster_harness import ClusterThread
 from integration.test_model_families import FAMILIES, family_prompts, hf_reference  # noqa: F401 (a fixture)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams

@@ -22,7 +22,7 @@ import msgpack
 import pytest
 import ray
 
-from cluster.app import ClusterConfig
+from cluster.launch.app import ClusterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.secrets import read_api_key_file, read_secret_file

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from cluster.launch.cli import main
 
 
 def _generate(capsys, *flags):

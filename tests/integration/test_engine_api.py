@@ -165,7 +165,7 @@ def test_cli_generate_json_matches_transformers(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
     prompt = "def add(a, b):"
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "--model", str(model_dir), "--max-tokens", "10",
+        [sys.executable, "-m", "cluster.launch.cli", "generate", "--model", str(model_dir), "--max-tokens", "10",
          "--json", prompt], capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(proc.stdout)          # stdout holds exactly one JSON object
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -179,7 +179,7 @@ def test_cli_generate_json_matches_transformers(tiny_model_dir):
 
 
 def test_cli_reports_missing_model_dir(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", str(tmp_path / "nope"), "hi"],
+    proc = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", str(tmp_path / "nope"), "hi"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and proc.stdout == ""

@@ -1,8 +1,8 @@
-"""The driver's bring-up of a (re)started worker (cluster/app.py): it never waits on a peer that
+"""The driver's bring-up of a (re)started worker (cluster/launch/app.py): it never waits on a peer that
 is down, and pairs with it once both are live. Fake worker clients: this is the policy only."""
 import asyncio
 
-from cluster.app import _bring_up
+from cluster.launch.app import _bring_up
 
 
 class FakeWorker:

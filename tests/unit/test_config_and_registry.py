@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from cluster.cli import _apply_config_file, build_parser
+from cluster.launch.cli import _apply_config_file, build_parser
 from cluster.transfer.base import TransportUnavailable
 from cluster.transfer.registry import make_transport
 
@@ -36,7 +36,7 @@ def test_yaml_config_rejects_unknown_keys(tmp_path):
 
 
 def test_deterministic_from_yaml_and_the_command_line(tmp_path):
-    from cluster.cli import _engine_config
+    from cluster.launch.cli import _engine_config
     cfg = tmp_path / "c.yaml"
     cfg.write_text("deterministic: true\n")
     parser = build_parser()
@@ -50,7 +50,7 @@ def test_deterministic_from_yaml_and_the_command_line(tmp_path):
 @pytest.mark.parametrize("line,want", [("kv-checksums: off\n", False), ("kv-checksums: on\n", True), ("", True)])
 def test_kv_checksums_switch_from_yaml(tmp_path, line, want):
     """YAML reads on/off as booleans; the switch takes both spellings."""
-    from cluster.cli import _cluster_config
+    from cluster.launch.cli import _cluster_config
     cfg = tmp_path / "c.yaml"
     cfg.write_text(line)
     parser = build_parser()
@@ -61,7 +61,7 @@ def test_kv_checksums_switch_from_yaml(tmp_path, line, want):
 
 
 def test_memory_plan_and_batch_limits_from_the_command_line(tmp_path):
-    from cluster.cli import _engine_config
+    from cluster.launch.cli import _engine_config
     args = build_parser().parse_args(["serve", "--memory-fraction", "0.2", "--num-kv-blocks", "100",
                                       "--max-num-seqs", "8", "--max-num-batched-tokens", "512"])
     cfg = _engine_config(args)

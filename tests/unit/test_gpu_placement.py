@@ -3,7 +3,7 @@ actor's CUDA_VISIBLE_DEVICES; without a GPU request every worker would run on cu
 shares one on purpose, and contradictory settings fail before anything starts."""
 import pytest
 
-from cluster.app import ClusterConfig, gpus_per_worker
+from cluster.launch.app import ClusterConfig, gpus_per_worker
 from cluster.config import EngineConfig
 
 

@@ -257,7 +257,7 @@ def _remote_prompt(client, args):
     same name): the conversation is rendered and tokenized here; otherwise the text goes as is."""
     if args.raw:
         return args.prompt
-    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
+    from cluster.launch.chat_cli import PromptBuilder  # noqa: PLC0415
     from cluster.config import resolve_model  # noqa: PLC0415
     from proto.splitserve.v1 import inference_pb2 as pb  # noqa: PLC0415
     from router.client import _metadata  # noqa: PLC0415
@@ -319,7 +319,7 @@ def _api_keys(args) -> tuple:
 
 
 def _cluster_config(args):
-    from cluster.app import ClusterConfig  # noqa: PLC0415
+    from cluster.launch.app import ClusterConfig  # noqa: PLC0415
     return ClusterConfig(engine=_engine_config(args), num_prefill=args.prefill, num_decode=args.decode,
                          colocated=args.colocated, transport=args.transport, host=args.host, port=args.port,
                          policy=args.policy, ray_address=args.ray_address, ray_token_file=args.ray_token_file,
@@ -341,8 +341,8 @@ def _cluster_config(args):
 def cmd_serve(args) -> int:
     import asyncio  # noqa: PLC0415
     import signal  # noqa: PLC0415
-    from cluster.app import start_cluster  # noqa: PLC0415
-    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
+    from cluster.launch.app import start_cluster  # noqa: PLC0415
+    from cluster.launch.chat_cli import PromptBuilder  # noqa: PLC0415
 
     cfg = _cluster_config(args)
 
@@ -383,7 +383,7 @@ def cmd_generate(args) -> int:
         return cmd_generate_remote(args)
     from cluster.engine.engine import LLMEngine  # noqa: PLC0415 (torch import is slow; keep --help fast)
     from decode.spec.speculator import make_speculator  # noqa: PLC0415
-    from cluster.chat_cli import PromptBuilder  # noqa: PLC0415
+    from cluster.launch.chat_cli import PromptBuilder  # noqa: PLC0415
     sampling = _sampling(args)
     config = _engine_config(args)
     engine = LLMEngine(config, speculator_factory=make_speculator)
@@ -405,14 +405,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from cluster.chat_cli import PromptBuilder, chat_loop, grpc_reply, http_reply  # noqa: PLC0415
+    from cluster.launch.chat_cli import PromptBuilder, chat_loop, grpc_reply, http_reply  # noqa: PLC0415
     keys = _api_keys(args)
     key = keys[0].key.decode() if keys else None
     if args.server:
         return chat_loop(http_reply(args.server, None, key, args.max_tokens, args.temperature))
     import threading  # noqa: PLC0415
     import asyncio  # noqa: PLC0415
-    from cluster.app import start_cluster  # noqa: PLC0415
+    from cluster.launch.app import start_cluster  # noqa: PLC0415
     from router.client import Client  # noqa: PLC0415
     cfg = _cluster_config(args)
     builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
