@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from cluster.config import (DataPlaneConfig, EngineConfig, check_port, derived, require,  # noqa: F401 (re-export)
-                            setting)
+from cluster.config import DataPlaneConfig, EngineConfig, check_port, derived, require, setting
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
 from router.router import RouterConfig
