@@ -359,6 +359,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from cluster.launch.app import ClusterConfig
+    from cluster.config import DataPlaneConfig
     from cluster.config import CacheConfig, EngineConfig
     from cluster.model.model_config import load_model_config
     engine = EngineConfig(dtype=args.dtype, cache=CacheConfig(num_blocks=args.kv_blocks),
@@ -366,7 +367,8 @@ def main(argv=None) -> int:
     mc = load_model_config(engine.model)
     workload = make_workload(args, mc.vocab_size, engine.max_model_len or mc.max_position_embeddings)
     num_prefill, num_decode = TOPOLOGIES[args.topology]
-    cfg = ClusterConfig(engine=engine, num_prefill=num_prefill, num_decode=num_decode, transport="nixl", port=0,
+    cfg = ClusterConfig(engine=engine, num_prefill=num_prefill, num_decode=num_decode,
+                        data_plane=DataPlaneConfig(transport="nixl"), port=0,
                         max_tokens_limit=args.max_tokens_limit)
     report = {"command": " ".join([sys.executable, *sys.argv]), "cpu_model": cpu_model(), "cpus": os.cpu_count(),
               "model": str(engine.model), "dtype": args.dtype, "topology": args.topology,

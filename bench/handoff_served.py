@@ -25,11 +25,14 @@ PHASES = ("call", "queue", "read", "verify", "confirm", "join")
 def run(transport: str, args, prompts) -> list[dict]:
     import ray
     from cluster.launch.app import ClusterConfig
+    from cluster.config import DataPlaneConfig
+    from router.router import RouterConfig
     from cluster.config import EngineConfig
     from cluster_harness import ClusterThread
     from router.client import Client
     engine = EngineConfig(model=args.model) if args.model else EngineConfig()
-    c = ClusterThread(ClusterConfig(engine=engine, transport=transport, port=0, local_prefill_max_tokens=0))
+    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport=transport), port=0,
+                                    router=RouterConfig(local_prefill_max_tokens=0)))
     try:
         client = Client(c.target)
         client.generate(prompts[0][:64], max_tokens=4)                     # warm-up

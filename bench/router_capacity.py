@@ -92,6 +92,7 @@ def main() -> None:
 
     import random
     from cluster.launch.app import ClusterConfig
+    from cluster.config import DataPlaneConfig
     from cluster.config import EngineConfig, default_model_dir
     from cluster.model.loader import load_tokenizer
     from cluster_harness import ClusterThread
@@ -106,8 +107,10 @@ def main() -> None:
         prompts.append(pool[s:s + args.prompt_tokens])
     from cluster.config import SpeculativeConfig
     engine = EngineConfig(model=model, dtype=args.dtype, speculative=SpeculativeConfig(method=args.speculative))
-    cfg = ClusterConfig(engine=engine, colocated=args.colocated, stream_interval=args.stream_interval,
-                        num_prefill=args.prefill, num_decode=args.decode, transport=args.transport, port=0,
+    cfg = ClusterConfig(engine=engine, colocated=args.colocated,
+                        num_prefill=args.prefill, num_decode=args.decode,
+                        data_plane=DataPlaneConfig(transport=args.transport, stream_interval=args.stream_interval),
+                        port=0,
                         frontends=args.frontends, max_tokens_limit=max(4096, args.max_tokens))
     cluster = ClusterThread(cfg)
     try:

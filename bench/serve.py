@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     from cluster.launch.app import ClusterConfig, start_cluster
+    from cluster.config import DataPlaneConfig
     from cluster.config import CacheConfig, EngineConfig, default_model_dir
     from cluster.model.loader import load_tokenizer
     model = Path(args.model) if args.model else default_model_dir()
@@ -142,7 +143,8 @@ def main() -> None:
     all_results, summary = {}, {}
 
     async def run_mode(mode: str):
-        cfg = ClusterConfig(engine=engine, colocated=mode == "colocated", transport=args.transport, port=0,
+        cfg = ClusterConfig(engine=engine, colocated=mode == "colocated",
+                            data_plane=DataPlaneConfig(transport=args.transport), port=0,
                             max_tokens_limit=4096)
         cluster = await start_cluster(cfg)
         try:

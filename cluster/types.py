@@ -9,6 +9,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from cluster.config import MAX_SPECULATIVE_TOKENS, SPEC_METHODS
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # an eos id, a stop token id or a stop string
@@ -67,11 +69,12 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                                 and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs!r}")
-        _check(self.speculative in (None, "off", "ngram", "draft", "eagle"),
-               f"speculative must be one of off, ngram, draft, eagle, got {self.speculative!r}")
+        _check(self.speculative is None or self.speculative in SPEC_METHODS,
+               f"speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}")
         k = self.num_speculative_tokens
-        _check(k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16),
-               f"num_speculative_tokens must be 'auto' or an integer in [1, 16], got {k!r}")
+        _check(k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool)
+                                                     and 1 <= k <= MAX_SPECULATIVE_TOKENS),
+               f"num_speculative_tokens must be 'auto' or an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -18,13 +18,24 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from cluster.config import require, setting
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_in_flight: int = 256                 # slots of one frontend (vLLM: --max-num-seqs is the engine's)
-    max_in_flight_per_tenant: int | None = None   # None: a tenant may take every slot nobody else waits for
-    max_queued: int = 256                    # requests waiting for slots; beyond this, refused at once
-    queue_timeout_s: float = 30.0            # how long a request waits for slots before 429
+    max_in_flight: int = setting(256, "in-flight slots of one frontend, one per sample of a request (vLLM: "
+                                      "--max-num-seqs is the engine's)")
+    max_in_flight_per_tenant: int | None = setting(None, "the most slots one tenant may hold",
+                                                   default_text="every slot nobody else waits for")
+    max_queued: int = setting(256, "requests waiting for slots; beyond this, refused at once (429)")
+    queue_timeout_s: float = setting(30.0, "how long a request waits for slots before 429")
+
+    def __post_init__(self) -> None:
+        require(self.max_in_flight >= 1, "max_in_flight", f"must be >= 1, got {self.max_in_flight}")
+        cap = self.max_in_flight_per_tenant
+        require(cap is None or cap >= 1, "max_in_flight_per_tenant", f"must be >= 1, got {cap}")
+        require(self.max_queued >= 0, "max_queued", f"must be >= 0, got {self.max_queued}")
+        require(self.queue_timeout_s > 0, "queue_timeout_s", f"must be > 0, got {self.queue_timeout_s}")
 
 
 class RefusedWhy(enum.Enum):

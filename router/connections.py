@@ -14,23 +14,33 @@ and optionally a maximum connection age (clients reconnect, and a load balancer 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from cluster.config import require, setting
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    http_header_timeout_s: float = 10.0
-    http_body_timeout_s: float = 30.0
-    http_idle_timeout_s: float = 30.0          # vLLM's (uvicorn's) keep-alive is 5 s; OpenAI clients keep pools
-    http_max_connections: int = 1024
-    grpc_handshake_timeout_s: float = 10.0
-    grpc_keepalive_s: float = 60.0             # the server pings a silent client this often ...
-    grpc_keepalive_timeout_s: float = 20.0     # ... and drops it when no answer comes within this
-    grpc_idle_timeout_s: float = 300.0         # a connection with no call in progress
-    grpc_max_connection_age_s: float | None = None   # then GOAWAY (calls in progress get as long again)
-    grpc_max_streams_per_connection: int = 128
+    http_header_timeout_s: float = setting(10.0, "HTTP: a request's headers must be complete within this of its "
+                                                 "first byte")
+    http_body_timeout_s: float = setting(30.0, "HTTP: the whole body must arrive within this (else 408)")
+    http_idle_timeout_s: float = setting(30.0, "HTTP: a connection with no request in progress is closed after "
+                                               "this (vLLM's, uvicorn's, keep-alive is 5 s; OpenAI clients keep pools)")
+    http_max_connections: int = setting(1024, "HTTP: open connections; past it, 503")
+    grpc_handshake_timeout_s: float = setting(10.0, "gRPC: a connection's handshake must complete within this")
+    grpc_keepalive_s: float = setting(60.0, "gRPC: the server pings a silent client this often ...")
+    grpc_keepalive_timeout_s: float = setting(20.0, "... and drops it when no answer comes within this")
+    grpc_idle_timeout_s: float = setting(300.0, "gRPC: a connection with no call in progress is closed after this")
+    grpc_max_connection_age_s: float | None = setting(None, "gRPC: then GOAWAY (calls in progress get as long "
+                                                            "again; clients reconnect)", default_text="no limit")
+    grpc_max_streams_per_connection: int = setting(128, "gRPC: concurrent calls on one connection")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            require(value is None or value > 0, f.name, f"must be > 0, got {value}")
 
 
 def guarded_h11(limits: ConnectionLimits) -> type[H11Protocol]:

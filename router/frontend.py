@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
+from router.router import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -116,27 +117,26 @@ def apply_poll(router, results: dict) -> list[dict]:
 
 @dataclass(frozen=True)
 class FrontendConfig:
+    """What one frontend is told, built from the cluster's config (cluster/launch/app.py): the
+    settings are declared there and in the classes nested here, never restated."""
     name: str
     model_dir: str                  # the tokenizer is read from here
     limits: object                  # router.validation.Limits
     info: dict                      # ServerInfo fields
-    host: str = "127.0.0.1"
-    port: int = 50051
-    stream_host: str = "127.0.0.1"  # where workers send token frames: this node's address
-    policy: str = "prefix_aware"
-    block_size: int = 16
-    colocated: bool = False
-    local_prefill_max_tokens: int = 32
-    admission: AdmissionConfig = AdmissionConfig()
-    connections: ConnectionLimits = ConnectionLimits()
+    router: RouterConfig
+    transport: str                  # the KV transport (a metrics label)
+    host: str
+    port: int
+    stream_host: str                # where workers send token frames: this node's address
+    policy: str
+    admission: AdmissionConfig
+    connections: ConnectionLimits
+    poll_timeout_s: float           # a poll slower than this is skipped (slow is not dead)
+    roles: dict                     # worker name -> "prefill" | "decode"
     api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
-    transport: str = "nixl"
     poll_stats_s: float | None = None   # poll the workers' stats itself (actor frontends)
-    poll_timeout_s: float = 5.0         # a poll slower than this is skipped (slow is not dead)
-    stall_timeout_s: float = 60.0       # progress watchdog: work queued, no engine step this long
-    roles: dict = field(default_factory=dict)   # worker name -> "prefill" | "decode"
     http_port: int | None = None        # the OpenAI-compatible HTTP API (router/http_server.py)
     http_reuse_port: bool = False       # several frontend processes share the HTTP port
     chat_template: str | None = None    # a Jinja file that overrides the model's chat template
@@ -158,7 +158,7 @@ class Frontend:
         from cluster.token_stream import TokenReceiver  # noqa: PLC0415
         from router.offload import batch_tokenize  # noqa: PLC0415
         from router.policy import make_policy  # noqa: PLC0415
-        from router.router import Router, RouterConfig  # noqa: PLC0415
+        from router.router import Router  # noqa: PLC0415
         from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
         cfg = self.cfg
         if self.metrics is None:
@@ -168,11 +168,7 @@ class Frontend:
         decode = {n: c for n, c in clients.items() if cfg.roles[n] == "decode"}
         receiver = TokenReceiver(cfg.name, host=cfg.stream_host)
         await receiver.start()
-        self.router = Router(RouterConfig(block_size=cfg.block_size, colocated=cfg.colocated,
-                                          local_prefill_max_tokens=cfg.local_prefill_max_tokens,
-                                          stall_timeout_s=cfg.stall_timeout_s),
-                             make_policy(cfg.policy), prefill, decode,
-                             receiver, metrics=self.metrics)
+        self.router = Router(cfg.router, make_policy(cfg.policy), prefill, decode, receiver, metrics=self.metrics)
         tokenizer = load_tokenizer(cfg.model_dir)
         self.service = InferenceService(self.router, cfg.limits, batch_tokenize(tokenizer, add_special_tokens=True),
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from cluster.config import derived, require, setting
 from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import StreamBroken, TokenReceiver
@@ -43,14 +44,28 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RouterConfig:
-    block_size: int = 16
-    colocated: bool = False
-    local_prefill_max_tokens: int = 32       # prompts this short are prefilled on the decode worker
-    local_prefill_cached_fraction: float = 0.9  # ... and so are prompts this cached there
-    final_delta_grace_s: float = 30.0        # after a stream's call returns, its last frame must arrive
-    stall_timeout_s: float = 60.0            # work queued and no engine step this long: stuck
-    unavailable_wait_s: float = 120.0        # how long a request waits for a routable worker
-    max_attempts: int = 8                    # decode attempts per request (failovers and busy retries)
+    block_size: int = derived(16, "the engines' KV block size (--block-size): the policy hashes prompts by block")
+    colocated: bool = derived(False, "--colocated: every worker runs both phases")
+    local_prefill_max_tokens: int = setting(32, "prompts this short are prefilled on the decode worker "
+                                                "(conditional disaggregation)")
+    local_prefill_cached_fraction: float = setting(0.9, "... and so are prompts this much of which is cached there")
+    final_delta_grace_s: float = setting(30.0, "after a stream's worker call returns, its last tokens must arrive "
+                                               "within this")
+    stall_timeout_s: float = setting(60.0, "route around a live worker that has work queued but has made no engine "
+                                           "step for this long, until it moves again (a slow worker is never "
+                                           "routed around)")
+    unavailable_wait_s: float = setting(120.0, "how long a request waits for a routable worker of a role (the "
+                                               "cluster starting, or every such worker restarting)")
+    max_attempts: int = setting(8, "decode attempts per request (failovers and busy retries)")
+
+    def __post_init__(self) -> None:
+        require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens",
+                f"must be >= 0, got {self.local_prefill_max_tokens}")
+        require(0 <= self.local_prefill_cached_fraction <= 1, "local_prefill_cached_fraction",
+                f"must be in [0, 1], got {self.local_prefill_cached_fraction}")
+        for name in ("final_delta_grace_s", "stall_timeout_s", "unavailable_wait_s"):
+            require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")
 
 
 class Router:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from cluster.config import require, setting
 
 from cluster.types import GenerateRequest, SamplingParams
 
@@ -33,15 +35,19 @@ class ValidationError(ValueError):
 class RequestBounds:
     """What one request may cost: every bound is a setting (`splitserve serve --help`), and a
     request past one gets 400 / INVALID_ARGUMENT naming it."""
-    max_stop_strings: int = 32          # OpenAI allows 4
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_n: int = 64                     # samples per prompt
-    max_samples_per_request: int = 64   # prompts x n: the in-flight slots one request takes
-    max_logprobs: int = 20              # OpenAI's limit for top_logprobs (and the engine's)
-    max_body_bytes: int = 4 << 20       # HTTP body
-    max_message_bytes: int = 4 << 20    # gRPC message
-    max_json_depth: int = 32            # nesting of a JSON body (chat content parts, tool schemas)
+    max_stop_strings: int = setting(32, "stop strings per request (OpenAI allows 4)")
+    max_stop_string_chars: int = setting(256, "characters of one stop string")
+    max_stop_token_ids: int = setting(64, "stop token ids per request")
+    max_n: int = setting(64, "samples per prompt (n)")
+    max_samples_per_request: int = setting(64, "prompts x n: the in-flight slots one request takes")
+    max_logprobs: int = setting(20, "top logprobs per token (OpenAI's limit, and the engine's)")
+    max_body_bytes: int = setting(4 << 20, "bytes of an HTTP body")
+    max_message_bytes: int = setting(4 << 20, "bytes of a gRPC message")
+    max_json_depth: int = setting(32, "nesting of a JSON body (chat content parts, tool schemas)")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            require(getattr(self, f.name) >= 1, f.name, f"must be >= 1, got {getattr(self, f.name)}")
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ import logging
 import os
 import secrets
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from cluster.config import EngineConfig, WorkerConfig
+from cluster.config import WorkerConfig
+from cluster.launch.cluster_config import ClusterConfig
 from cluster.metrics import ClusterMetrics
 from cluster.model.kernel_choice import engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
@@ -17,57 +18,9 @@ from cluster.model.model_config import load_model_config
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
-from router.admission import AdmissionConfig
-from router.connections import ConnectionLimits
 from router.health import is_actor_death
-from router.validation import RequestBounds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    num_prefill: int = 1
-    num_decode: int = 1
-    colocated: bool = False
-    transport: str = "nixl"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    policy: str = "prefix_aware"
-    ray_address: str | None = None
-    ray_token_file: str | None = None   # the Ray cluster's auth token, when joining one (RAY_AUTH_TOKEN_PATH)
-    max_tokens_limit: int = 4096
-    default_max_tokens: int = 256
-    # What a request may cost, who gets an in-flight slot, how long a connection may idle or trickle
-    # (router/validation.py, router/admission.py, router/connections.py).
-    bounds: RequestBounds = RequestBounds()
-    admission: AdmissionConfig = AdmissionConfig()
-    connections: ConnectionLimits = ConnectionLimits()
-    frontends: int = 1          # gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers
-    stream_interval: int = 1    # tokens per stream message (vLLM's --stream-interval)
-    kv_checksums: bool = True   # per-block checksums on every handoff (xxh3 on host memory, a sum on device)
-    local_prefill_max_tokens: int = 32
-    api_keys: tuple = ()        # cluster.secrets.ApiKey, or plain key strings (each its own tenant)
-    # Seals the KV plane's handshakes and control messages (cluster/transfer/auth.py). None: a random
-    # one per cluster, handed to every worker inside Ray's control plane.
-    cluster_secret: object = None
-    tls_client_ca: bytes | None = None   # PEM: require client certificates signed by it (mTLS, gRPC and HTTP)
-    metrics_port: int | None = None
-    metrics_host: str | None = None     # the scrape port's own bind address (None: `host`)
-    tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # (private key, certificate chain), PEM
-    worker_cpus: float = 1.0
-    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources). None: one GPU each
-    # when the engine runs on CUDA (Ray then sets each actor's CUDA_VISIBLE_DEVICES), none on CPU;
-    # a fraction shares a GPU between workers on purpose.
-    worker_gpus: float | None = None
-    prefill_resources: dict = field(default_factory=dict)   # e.g. {"prefill": 1} on multi-node Ray
-    stall_timeout_s: float = 60.0   # a worker with work queued and no engine step this long is routed around
-    poll_timeout_s: float = 5.0     # a stats poll slower than this is skipped (slow is not dead)
-    decode_resources: dict = field(default_factory=dict)
-    http_port: int | None = None        # the OpenAI-compatible HTTP API beside gRPC (None: off)
-    chat_template: str | None = None    # a Jinja file overriding the model's chat template
-    served_model_name: str | None = None   # the model's name in both APIs (default: its directory's)
 
 
 def _max_token_bytes(tokenizer) -> int:
@@ -105,8 +58,7 @@ def gpus_per_worker(cfg: "ClusterConfig") -> float:
 
 
 def _check(cfg: "ClusterConfig") -> None:
-    if cfg.frontends < 1:
-        raise ValueError(f"frontends must be >= 1, got {cfg.frontends}")
+    """What the config alone cannot know (its own fields checked themselves when it was built)."""
     gpus_per_worker(cfg)
 
 
@@ -308,7 +260,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     import ray  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
-    from router.frontend import Frontend, FrontendConfig, RayWorkerClient  # noqa: PLC0415
+    from router.frontend import Frontend, RayWorkerClient  # noqa: PLC0415
     from router.validation import Limits  # noqa: PLC0415
     from cluster.model.loader import load_tokenizer  # noqa: PLC0415
 
@@ -334,8 +286,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
-        wcfg = WorkerConfig(engine=engine, transport=cfg.transport, stream_interval=cfg.stream_interval,
-                            checksums=cfg.kv_checksums, cluster_secret=secret,
+        wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
                             kv_host=None if cfg.ray_address else "127.0.0.1")
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
@@ -354,27 +305,20 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                     default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
                     max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))
     info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
-            "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.transport,
+            "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.data_plane.transport,
             "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
             "num_speculative_tokens": str(spec.num_speculative_tokens),
             "deterministic": cfg.engine.deterministic}
-    fcfg = FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, host=cfg.host,
-                          port=cfg.port, stream_host=ray.util.get_node_ip_address(), policy=cfg.policy,
-                          block_size=cfg.engine.cache.block_size, colocated=cfg.colocated,
-                          local_prefill_max_tokens=cfg.local_prefill_max_tokens, admission=cfg.admission,
-                          connections=cfg.connections,
-                          api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca, transport=cfg.transport, roles=roles,
-                          poll_timeout_s=cfg.poll_timeout_s, stall_timeout_s=cfg.stall_timeout_s,
-                          http_port=cfg.http_port, http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
+    fcfg = _frontend_config(cfg, limits, info, roles, stream_host=ray.util.get_node_ip_address())
     handles = {n: c.handle for n, c in workers.items()}
     frontend, actors = None, []
     if cfg.frontends == 1:
-        metrics = ClusterMetrics(cfg.transport)
+        metrics = ClusterMetrics(cfg.data_plane.transport)
         frontend = Frontend(fcfg, handles, metrics=metrics)
         port = await frontend.start()
     else:
         actors, port = await _start_frontends(cfg, fcfg, handles)
-        metrics = ClusterMetrics(cfg.transport, frontends=actors)
+        metrics = ClusterMetrics(cfg.data_plane.transport, frontends=actors)
     # The port is bound (health NOT_SERVING, requests wait); now every worker loads, is
     # handshaken and marked ready before health turns SERVING.
     metas: dict[str, bytes] = {}
@@ -394,6 +338,18 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
+
+
+def _frontend_config(cfg: ClusterConfig, limits, info: dict, roles: dict, stream_host: str):
+    """What one frontend is told: the cluster's settings, none of them restated."""
+    from router.frontend import FrontendConfig  # noqa: PLC0415
+    router = replace(cfg.router, block_size=cfg.engine.cache.block_size, colocated=cfg.colocated)
+    return FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, router=router,
+                          transport=cfg.data_plane.transport, host=cfg.host, port=cfg.port, stream_host=stream_host,
+                          policy=cfg.policy, admission=cfg.admission, connections=cfg.connections,
+                          api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca,
+                          roles=roles, poll_timeout_s=cfg.poll_timeout_s, http_port=cfg.http_port,
+                          http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
 
 
 async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], KernelPlan]:

@@ -221,11 +221,7 @@ def _check_splitserve(argv: list[str], cfg_text: str, tmp: Path) -> None:
     cfg_file = tmp / "splitserve.yaml"
     cfg_file.write_text(cfg_text)
     args_list = [str(cfg_file) if a == CONFIG_PATH else a for a in argv[1:]]
-    parser = cli.build_parser()
-    cli._apply_config_file(parser, args_list)           # unknown config keys raise here
-    args = parser.parse_args(args_list)                 # and bad values here, as in the pod
-    cli._engine_config(args)
-    cli._json_resources(args.prefill_resources), cli._json_resources(args.decode_resources)
+    cli.load(args_list, check_machine=False)            # unknown config keys and bad values raise here, as in the pod
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

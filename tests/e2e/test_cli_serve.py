@@ -115,3 +115,36 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", str(model), "--max-tokens",
                             "6", "hello there"], capture_output=True, text=True, timeout=120, check=True)
     assert alone.stdout == want[0] + "\n"
+
+
+def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path):
+    """The settings the README names, from a YAML file, reach a running cluster (it answers as
+    `generate` does)."""
+    model = str(tiny_model_dir("llama"))
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"model: {model}\nport: 0\ntransport: tcp\nunavailable_wait: 60\nlease_seconds: 20\n"
+                   "transfer_timeout: 5\nenable_chunked_prefill: true\nngram_max: 3\nstall_timeout: 30\n")
+    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--config", str(cfg),
+                             "--request", "def add(a, b):", "--max-tokens", "8"],
+                            capture_output=True, text=True, timeout=240)
+    assert served.returncode == 0, served.stderr[-2000:]
+    alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens",
+                            "8", "def add(a, b):"], capture_output=True, text=True, timeout=120, check=True)
+    assert served.stdout == alone.stdout
+    assert "(1 prefill + 1 decode, KV over tcp)" in served.stderr
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_ray_starts(tiny_model_dir):
+    import socket
+    before = _raylets()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model",
+                                 str(tiny_model_dir("llama")), "--port", "0", "--http-port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2
+    assert served.stderr == f"splitserve: error: --http-port 127.0.0.1:{port} is in use; give another port, or 0 " \
+                            "for a free one\n"
+    assert not _raylets() - before

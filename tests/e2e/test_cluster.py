@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -41,8 +43,10 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
-                                    local_prefill_max_tokens=4, max_tokens_limit=64, metrics_port=0))
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+                                    data_plane=DataPlaneConfig(transport="nixl"), port=0,
+                                    router=RouterConfig(local_prefill_max_tokens=4), max_tokens_limit=64,
+                                    metrics_port=0))
     yield c
     c.stop()
 
@@ -170,8 +174,10 @@ def test_health_service_reports_serving(cluster):
 
 
 def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
-                                    num_prefill=2, num_decode=2, local_prefill_max_tokens=4, policy="least_loaded"))
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+                                    data_plane=DataPlaneConfig(transport="nixl"), port=0,
+                                    num_prefill=2, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
+                                    policy="least_loaded"))
     try:
         client = Client(c.target)
         prompts = _prompts()
@@ -239,8 +245,10 @@ def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
 
 def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, reference):
     import ray
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="nixl", port=0,
-                                    num_prefill=1, num_decode=2, local_prefill_max_tokens=4, max_tokens_limit=240))
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+                                    data_plane=DataPlaneConfig(transport="nixl"), port=0,
+                                    num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
+                                    max_tokens_limit=240))
     try:
         client = Client(c.target)
         prompt = _prompts(1, seed=8)[0]

@@ -13,6 +13,8 @@ import grpc
 import pytest
 
 from cluster.launch.app import ClusterConfig, start_cluster
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -74,8 +76,9 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
 
 @pytest.mark.parametrize("configured,methods", [("draft", ("draft", "ngram")), ("eagle", ("eagle",))])
 def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods):
-    pd = ClusterThread(ClusterConfig(engine=_engine_config(configured), transport="nixl", port=0,
-                                     local_prefill_max_tokens=4, metrics_port=0))
+    pd = ClusterThread(ClusterConfig(engine=_engine_config(configured),
+                                     data_plane=DataPlaneConfig(transport="nixl"), port=0,
+                                     router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
     try:
         info = Client(pd.target).server_info()
         assert (info.speculative, info.num_speculative_tokens) == (configured, "4")

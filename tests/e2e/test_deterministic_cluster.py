@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -75,7 +77,8 @@ def _mismatches(got, want) -> list[int]:
 
 
 def test_1p1d_concurrent_requests_equal_generate(reference):
-    pd = ClusterThread(ClusterConfig(engine=_engine_config(), transport="nixl", port=0, local_prefill_max_tokens=4))
+    pd = ClusterThread(ClusterConfig(engine=_engine_config(), data_plane=DataPlaneConfig(transport="nixl"), port=0,
+                                     router=RouterConfig(local_prefill_max_tokens=4)))
     try:
         assert Client(pd.target).server_info().deterministic
         got = _concurrently(pd)

@@ -18,6 +18,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -61,8 +63,9 @@ class _Started:
         self.port = _free_port()
         self.health_seen: list[int] = []
         self.early: list = []
-        cfg = ClusterConfig(engine=_engine_config(model_dir), transport="nixl", port=self.port, num_prefill=1,
-                            num_decode=2, local_prefill_max_tokens=4, max_tokens_limit=200)
+        cfg = ClusterConfig(engine=_engine_config(model_dir), data_plane=DataPlaneConfig(transport="nixl"),
+                            port=self.port, num_prefill=1,
+                            num_decode=2, router=RouterConfig(local_prefill_max_tokens=4), max_tokens_limit=200)
         box: dict = {}
         starter = threading.Thread(target=lambda: box.setdefault("c", ClusterThread(cfg)), daemon=True)
         starter.start()

@@ -12,6 +12,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -26,8 +28,10 @@ def _engine_config(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), transport="tcp", port=0,
-                                    num_prefill=1, num_decode=2, frontends=2, local_prefill_max_tokens=4,
+    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+                                    data_plane=DataPlaneConfig(transport="tcp"), port=0,
+                                    num_prefill=1, num_decode=2, frontends=2,
+                                    router=RouterConfig(local_prefill_max_tokens=4),
                                     max_tokens_limit=200, metrics_port=0, http_port=0))
     yield c
     c.stop()

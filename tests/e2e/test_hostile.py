@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster_harness import ClusterThread
 from proto.splitserve.v1 import inference_pb2 as pb
@@ -55,7 +57,8 @@ def served(tmp_path_factory):
     c = ClusterThread(ClusterConfig(
         engine=EngineConfig(model=model, dtype="float32", num_threads=1, kernels="torch",
                             cache=CacheConfig(block_size=4, num_blocks=64)),
-        transport="tcp", port=0, http_port=0, local_prefill_max_tokens=2, max_tokens_limit=256,
+        data_plane=DataPlaneConfig(transport="tcp"), port=0, http_port=0,
+        router=RouterConfig(local_prefill_max_tokens=2), max_tokens_limit=256,
         api_keys=read_api_key_file(str(keys)), admission=AdmissionConfig(max_in_flight=8, queue_timeout_s=TIMEOUT_S),
         connections=ConnectionLimits(http_header_timeout_s=TIMEOUT_S, http_body_timeout_s=TIMEOUT_S,
                                      http_idle_timeout_s=TIMEOUT_S, grpc_handshake_timeout_s=TIMEOUT_S)))

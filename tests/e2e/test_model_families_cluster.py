@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster_harness import ClusterThread
 from integration.test_model_families import FAMILIES, family_prompts, hf_reference  # noqa: F401 (a fixture)
@@ -20,7 +22,8 @@ MAX_TOKENS = 12
 def served(request, tiny_model_dir):
     engine = EngineConfig(model=tiny_model_dir(request.param), dtype="float32", num_threads=1, kernels="torch",
                           cache=CacheConfig(block_size=4, num_blocks=128))
-    c = ClusterThread(ClusterConfig(engine=engine, transport="tcp", port=0, local_prefill_max_tokens=4,
+    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
+                                    router=RouterConfig(local_prefill_max_tokens=4),
                                     max_tokens_limit=64))
     c.kind = request.param
     yield c

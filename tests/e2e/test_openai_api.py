@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
@@ -41,8 +43,10 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def served(request, chat_model):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(chat_model), transport="tcp", port=0, http_port=0,
-                                    colocated=request.param == "colocated", local_prefill_max_tokens=2,
+    c = ClusterThread(ClusterConfig(engine=_engine_config(chat_model), data_plane=DataPlaneConfig(transport="tcp"),
+                                    port=0, http_port=0,
+                                    colocated=request.param == "colocated",
+                                    router=RouterConfig(local_prefill_max_tokens=2),
                                     api_keys=(KEY,), max_tokens_limit=256))
     c.http = f"127.0.0.1:{c.cluster.http_port}"
     c.topology = request.param

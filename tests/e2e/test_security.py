@@ -23,6 +23,8 @@ import pytest
 import ray
 
 from cluster.launch.app import ClusterConfig
+from cluster.config import DataPlaneConfig
+from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.secrets import read_api_key_file, read_secret_file
@@ -86,7 +88,8 @@ def served(tiny_model_dir, tmp_path_factory, pki):
         f.chmod(0o600)
     engine = EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, kernels="torch",
                           cache=CacheConfig(block_size=4, num_blocks=128))
-    c = ClusterThread(ClusterConfig(engine=engine, transport="tcp", port=0, http_port=0, local_prefill_max_tokens=4,
+    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
+                                    http_port=0, router=RouterConfig(local_prefill_max_tokens=4),
                                     api_keys=read_api_key_file(keys), cluster_secret=read_secret_file(secret),
                                     tls=pki["server"], tls_client_ca=pki["ca"]))
     c.engine_config = engine

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, WorkerConfig
+from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, WorkerConfig
 from cluster.errors import RequestError, WorkerBusy
 from cluster.token_stream import TokenReceiver
 from cluster.types import SamplingParams
@@ -22,7 +22,8 @@ _names = itertools.count()
 @pytest.fixture
 def pair(tiny_model_dir):
     cfg = WorkerConfig(engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
-                                           cache=CacheConfig(block_size=4, num_blocks=64)), transport="loopback")
+                                           cache=CacheConfig(block_size=4, num_blocks=64)),
+                       data_plane=DataPlaneConfig(transport="loopback"))
     n = next(_names)
     prefill, decode = PrefillWorker(f"p{n}", cfg), DecodeWorker(f"d{n}", cfg)
     yield prefill, decode

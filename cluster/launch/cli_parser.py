@@ -1,0 +1,144 @@
+"""The `splitserve` command line's parser: the settings' flags come from the config tree
+(cluster/launch/settings.py); the command's own options (prompts, files, sampling) are here."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+
+from cluster.config import EngineConfig, secret_file_from_env
+from cluster.launch.settings import UNSET, add_setting_flags
+
+# The group a setting's flag is listed under, by the first element of its path in the tree.
+ENGINE_TITLES = {"cache": "KV cache", "scheduler": "batching", "speculative": "speculative decoding"}
+CLUSTER_TITLES = {"engine": "engine (model, KV cache, batching, speculative decoding)",
+                  "data_plane": "data plane (KV transfer between workers, token streams)",
+                  "router": "routing and failover",
+                  "bounds": "request bounds (a request past one gets 400 naming it)",
+                  "admission": "admission (in-flight slots, per tenant)",
+                  "connections": "connections (HTTP and gRPC timeouts and limits)"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors in one line (argparse prints its usage first), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help (the settings' help says its own)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or action.nargs == 0 or not action.option_strings or \
+                any(default is x for x in (UNSET, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: {'none' if default is None or default == [] else '%(default)s'})"
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="splitserve", description="Disaggregated prefill/decode LLM serving",
+                    formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"splitserve {version()}")
+    parser.add_argument("--log-level", default="INFO", type=_log_level, help="log level of splitserve's own logs "
+                                                                              "(stderr)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,export-hf}")
+    parser.commands = {}
+
+    def command(name: str, help_text: str) -> Parser:
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+        # Also after the subcommand (`splitserve serve --log-level DEBUG`); SUPPRESS keeps the global one.
+        p.add_argument("--log-level", default=argparse.SUPPRESS, type=_log_level,
+                       help="log level of splitserve's own logs (stderr; default INFO)")
+        parser.commands[name] = p
+        p.settings = []
+        return p
+
+    gen = command("generate", "generate a completion with the engine in-process, or from a running server")
+    gen.settings = add_setting_flags(gen, EngineConfig, ENGINE_TITLES)
+    gen.root = EngineConfig
+    _add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true",
+                     help='print one JSON object {"token_ids", "text", "finish_reason"} instead of streaming text')
+    gen.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="stream from a running `splitserve serve` instead of running the engine in-process (then "
+                          "only --model, --speculative and --num-speculative-tokens of the engine's flags apply: "
+                          "the first picks the chat template, the others go with the request)")
+    gen.add_argument("--api-key", default=None, help="API key for --server (sent as 'authorization: Bearer')")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is (default: as a user message through the model's chat template, "
+                          "when it has one; with --server, when the server serves the --model this command names)")
+    gen.add_argument("prompt", help="the prompt")
+
+    srv = command("serve", "serve the gRPC API (and the OpenAI HTTP API) from a disaggregated prefill/decode "
+                           "cluster on Ray")
+    _add_cluster_args(srv)
+    srv.add_argument("--request", default=None, metavar="PROMPT",
+                     help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
+    srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
+    srv.add_argument("--raw", action="store_true",
+                     help="send --request as is (default: as a user message through the model's chat template)")
+
+    chat = command("chat", "a conversation in the terminal: a local cluster, or --server's OpenAI API")
+    _add_cluster_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--server", default=None, metavar="URL",
+                      help="chat with a running server's OpenAI API (e.g. http://127.0.0.1:8000) instead")
+
+    exp = command("export-hf", "write a GGUF file's model as a Hugging Face directory (for transformers, vLLM)")
+    exp.add_argument("gguf", help="the .gguf file")
+    exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    return parser
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (the request's)")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this "
+                                                             "probable")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less probable than this times the top one")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens already seen "
+                                                                         "by this (1: none)")
+    g.add_argument("--seed", type=int, default=None, help="the request's seed (default: the engine's --default-seed)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+
+
+def _add_cluster_args(p: Parser) -> None:
+    from cluster.launch.cluster_config import ClusterConfig  # noqa: PLC0415
+    p.root = ClusterConfig
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="YAML file of settings (`key: value`, keys as the flags without '--', with '_' or '-'); "
+                        "flags given on the command line win")
+    p.settings = add_setting_flags(p, ClusterConfig, CLUSTER_TITLES)
+    g = p.add_argument_group("secrets and TLS (files)")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="require this API key (repeatable; visible in `ps`: prefer --api-key-file)")
+    g.add_argument("--api-key-file", default=secret_file_from_env("SPLITSERVE_API_KEY_FILE"), metavar="FILE",
+                   help="API keys, one per line: TENANT:KEY (keys sharing a tenant name share its requests and "
+                        "prefix cache) or KEY alone (its own tenant); default $SPLITSERVE_API_KEY_FILE")
+    g.add_argument("--cluster-secret-file", default=secret_file_from_env("SPLITSERVE_CLUSTER_SECRET_FILE"),
+                   metavar="FILE", help="the secret that authenticates the KV plane between workers (default "
+                                        "$SPLITSERVE_CLUSTER_SECRET_FILE; without one, a random one per cluster)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="PEM certificate chain: serve gRPC and HTTP over "
+                                                                   "TLS")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="PEM private key for --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: require client certificates signed by this CA (gRPC and HTTP)")

@@ -1,0 +1,112 @@
+"""The root of the config tree: one cluster, its engines, data plane, router and front doors.
+
+`splitserve serve` builds one from its flags and YAML (cluster/launch/settings.py); tests and
+benchmarks build one directly. Each setting is declared once, in the dataclass that uses it
+(cluster/config.py, router/): this class nests them and adds what only the cluster has.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from cluster.config import DataPlaneConfig, EngineConfig, check_port, derived, require, setting
+from router.admission import AdmissionConfig
+from router.connections import ConnectionLimits
+from router.router import RouterConfig
+from router.validation import RequestBounds
+
+
+def _policies() -> tuple[str, ...]:
+    from router.policy import POLICIES  # noqa: PLC0415
+    return tuple(POLICIES)
+
+
+def parse_resources(value) -> dict:
+    """A JSON object of Ray resource name to amount (YAML gives the mapping itself)."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               for v in parsed.values()):
+        raise ValueError(f"expected a JSON object of resource amounts, e.g. '{{\"prefill\": 1}}', got {value!r}")
+    return parsed
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    # What a request may cost, who gets an in-flight slot, how long a connection may idle or trickle
+    # (router/validation.py, router/admission.py, router/connections.py).
+    bounds: RequestBounds = RequestBounds()
+    admission: AdmissionConfig = AdmissionConfig()
+    connections: ConnectionLimits = ConnectionLimits()
+
+    num_prefill: int = setting(1, "number of prefill workers", flag="--prefill")
+    num_decode: int = setting(1, "number of decode workers", flag="--decode")
+    colocated: bool = setting(False, "serve from engines that run both phases (the aggregated baseline; --prefill "
+                                     "is then unused)")
+    host: str = setting("127.0.0.1", "address the gRPC server (and the HTTP API) binds to")
+    port: int = setting(50051, "the gRPC port (0 picks a free one)")
+    http_port: int | None = setting(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                                          "/v1/chat/completions, /v1/models, /health) on this port, from the same "
+                                          "router", default_text="off")
+    metrics_port: int | None = setting(None, "serve Prometheus metrics of the whole cluster on "
+                                             "http://METRICS_HOST:PORT/metrics", default_text="off")
+    metrics_host: str | None = setting(None, "address the --metrics-port binds to", default_text="--host")
+    frontends: int = setting(1, "gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers (scale "
+                                "the router out)")
+    policy: str = setting("prefix_aware", "how the router picks a worker", choices=_policies)
+    ray_address: str | None = setting(None, "join an existing Ray cluster instead of starting one",
+                                      default_text="a local Ray of its own")
+    ray_token_file: str | None = setting(None, "the token of the Ray cluster --ray-address joins (Ray's token "
+                                               "authentication; a local cluster gets a random one of its own)",
+                                         metavar="FILE")
+    worker_cpus: float = setting(1.0, "Ray CPUs each worker actor takes")
+    # Ray GPUs per worker actor (Ray refuses "GPU" among custom resources). None: one GPU each
+    # when the engine runs on CUDA (Ray then sets each actor's CUDA_VISIBLE_DEVICES), none on CPU;
+    # a fraction shares a GPU between workers on purpose.
+    worker_gpus: float | None = setting(None, "Ray GPUs each worker actor takes (a fraction shares one between "
+                                              "workers)", default_text="1 with --device cuda, 0 on CPU")
+    prefill_resources: dict = setting(help="Ray custom resources each prefill worker needs, e.g. '{\"prefill\": 1}' "
+                                           "(places them on the nodes that advertise it)", factory=dict,
+                                      parse=parse_resources, metavar="JSON")
+    decode_resources: dict = setting(help="Ray custom resources each decode worker needs, e.g. '{\"decode\": 1}'",
+                                     factory=dict, parse=parse_resources, metavar="JSON")
+    max_tokens_limit: int = setting(4096, "the most tokens a request may ask for")
+    default_max_tokens: int = setting(256, "a request's max_tokens when it gives none (at most --max-tokens-limit)")
+    poll_timeout_s: float = setting(5.0, "a worker stats poll slower than this is skipped (slow is not dead)")
+    chat_template: str | None = setting(None, "Jinja chat template for /v1/chat/completions and chat", metavar="FILE",
+                                        default_text="the model's own, from its tokenizer_config.json or "
+                                                     "chat_template.jinja")
+    served_model_name: str | None = setting(None, "the model's name in both APIs",
+                                            default_text="the model directory's name")
+    api_keys: tuple = derived((), "--api-key and --api-key-file: cluster.secrets.ApiKey, or plain key strings "
+                                  "(each its own tenant)")
+    # Seals the KV plane's handshakes and control messages (cluster/transfer/auth.py). None: a random
+    # one per cluster, handed to every worker inside Ray's control plane.
+    cluster_secret: object = derived(None, "--cluster-secret-file")
+    tls_client_ca: bytes | None = derived(None, "--tls-client-ca: PEM; clients must present a certificate it signed")
+    tls: tuple[bytes, bytes] | None = derived(None, "--tls-cert, --tls-key: (private key, certificate chain), PEM",
+                                              repr=False)
+
+    def __post_init__(self) -> None:
+        require(self.num_decode >= 1, "num_decode", f"must be >= 1 (a cluster needs a decode worker), got "
+                                                    f"{self.num_decode}")
+        require(self.num_prefill >= (0 if self.colocated else 1), "num_prefill",
+                f"must be >= 1 (or give --colocated), got {self.num_prefill}")
+        require(self.frontends >= 1, "frontends", f"must be >= 1, got {self.frontends}")
+        check_port("port", self.port)
+        check_port("http_port", self.http_port, optional=True)
+        check_port("metrics_port", self.metrics_port, optional=True)
+        require(self.worker_cpus > 0, "worker_cpus", f"must be > 0, got {self.worker_cpus}")
+        require(self.worker_gpus is None or self.worker_gpus >= 0, "worker_gpus",
+                f"must be >= 0, got {self.worker_gpus}")
+        require(self.policy in _policies(), "policy", f"must be one of {', '.join(_policies())}, got {self.policy!r}")
+        require(self.max_tokens_limit >= 1, "max_tokens_limit", f"must be >= 1, got {self.max_tokens_limit}")
+        require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
+        require(self.poll_timeout_s > 0, "poll_timeout_s", f"must be > 0, got {self.poll_timeout_s}")
+        for name in ("prefill_resources", "decode_resources"):
+            parse_resources(getattr(self, name))
