@@ -27,6 +27,8 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     from cluster.transfer.producer import KVProducer
     from cluster.transfer.registry import make_transport
     from cluster.types import KVHandle, SamplingParams
+    from decode.handoff import add_prefilled
+    from prefill.handoff import KVHold
 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
                                                                                     num_blocks=num_blocks),
@@ -36,7 +38,8 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     transport = make_transport(transport_kind, name, **options)
     transport.register(engine.kv_cache.arena, engine.layout)
     mailbox = Mailbox(transport, sealer=sealer)
-    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, engine.release_held_kv,
+    hold = KVHold(engine)
+    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, hold.release,
                           lease_seconds=lease_seconds, mailbox=mailbox)
     consumer = KVConsumer(transport, engine.layout, engine.kv_cache.arena, timeout_s=timeout_s, mailbox=mailbox)
 
@@ -72,7 +75,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             while engine.has_unfinished():
                 for d in engine.step():
                     first = d.token_ids[0]
-            blocks, n = engine.take_held_kv(rid)
+            blocks, n = hold.take(rid)
             return producer.publish(rid, blocks, n, first).encode()
         if op == "pull":
             h = KVHandle.decode(cmd["handle"])
@@ -95,8 +98,8 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 data = engine.kv_cache.arena[:, :, pull.local_blocks].contiguous().view(torch.uint8).numpy().tobytes()
                 engine.pool.free(reversed(pull.local_blocks))
                 return {"state": "done", "bytes": data}
-            engine.add_prefilled(cmd["rid"], prompt, first, SamplingParams(max_tokens=cmd["max_tokens"]),
-                                 pull.local_blocks)
+            add_prefilled(engine, cmd["rid"], prompt, first, SamplingParams(max_tokens=cmd["max_tokens"]),
+                          pull.local_blocks)
             return {"state": "done", "tokens": [first] + run_to_end(cmd["rid"]), "timings": pull.timings}
         if op == "pull_and_hang":
             h = KVHandle.decode(cmd["handle"])
@@ -114,7 +117,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             return {"found": producer.abort(cmd["rid"])}
         if op == "pool":
             producer.poll()
-            return {"used": engine.pool.num_used, "held": len(engine.scheduler.held),
+            return {"used": engine.pool.num_used, "held": len(hold.held),
                     "leases": producer.num_active()}
         raise ValueError(f"unknown op {op}")
 

@@ -22,7 +22,7 @@ def test_paged_head_drafts_what_the_dense_reference_drafts(tmp_path):
     prompt = "import os\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
     engine.step()                                    # prefill: first token, features and head KV
-    seq = engine._seqs[rid]
+    seq = engine.requests.seqs[rid]
     k = 4
     assert engine.scheduler.lookahead_room(seq, k, StepPlan(budget_left=k)) == k
     drafted = engine.speculator.proposers["eagle"].propose([seq], [k], [None])[0].tokens
