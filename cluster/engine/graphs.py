@@ -7,7 +7,7 @@ speculation). Every input the graph reads is a static buffer written in place be
 token ids, positions, KV slots, block tables and context lengths. The Bp - B pad rows decode token
 0 at position 0 into a pad block that belongs to no sequence (one block past the pool's, never
 allocated), attending only that block, so they cannot touch a real sequence's KV; their logits are
-dropped. Prefill, EAGLE, layer-wise KV push and steps with more rows than the last bucket run
+dropped. Prefill, EAGLE and steps with more rows than the last bucket run
 eagerly. A draft model's passes after its catch-up (one token per sequence) replay
 their own graphs the same way (decode/spec/draft_model.py).
 

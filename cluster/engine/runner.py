@@ -58,7 +58,6 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.layer_hook = None   # called with each layer index once its KV is stored (KV push)
         self.eagle = None        # an EagleHead: run over every computed token, its KV in the arena's last layer
         self.block_features = None   # [num_blocks, H]: hidden state at each block's last slot (prefix hits)
         self.feature_valid: list[bool] = []   # per block: written by this engine since the block was allocated
@@ -68,12 +67,18 @@ class ModelRunner:
         # Prompt logprobs of the last step: (seq, first position, fp32 logits of positions from there).
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
 
+    def attach_eagle(self, head, num_blocks: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Run `head` over every computed token from now on (its KV in the arena's last layer)."""
+        self.eagle = head
+        self.block_features = torch.zeros((num_blocks, hidden_size), dtype=dtype, device=self.device)
+        self.feature_valid = [False] * num_blocks
+
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
         whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
         self.prompt_logits = []
         prompt_rows = [c for c in plan.chunks if c.seq.wants_prompt_logprobs and not c.draft]
-        if self.graphs is not None and self.eagle is None and self.layer_hook is None and not prompt_rows:
+        if self.graphs is not None and self.eagle is None and not prompt_rows:
             bucket = self.graphs.bucket_for(plan)
             if bucket is not None:
                 return self.graphs.run(plan, bucket)
@@ -109,7 +114,7 @@ class ModelRunner:
         meta = self.backend.prepare(batch)
         out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                         layer_hook=self.layer_hook, return_hidden=self.eagle is not None)
+                         return_hidden=self.eagle is not None)
         logits, hidden = out if self.eagle is not None else (out, None)
         if spans:
             self.prompt_logits = [(seq, first, logits[row:row + n]) for seq, first, row, n in spans]
@@ -144,8 +149,6 @@ class ModelRunner:
         table = torch.cat([hidden, *([torch.stack(carry)] if carry else []), zero])
         index = torch.tensor([len(table) - 1 if i < 0 else i for i in src], dtype=torch.long, device=self.device)
         self.eagle(ids_t, table.index_select(0, index), pos_t, self.kv_arena[-1], self.backend, meta)
-        if self.layer_hook is not None:
-            self.layer_hook(self.kv_arena.shape[0] - 1)
         for b in ends_blocks:
             self.feature_valid[b] = True
         if ends_rows:

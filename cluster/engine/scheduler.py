@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
@@ -81,8 +82,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Blocks of finished `hold_kv` requests, kept for a KV handoff: request id -> (blocks, tokens).
-        self.held: dict[str, tuple[list[int], int]] = {}
+        # Takes the blocks of a finished `hold_kv` request (the prefill side of a P/D handoff,
+        # prefill/handoff.py): they stay referenced, outside the scheduler, until it frees them.
+        self.on_hold: Callable[[Sequence], None] | None = None
         self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
@@ -99,10 +101,6 @@ class Scheduler:
         out, self.ended = self.ended, []
         return out
 
-    def release_held(self, request_id: str) -> None:
-        blocks, _ = self.held.pop(request_id)
-        self.pool.free(reversed(blocks))
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -114,8 +112,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.hold_kv and reason is not FinishReason.ABORT and seq.block_ids:
-            self.held[seq.request_id] = (seq.block_ids, seq.num_computed_tokens)
+        if seq.hold_kv and reason is not FinishReason.ABORT and seq.block_ids and self.on_hold is not None:
+            self.on_hold(seq)      # its blocks and computed count are the hook's now
             seq.block_ids = []
         else:
             self._release(seq)
@@ -236,7 +234,7 @@ class Scheduler:
 
     def _end_out_of_blocks(self, seq: Sequence) -> None:
         """The pool cannot hold `seq` even alone: end it with LENGTH. Its blocks go back to the
-        pool, never into `held` (a partial prefill has no token to hand off)."""
+        pool, never to `on_hold` (a partial prefill has no token to hand off)."""
         self._release(seq)
         self.finish(seq, FinishReason.LENGTH)
         self.ended.append(seq)

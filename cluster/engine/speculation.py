@@ -11,6 +11,9 @@ reserved past the kept tokens go back to the pool).
 The policy lives with the decode workers (`decode/spec/`): proposers, acceptance rules, dynamic
 lookahead. Prefill workers run no speculator; with an EAGLE head configured they still compute
 the head's KV (`cluster/model/eagle.py`) so a handed-off request can speculate at once.
+
+`attach_drafts` and `choose_tokens` are the engine's two moments of a speculative step: before
+the pass (drafts become verifications) and after it (rows become tokens).
 """
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ from typing import Protocol
 
 import torch
 
+from cluster.engine.sampler import logprob_entry, sample
+from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.sequence import Sequence
+from cluster.types import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,9 @@ class Draft:
 
 
 class Speculator(Protocol):
+    def check_request(self, sampling: SamplingParams) -> None:
+        """Raise ValueError when this speculator cannot serve what `sampling` asks for."""
+
     def lookahead(self, seq: Sequence) -> int:
         """Tokens to propose for `seq` this step (0: a plain decode step)."""
 
@@ -47,3 +56,66 @@ class Speculator(Protocol):
 
     def stats(self) -> dict:
         """Counters by method: drafted, accepted, verify steps."""
+
+
+def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) -> dict[Sequence, Draft]:
+    """Turn the plan's decodes that get a draft into verifications; returns the drafts by sequence."""
+    chunks, ks = [], []
+    for chunk in plan.decodes:
+        k = speculator.lookahead(chunk.seq)
+        if k > 0:
+            k = scheduler.lookahead_room(chunk.seq, k, plan)
+        if k > 0:
+            chunks.append(chunk)
+            ks.append(k)
+    out: dict[Sequence, Draft] = {}
+    if not chunks:
+        return out
+    for chunk, draft in zip(chunks, speculator.propose([c.seq for c in chunks], ks)):
+        if draft.tokens:
+            scheduler.attach_draft(plan, chunk, draft.tokens)
+            out[chunk.seq] = draft
+        else:
+            scheduler.trim_blocks(chunk.seq)
+    return out
+
+
+def choose_tokens(logits: torch.Tensor, seqs: list[Sequence], drafts: dict[Sequence, Draft],
+                  speculator: Speculator | None) -> tuple[dict[Sequence, list[int]], dict[Sequence, int]]:
+    """Plain rows are sampled together; each verification's k+1 rows go to the speculator. A
+    prompt's forks draw from its row beside it. Returns (tokens per sequence, first token per fork)."""
+    forked: dict[Sequence, int] = {}
+    if not drafts and not any(seq.forks for seq in seqs):
+        return {seq: [t] for seq, t in zip(seqs, sample(logits, seqs))}, forked
+    out: dict[Sequence, list[int]] = {}
+    plain_rows, plain_seqs, forks, row = [], [], set(), 0
+    for seq in seqs:
+        draft = drafts.get(seq)
+        if draft is None:
+            plain_rows.append(row)
+            plain_seqs.append(seq)
+            for fork in seq.forks:
+                plain_rows.append(row)
+                plain_seqs.append(fork)
+                forks.add(fork)
+            row += 1
+            continue
+        rows = logits[row:row + len(draft) + 1]
+        out[seq] = _verify(speculator, seq, rows, draft)
+        row += len(draft) + 1
+    if plain_seqs:
+        index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+        for seq, t in zip(plain_seqs, sample(logits.index_select(0, index), plain_seqs)):
+            if seq in forks:
+                forked[seq] = t
+            else:
+                out[seq] = [t]
+    return out, forked
+
+
+def _verify(speculator: Speculator, seq: Sequence, rows: torch.Tensor, draft: Draft) -> list[int]:
+    tokens = speculator.verify(seq, rows, draft)
+    if seq.sampling.logprobs is not None:
+        for i, tok in enumerate(tokens):
+            seq.logprobs.append(logprob_entry(torch.log_softmax(rows[i], dim=-1), tok, seq.sampling.logprobs))
+    return tokens

@@ -1,6 +1,6 @@
 """The EAGLE head at serving time, over the paged KV cache.
 
-Contract (the training side is cluster/model/training/eagle.py): for position j the head reads
+Contract (the training side is bench/spec_training/eagle.py): for position j the head reads
 u_j = fc(cat(E(x_j), f_{j-1})), where f is the target's last decoder layer output before the final
 norm (f_{-1} = 0) and E the target's embedding; one Llama decoder layer turns u into g_j, the
 head's estimate of f_j, and the target's own norm and lm_head turn g_j into next-token logits.

@@ -168,17 +168,14 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend: AttentionBackend, meta, logits_indices: torch.Tensor,
-                layer_hook=None, return_hidden: bool = False):
+                return_hidden: bool = False):
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, Hkv, D].
         Returns fp32 logits for the rows in `logits_indices` (and the pre-norm hidden states of
-        every row with `return_hidden`). `layer_hook(i)` runs once layer i's
-        KV is in the cache (layer-wise KV push overlaps the transfer with the rest of the pass)."""
+        every row with `return_hidden`)."""
         x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
         for i, layer in enumerate(self.layers):
             layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
-            if layer_hook is not None:
-                layer_hook(i)
         logits = self.logits(x.index_select(0, logits_indices), fp)
         # The last layer's output before the norm: what an EAGLE head reads.
         return (logits, x) if return_hidden else logits

@@ -2,8 +2,7 @@
 
 Pull: `start_pull(handle, local_blocks)` reads the producer's blocks into blocks the caller took
 from its own pool, verifies the checksums, sends DONE and waits for the producer's ACK; only then
-is the pull DONE and may the sequence join the batch. Push: `expect_push` registers blocks the
-producer will write; PUSHED brings the checksums; the rest is the same.
+is the pull DONE and may the sequence join the batch.
 
 Every state has a deadline: a dead or silent producer turns a pull into FAILED within
 `timeout_s`. A pull is never reported finished while a read may still land in its blocks, so the
@@ -29,9 +28,7 @@ log = logging.getLogger(__name__)
 
 class PullState(enum.Enum):
     READING = "reading"          # pull: read posted
-    AWAITING_PUSH = "awaiting"   # push: waiting for the producer's PUSHED
     CONFIRMING = "confirming"    # verified, DONE sent, waiting for ACK
-    FENCING = "fencing"          # push given up: waiting until the producer has stopped writing
     DONE = "done"
     FAILED = "failed"
 
@@ -72,7 +69,7 @@ class KVConsumer:
         self._progressed = False
 
     def _wants(self, msg: Message) -> bool:
-        return msg.kind in (Kind.ACK, Kind.PUSHED, Kind.ABORT, Kind.FAIL) and msg.lease_id in self.pulls
+        return msg.kind in (Kind.ACK, Kind.ABORT, Kind.FAIL) and msg.lease_id in self.pulls
 
     def start_pull(self, handle: KVHandle, local_blocks) -> KVPull:
         if handle.layout_hash != self.layout_hash:
@@ -89,13 +86,6 @@ class KVConsumer:
         self.pulls[pull.lease_id] = pull
         return pull
 
-    def expect_push(self, lease_id: str, producer: str, local_blocks) -> KVPull:
-        pull = KVPull(lease_id, producer, list(local_blocks), (), self.clock() + self.timeout_s,
-                      PullState.AWAITING_PUSH)
-        pull.timings["start"] = time.perf_counter()
-        self.pulls[lease_id] = pull
-        return pull
-
     def decline(self, handle: KVHandle, reason: str) -> None:
         """Refuse a handle before any pull starts (no room, a bad layout): the producer ends its
         lease and releases its pins at once instead of holding them until the lease expires."""
@@ -103,21 +93,15 @@ class KVConsumer:
 
     def abort(self, lease_id: str) -> None:
         """Abort from the decode side: the producer releases; our blocks are freed by the caller
-        once the pull is reported FAILED (after any read or push in flight has stopped)."""
+        once the pull is reported FAILED (after any read in flight has stopped)."""
         pull = self.pulls.get(lease_id)
         if pull is None or pull.finished:
             return
         self._give_up(pull, Message(Kind.ABORT, lease_id), "aborted")
 
     def _give_up(self, pull: KVPull, msg: Message, reason: str) -> None:
-        """End a handoff from our side. A producer that may still be pushing into our blocks is
-        fenced first: FAILED only once it ACKs (its writes have stopped) or the fence times out."""
+        """End a handoff from our side: tell the producer (it releases its pins), then fail."""
         self.mailbox.send(pull.producer, msg)
-        if pull.handle is None and pull.state is PullState.AWAITING_PUSH:
-            pull.state = PullState.FENCING
-            pull.error = reason
-            pull.deadline = self.clock() + self.timeout_s
-            return
         self._fail(pull, reason)
 
     def poll(self) -> list[KVPull]:
@@ -133,13 +117,10 @@ class KVConsumer:
             if pull.state is PullState.READING:
                 self._progress_read(pull)
             if not pull.finished and now > pull.deadline:
-                if pull.state is PullState.FENCING:
-                    self._fail(pull, pull.error + " (producer never confirmed the fence)")
-                else:
-                    self._give_up(pull, Message(Kind.FAIL, pull.lease_id, ok=False, reason="timeout"),
-                                  f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
-            elif not pull.finished and pull.state is not PullState.FENCING and now >= pull.next_renew:
-                pull.next_renew = now + (pull.handle.lease_seconds / 3 if pull.handle else 1.0)
+                self._give_up(pull, Message(Kind.FAIL, pull.lease_id, ok=False, reason="timeout"),
+                              f"timed out in state {pull.state.value} after {self.timeout_s:.1f}s")
+            elif not pull.finished and now >= pull.next_renew:
+                pull.next_renew = now + pull.handle.lease_seconds / 3
                 self.mailbox.send(pull.producer, Message(Kind.RENEW, pull.lease_id))
         done = [p for p in self.pulls.values() if p.finished]
         for p in done:
@@ -191,20 +172,12 @@ class KVConsumer:
         self.mailbox.send(pull.producer, Message(Kind.DONE, pull.lease_id))
 
     def _on_message(self, pull: KVPull, msg: Message) -> None:
-        if pull.state is PullState.FENCING:
-            if msg.kind in (Kind.ACK, Kind.FAIL, Kind.ABORT):
-                self._fail(pull, pull.error)     # the producer has ended the lease: no write is left
-            return
         if msg.kind is Kind.ACK and pull.state is PullState.CONFIRMING:
             if msg.ok:
                 pull.state = PullState.DONE
                 pull.timings["acked"] = time.perf_counter()
             else:
                 self._fail(pull, f"producer says the lease had ended ({msg.reason}); the copy is void")
-        elif msg.kind is Kind.PUSHED and pull.state is PullState.AWAITING_PUSH:
-            pull.checksums, pull.first_token = msg.checksums, msg.first_token
-            pull.timings["read"] = time.perf_counter()
-            self._verify_and_confirm(pull)
         elif msg.kind in (Kind.ABORT, Kind.FAIL):
             self._fail(pull, f"producer ended the handoff ({msg.kind.value}{': ' + msg.reason if msg.reason else ''})")
 

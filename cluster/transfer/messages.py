@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 
@@ -13,7 +13,6 @@ class Kind(str, enum.Enum):
     FAIL = "fail"        # consumer -> producer: giving up (verification failed, timeout); release
     ABORT = "abort"      # either way: the request is aborted; release everything
     ACK = "ack"          # producer -> consumer: answer to DONE; ok=False when the lease had ended
-    PUSHED = "pushed"    # producer -> consumer: every layer written (push mode), with checksums
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,9 @@ class Message:
     lease_id: str
     ok: bool = True
     reason: str = ""
-    checksums: tuple[int, ...] = field(default=())
-    first_token: int = -1
 
     def encode(self) -> bytes:
-        return msgpack.packb({"k": self.kind.value, "l": self.lease_id, "ok": self.ok, "r": self.reason,
-                              "c": list(self.checksums), "f": self.first_token})
+        return msgpack.packb({"k": self.kind.value, "l": self.lease_id, "ok": self.ok, "r": self.reason})
 
     @classmethod
     def decode(cls, data: bytes) -> "Message | None":
@@ -36,31 +32,26 @@ class Message:
             raw = msgpack.unpackb(data, max_bin_len=0, max_str_len=4096, max_array_len=1 << 16, max_map_len=8)
         except Exception:  # noqa: BLE001 - msgpack raises several kinds on garbage
             return None
-        if not isinstance(raw, dict) or set(raw) != {"k", "l", "ok", "r", "c", "f"}:
+        if not isinstance(raw, dict) or set(raw) != {"k", "l", "ok", "r"}:
             return None
-        lease, ok, reason, sums, first = raw["l"], raw["ok"], raw["r"], raw["c"], raw["f"]
+        lease, ok, reason = raw["l"], raw["ok"], raw["r"]
         if not (isinstance(lease, str) and 0 < len(lease) <= 128 and isinstance(ok, bool)
-                and isinstance(reason, str) and isinstance(sums, list) and _is_int(first, -1, 1 << 31)
-                and all(_is_int(c, -(1 << 63), 1 << 64) for c in sums)):
+                and isinstance(reason, str)):
             return None
         try:
-            return cls(Kind(raw["k"]), lease, ok, reason, tuple(sums), first)
+            return cls(Kind(raw["k"]), lease, ok, reason)
         except ValueError:
             return None
 
 
-MAX_MESSAGE_BYTES = 1 << 20      # a PUSHED message carries a checksum per block: bounded anyway
+MAX_MESSAGE_BYTES = 1 << 20      # far above any message: a bound on what is decoded at all
 _CONTEXT = b"kv-message"
-
-
-def _is_int(value, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 class Mailbox:
     """One reader of a transport's notifications, shared by the producer and the consumer of a
-    worker: each takes the messages of its own leases. A message that arrives before its lease is
-    known (PUSHED racing `expect_push`) waits here for `ttl_s`. With a `sealer` (the cluster
+    worker: each takes the messages of its own leases. A message that no lease wants yet waits
+    here for `ttl_s`. With a `sealer` (the cluster
     secret, cluster/transfer/auth.py) every message sent is sealed and every one received must
     open: a forged, replayed or oversized one is dropped before it is decoded."""
 

@@ -5,9 +5,6 @@ Pull (default): `publish` returns a KVHandle; the consumer reads the blocks, ver
 sends DONE; the producer answers ACK(ok) only if the lease was still active, and releases. A
 consumer that read from an expired lease is told ACK(ok=False) and discards what it read, so an
 expired or aborted handle can never be read into a live sequence.
-
-Push: `push` writes blocks into blocks the consumer reserved, layer by layer as the prefill
-computes them (`push_layer`), then sends PUSHED with the checksums and waits for DONE/FAIL.
 """
 from __future__ import annotations
 
@@ -16,11 +13,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from cluster.transfer.base import PollBackoff, Transfer, TransferStatus, Transport
+from cluster.transfer.base import PollBackoff, Transport
 from cluster.transfer.checksum import block_checksums
 from cluster.transfer.messages import Kind, Mailbox, Message
 from cluster.types import KVHandle, KVLayout
@@ -30,7 +27,6 @@ log = logging.getLogger(__name__)
 
 class LeaseState(enum.Enum):
     ACTIVE = "active"
-    PUSHING = "pushing"      # push mode: layers still being written
     DONE = "done"
     ABORTED = "aborted"
     FAILED = "failed"
@@ -47,8 +43,6 @@ class Lease:
     deadline: float
     state: LeaseState = LeaseState.ACTIVE
     consumer: str | None = None
-    remote_blocks: list[int] = field(default_factory=list)   # push mode
-    writes: list[Transfer] = field(default_factory=list)      # push mode, in flight
 
 
 class KVProducer:
@@ -72,13 +66,13 @@ class KVProducer:
         self._progressed = False
 
     def _wants(self, msg: Message) -> bool:
-        if msg.kind in (Kind.ACK, Kind.PUSHED):
+        if msg.kind is Kind.ACK:
             return False
         return msg.lease_id in self.leases or msg.lease_id in self.ended
 
-    def _new_lease(self, request_id, block_ids, num_tokens, first_token, consumer=None) -> Lease:
+    def _new_lease(self, request_id, block_ids, num_tokens, first_token) -> Lease:
         lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), num_tokens, int(first_token),
-                      self.clock() + self.lease_seconds, consumer=consumer)
+                      self.clock() + self.lease_seconds)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -100,26 +94,6 @@ class KVProducer:
                         block_ids=tuple(lease.block_ids), num_tokens=num_tokens, first_token=int(first_token),
                         layout_hash=self.layout_hash, checksums=checksums, lease_seconds=self.lease_seconds)
 
-    # --- push ----------------------------------------------------------------------------
-    def begin_push(self, request_id: str, consumer: str, remote_blocks, block_ids, num_tokens: int) -> str:
-        """Register a push target before the prefill runs; returns the lease id."""
-        lease = self._new_lease(request_id, block_ids, num_tokens, -1, consumer=consumer)
-        lease.state = LeaseState.PUSHING
-        lease.remote_blocks = list(remote_blocks)
-        return lease.lease_id
-
-    def push_layer(self, lease_id: str, layer: int) -> None:
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.state is not LeaseState.PUSHING:
-            return
-        lease.writes.append(self.transport.write(lease.consumer, lease.block_ids, lease.remote_blocks, [layer]))
-
-    def finish_push(self, lease_id: str, first_token: int) -> None:
-        """All layers are posted; PUSHED is sent from `poll` once every write has landed."""
-        lease = self.leases.get(lease_id)
-        if lease is not None:
-            lease.first_token = int(first_token)
-
     # --- the loop ------------------------------------------------------------------------
     def poll(self) -> None:
         for peer, msg in self.mailbox.take(self._wants):
@@ -127,30 +101,10 @@ class KVProducer:
             self._on_message(peer, msg)
         now = self.clock()
         for lease in list(self.leases.values()):
-            if lease.state is LeaseState.PUSHING:
-                self._progress_push(lease)
-            if lease.lease_id in self.leases and now > lease.deadline:
+            if now > lease.deadline:
                 log.warning("lease %s of request %s expired; releasing %d blocks",
                             lease.lease_id, lease.request_id, len(lease.block_ids))
                 self._end(lease, LeaseState.EXPIRED)
-
-    def _progress_push(self, lease: Lease) -> None:
-        if lease.first_token < 0 or len(lease.writes) < self.layout.num_layers:
-            return
-        states = [self.transport.poll(w) for w in lease.writes]
-        if TransferStatus.FAILED in states:
-            self.mailbox.send(lease.consumer, Message(Kind.FAIL, lease.lease_id, ok=False,
-                                                          reason="write failed"))
-            self._end(lease, LeaseState.FAILED)
-        elif all(s is TransferStatus.DONE for s in states):
-            for w in lease.writes:
-                self.transport.release(w)
-            lease.writes.clear()
-            lease.state = LeaseState.ACTIVE
-            lease.deadline = self.clock() + self.lease_seconds
-            self.mailbox.send(lease.consumer, Message(
-                Kind.PUSHED, lease.lease_id, checksums=self._checksums(lease.block_ids),
-                first_token=lease.first_token))
 
     def _on_message(self, peer: str, msg: Message) -> None:
         lease = self.leases.get(msg.lease_id)
@@ -171,10 +125,7 @@ class KVProducer:
             self._end(lease, LeaseState.DONE)
             self.mailbox.send(peer, Message(Kind.ACK, msg.lease_id, ok=True))
         elif msg.kind in (Kind.FAIL, Kind.ABORT):
-            pushed = bool(lease.remote_blocks)
             self._end(lease, LeaseState.ABORTED if msg.kind is Kind.ABORT else LeaseState.FAILED)
-            if pushed:   # our writes into the consumer's blocks have stopped: it may free them
-                self.mailbox.send(peer, Message(Kind.ACK, msg.lease_id, ok=False, reason="fenced"))
 
     def abort(self, request_id: str) -> bool:
         """The prefill side aborts: release at once and tell a known consumer."""
@@ -188,13 +139,6 @@ class KVProducer:
         return found
 
     def _end(self, lease: Lease, state: LeaseState) -> None:
-        for w in lease.writes:
-            # A write still in flight keeps reading our blocks: wait for it before releasing them.
-            deadline = time.monotonic() + 5.0
-            while self.transport.poll(w) is TransferStatus.PENDING and time.monotonic() < deadline:
-                time.sleep(0.001)
-            self.transport.release(w)
-        lease.writes.clear()
         lease.state = state
         del self.leases[lease.lease_id]
         self.ended[lease.lease_id] = state

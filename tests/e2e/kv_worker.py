@@ -27,6 +27,8 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     from cluster.transfer.producer import KVProducer
     from cluster.transfer.registry import make_transport
     from cluster.types import KVHandle, SamplingParams
+    from decode.handoff import add_prefilled
+    from prefill.handoff import KVHold
 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
                                                                                     num_blocks=num_blocks),
@@ -36,10 +38,10 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     transport = make_transport(transport_kind, name, **options)
     transport.register(engine.kv_cache.arena, engine.layout)
     mailbox = Mailbox(transport, sealer=sealer)
-    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, engine.release_held_kv,
+    hold = KVHold(engine)
+    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, hold.release,
                           lease_seconds=lease_seconds, mailbox=mailbox)
     consumer = KVConsumer(transport, engine.layout, engine.kv_cache.arena, timeout_s=timeout_s, mailbox=mailbox)
-    push_targets: dict[str, str] = {}   # request id -> lease id
 
     def run_to_end(rid: str) -> list[int]:
         out = []
@@ -48,10 +50,6 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 if d.request_id == rid:
                     out.extend(d.token_ids)
         return out
-
-    def layer_hook(layer: int) -> None:
-        for lease_id in push_targets.values():
-            producer.push_layer(lease_id, layer)
 
     def handle(cmd: dict):
         op = cmd["op"]
@@ -77,50 +75,13 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             while engine.has_unfinished():
                 for d in engine.step():
                     first = d.token_ids[0]
-            blocks, n = engine.take_held_kv(rid)
+            blocks, n = hold.take(rid)
             return producer.publish(rid, blocks, n, first).encode()
-        if op == "push_prefill":
-            # Push mode: the consumer reserved `remote_blocks`; once the final chunk of the prompt is
-            # scheduled, bind our blocks to them and write each layer as soon as it is computed.
-            rid = cmd["rid"]
-            state = {}
-
-            def bind(plan):
-                for chunk in plan.chunks:
-                    if chunk.seq.request_id == rid and chunk.samples and "lease" not in state:
-                        state["lease"] = producer.begin_push(rid, cmd["consumer"], cmd["remote_blocks"],
-                                                             chunk.seq.block_ids, chunk.seq.num_prompt_tokens)
-                        push_targets[rid] = state["lease"]
-                        engine.runner.layer_hook = layer_hook
-                        state["t0"] = time.perf_counter()
-            engine.plan_hooks.append(bind)
-            engine.add_request(cmd["prompt"], SamplingParams(max_tokens=1), request_id=rid, hold_kv=True)
-            first = None
-            try:
-                while engine.has_unfinished():
-                    for d in engine.step():
-                        first = d.token_ids[0]
-            finally:
-                engine.plan_hooks.remove(bind)
-                engine.runner.layer_hook = None
-                push_targets.pop(rid, None)
-            producer.finish_push(state["lease"], first)
-            end = time.perf_counter()
-            return {"lease": state["lease"], "first": first, "prefill_s": end - state["t0"], "prefill_end": end}
-        if op == "reserve":
-            return {"blocks": engine.pool.allocate(cmd["n"])}
-        if op == "expect":
-            consumer.expect_push(cmd["lease"], cmd["producer"], cmd["blocks"])
-            return {}
-        if op in ("pull", "pull_pushed"):
-            if op == "pull":
-                h = KVHandle.decode(cmd["handle"])
-                local = engine.pool.allocate(len(h.block_ids))
-                pull = consumer.start_pull(h, local)
-                prompt = cmd["prompt"]
-            else:
-                pull = consumer.pulls[cmd["lease"]]
-                prompt = cmd["prompt"]
+        if op == "pull":
+            h = KVHandle.decode(cmd["handle"])
+            local = engine.pool.allocate(len(h.block_ids))
+            pull = consumer.start_pull(h, local)
+            prompt = cmd["prompt"]
             if cmd.get("abort_after_start"):
                 consumer.abort(pull.lease_id)
             consumer.wait(pull)
@@ -132,13 +93,13 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
                 engine.pool.free(reversed(pull.local_blocks))
                 t = pull.timings
                 return {"state": "done", "ready_s": t["acked"] - t["start"], "read_s": t["read"] - t["start"],
-                        "verify_s": t.get("verified", t["read"]) - t["read"], "acked_at": t["acked"]}
+                        "verify_s": t.get("verified", t["read"]) - t["read"]}
             if cmd.get("bytes_only"):
                 data = engine.kv_cache.arena[:, :, pull.local_blocks].contiguous().view(torch.uint8).numpy().tobytes()
                 engine.pool.free(reversed(pull.local_blocks))
                 return {"state": "done", "bytes": data}
-            engine.add_prefilled(cmd["rid"], prompt, first, SamplingParams(max_tokens=cmd["max_tokens"]),
-                                 pull.local_blocks)
+            add_prefilled(engine, cmd["rid"], prompt, first, SamplingParams(max_tokens=cmd["max_tokens"]),
+                          pull.local_blocks)
             return {"state": "done", "tokens": [first] + run_to_end(cmd["rid"]), "timings": pull.timings}
         if op == "pull_and_hang":
             h = KVHandle.decode(cmd["handle"])
@@ -156,7 +117,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             return {"found": producer.abort(cmd["rid"])}
         if op == "pool":
             producer.poll()
-            return {"used": engine.pool.num_used, "held": len(engine.scheduler.held),
+            return {"used": engine.pool.num_used, "held": len(hold.held),
                     "leases": producer.num_active()}
         raise ValueError(f"unknown op {op}")
 

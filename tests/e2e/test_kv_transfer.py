@@ -82,21 +82,6 @@ def test_a_peer_without_the_cluster_secret_cannot_complete_a_handoff(transport, 
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_push_layerwise_matches_single_engine(transport, spawn_worker, reference):
-    p = spawn_worker(transport, f"pp-{transport}")
-    d = spawn_worker(transport, f"pd-{transport}")
-    connect(p, d)
-    blocks = d.call("reserve", n=-(-len(PROMPT) // 4))["blocks"]
-    started = p.call("push_prefill", rid="r1", prompt=PROMPT, consumer=d.name, remote_blocks=blocks)
-    d.call("expect", lease=started["lease"], producer=p.name, blocks=blocks)
-    out = d.call("pull_pushed", lease=started["lease"], prompt=PROMPT, rid="r1", max_tokens=MAX_TOKENS)
-    assert out["state"] == "done", out
-    assert out["tokens"] == reference
-    assert _idle(p)["used"] == 0
-    assert _idle(d)["used"] == 0
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_layout_mismatch_is_refused_naming_the_field(transport, spawn_worker):
     p = spawn_worker(transport, f"lp-{transport}")
     d = spawn_worker(transport, f"ld-{transport}", block_size=8)

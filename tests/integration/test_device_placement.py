@@ -8,6 +8,7 @@ import torch
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
+from decode.handoff import add_prefilled
 from decode.spec.speculator import _one_hot, make_speculator
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -26,10 +27,10 @@ def test_generators_and_proposals_live_on_the_engine_device(device, tiny_model_d
     want = torch.device(device).type
     seeded = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.8, seed=3))
     unseeded = engine.add_request([5, 6, 8], SamplingParams(max_tokens=4, temperature=0.8))
-    engine.add_prefilled("handed-off", [5, 6, 9], 11, SamplingParams(max_tokens=4, temperature=0.8, seed=3),
-                         engine.pool.allocate(1))
+    add_prefilled(engine, "handed-off", [5, 6, 9], 11, SamplingParams(max_tokens=4, temperature=0.8, seed=3),
+                  engine.pool.allocate(1))
     for rid in (seeded, unseeded, "handed-off"):
-        assert engine._seqs[rid].generator.device.type == want   # noqa: SLF001
+        assert engine.requests.seqs[rid].generator.device.type == want   # noqa: SLF001
     assert _one_hot((1, 2), 8, engine.device).device.type == want
     while engine.has_unfinished():
         engine.step()

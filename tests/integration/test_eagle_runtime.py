@@ -5,7 +5,7 @@ import torch
 from cluster.config import STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import StepPlan
-from cluster.model.training.eagle import (EagleConfig, EagleHead, FeatureHook, draft_greedy, load_target_parts,
+from bench.spec_training.eagle import (EagleConfig, EagleHead, FeatureHook, draft_greedy, load_target_parts,
                                           save_eagle_head)
 from cluster.types import SamplingParams
 from decode.spec.speculator import make_speculator
@@ -22,7 +22,7 @@ def test_paged_head_drafts_what_the_dense_reference_drafts(tmp_path):
     prompt = "import os\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
     engine.step()                                    # prefill: first token, features and head KV
-    seq = engine._seqs[rid]
+    seq = engine.requests.seqs[rid]
     k = 4
     assert engine.scheduler.lookahead_room(seq, k, StepPlan(budget_left=k)) == k
     drafted = engine.speculator.proposers["eagle"].propose([seq], [k], [None])[0].tokens

@@ -60,11 +60,11 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(engine):
     b = engine.add_request(_ids(9, 2), SamplingParams(max_tokens=50))
     deltas = engine.step()
     assert engine.pool.num_used > 0
-    assert engine._seqs[a].num_computed_tokens < 100                      # still in prefill
+    assert engine.requests.seqs[a].num_computed_tokens < 100                      # still in prefill
     assert engine.abort(a)
     for _ in range(3):
         deltas += engine.step()
-    seq_b = engine._seqs[b]
+    seq_b = engine.requests.seqs[b]
     assert seq_b.num_output_tokens > 0                                    # decoding
     assert engine.abort(b)
     deltas += engine.step()

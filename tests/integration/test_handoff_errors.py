@@ -75,12 +75,12 @@ def test_a_full_decode_worker_declines_at_once_and_the_producer_releases(pair):
     asyncio.run(go())
 
 
-def test_a_handoff_that_fails_between_pull_and_batch_frees_its_blocks(pair):
+def test_a_handoff_that_fails_between_pull_and_batch_frees_its_blocks(pair, monkeypatch):
     prefill, decode = pair
 
     def refuse(*args, **kwargs):
         raise ValueError("this engine cannot continue that request")
-    decode.engine.add_prefilled = refuse
+    monkeypatch.setattr("decode.worker.add_prefilled", refuse)
 
     async def go():
         receiver = await _connect(prefill, decode)

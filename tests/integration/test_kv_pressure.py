@@ -2,7 +2,7 @@
 
 The handoffs run in-process: a producer engine prefills with `hold_kv`, its blocks' tensors are
 copied into blocks taken from the consumer's pool (what a pull does) and the consumer joins them
-with `add_prefilled`. Every request must end with exactly the single-engine greedy tokens, none cut
+with `decode.handoff.add_prefilled`. Every request must end with exactly the single-engine greedy tokens, none cut
 short, the loop must keep making progress, and the pools must end idle.
 """
 from __future__ import annotations
@@ -15,16 +15,21 @@ from cluster.engine.engine import LLMEngine
 from cluster.errors import WorkerBusy
 from cluster.transfer.loopback import LoopbackTransport
 from cluster.transfer.producer import KVProducer
+from cluster.engine.sequence import Sequence
 from cluster.types import FinishReason, KVHandle, SamplingParams, TokenDelta
+from decode.handoff import add_prefilled
+from prefill.handoff import HeldKV, KVHold
 from prefill.worker import PrefillWorker
 
 BS = 4
 
 
 def _engine(model_dir, num_blocks: int, budget: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=128, num_threads=1,
-                                  cache=CacheConfig(block_size=BS, num_blocks=num_blocks),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=128, num_threads=1,
+                                    cache=CacheConfig(block_size=BS, num_blocks=num_blocks),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+    KVHold(engine)   # both sides of a handoff in one engine: it holds KV for consumers (engine.hold_hook)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +49,13 @@ def engines(big, small):
     for e in (big, small):
         e.pool.reset_prefix_cache()
     yield big, small
-    leftovers = [(e.has_unfinished(), list(e.scheduler.held)) for e in (big, small)]
+    leftovers = [(e.has_unfinished(), list(e.hold_hook.held)) for e in (big, small)]
     for e in (big, small):   # clean up first, so that one failure does not leak into the next test
-        for rid in list(e._seqs):
+        for rid in list(e.requests.seqs):
             e.abort(rid)
         _steps_to_end(e)
-        for rid in list(e.scheduler.held):
-            e.release_held_kv(rid)
+        for rid in list(e.hold_hook.held):
+            e.hold_hook.release(rid)
     assert leftovers == [(False, [])] * 2
     for e in (big, small):
         e.pool.check_idle()
@@ -75,16 +80,16 @@ def _prefill(producer: LLMEngine, rid: str, prompt: list[int]) -> int:
 
 def _pull(producer: LLMEngine, consumer: LLMEngine, rid: str) -> list[int]:
     """What a KV pull does: local blocks from the consumer's pool, the producer's bytes copied in."""
-    blocks, _ = producer.take_held_kv(rid)
+    blocks, _ = producer.hold_hook.take(rid)
     local = consumer.pool.allocate(len(blocks))
     consumer.kv_cache.arena[:, :, local] = producer.kv_cache.arena[:, :, blocks]
-    producer.release_held_kv(rid)
+    producer.hold_hook.release(rid)
     return local
 
 
 def _handoff(producer, consumer, rid, prompt, max_tokens) -> int:
     first = _prefill(producer, rid, prompt)
-    consumer.add_prefilled(rid, prompt, first, _sp(max_tokens), _pull(producer, consumer, rid))
+    add_prefilled(consumer, rid, prompt, first, _sp(max_tokens), _pull(producer, consumer, rid))
     return first
 
 
@@ -135,7 +140,7 @@ def test_handed_off_waiters_and_plain_requests_under_pressure_match_one_engine(e
     discarded = small.kv_discarded
     drv = Driver(small)
     small.add_request(prompts["a"][0], _sp(20), "a")      # 30 tokens in the end: the whole pool
-    seq_a = small._seqs["a"]
+    seq_a = small.requests.seqs["a"]
     while seq_a.num_tokens < 13:                          # its next decode needs a 4th block
         drv.step()
     first = {rid: _handoff(big, small, rid, *prompts[rid]) for rid in ("b", "c")}   # the pool is full now
@@ -172,7 +177,7 @@ def test_a_stream_of_mixed_requests_all_complete_exactly(engines):
             first[rid] = _handoff(big, small, rid, prompt, m)
         else:
             first[rid] = _prefill(big, rid, prompt)
-            big.release_held_kv(rid)
+            big.hold_hook.release(rid)
             small.add_request([*prompt, first[rid]], _sp(m - 1), rid)
         for _ in range(2):
             drv.step()
@@ -192,8 +197,8 @@ def test_head_waits_for_a_pull_in_flight_then_takes_the_blocks_it_needs(engines)
     in_flight = _pull(big, small, "h2")                   # 6 blocks taken at pull time: none free
     for _ in range(3):                                    # nothing can run: idle, not spinning
         assert drv.step() == [] and small.idle_step
-    assert small._seqs["h1"].block_ids and small.kv_discarded == discarded
-    small.add_prefilled("h2", p2, first["h2"], _sp(4), in_flight)   # the pull ends
+    assert small.requests.seqs["h1"].block_ids and small.kv_discarded == discarded
+    add_prefilled(small, "h2", p2, first["h2"], _sp(4), in_flight)   # the pull ends
     drv.step()
     assert not small.idle_step
     assert small.kv_discarded == discarded + 1            # h2 (behind h1, the youngest) is recomputed
@@ -216,18 +221,18 @@ def test_prefill_waits_for_held_blocks_instead_of_ending_without_a_token(engines
     drv = Driver(small)
     small.add_request(px, _sp(1), "x", hold_kv=True)
     drv.run()
-    assert small.take_held_kv("x")[1] == 16               # 4 blocks held for a consumer
+    assert small.hold_hook.take("x")[1] == 16             # 4 blocks held for a consumer
     small.add_request(py, _sp(1), "y", hold_kv=True)      # needs 5 blocks: only 4 are free
     for _ in range(6):
         drv.step()
-    assert "y" not in drv.reasons and "y" not in small.scheduler.held   # waits, holds nothing yet
+    assert "y" not in drv.reasons and "y" not in small.hold_hook.held   # waits, holds nothing yet
     assert small.idle_step
-    small.release_held_kv("x")                            # the consumer has read x
+    small.hold_hook.release("x")                          # the consumer has read x
     drv.run()
     assert drv.tokens["y"] == [want_y] and drv.reasons["y"] is FinishReason.LENGTH
-    blocks, n = small.take_held_kv("y")
+    blocks, n = small.hold_hook.take("y")
     assert n == 20 and len(blocks) == 5
-    small.release_held_kv("y")
+    small.hold_hook.release("y")
 
 
 @pytest.fixture
@@ -236,7 +241,8 @@ def prefill_worker(small):
     worker = PrefillWorker.__new__(PrefillWorker)
     transport = LoopbackTransport("kv-pressure-prefill")
     transport.register(small.kv_cache.arena, small.layout)
-    worker.producer = KVProducer(transport, small.layout, small.kv_cache.arena, small.release_held_kv)
+    worker.hold = small.hold_hook
+    worker.producer = KVProducer(transport, small.layout, small.kv_cache.arena, small.hold_hook.release)
     yield worker
     transport.close()
 
@@ -251,17 +257,18 @@ def test_publish_hands_off_a_prefilled_request(engines, prefill_worker):
     assert result.finish_reason is None and result.first_token == last.token_ids[0] == handle.first_token
     assert len(handle.block_ids) == 3 and handle.num_tokens == 10
     assert prefill_worker.producer.abort("p")             # the lease ends: the blocks go back
-    assert "p" not in small.scheduler.held
+    assert "p" not in small.hold_hook.held
 
 
 def test_publish_without_a_token_releases_what_is_held_and_says_busy(engines, prefill_worker):
     _, small = engines
     prompt = _ids(30, 12)
-    small.scheduler.held["q"] = (small.pool.allocate(3), 12)   # partial blocks, as before the fix
+    # Partial blocks, as before the fix:
+    small.hold_hook.held["q"] = HeldKV(small.pool.allocate(3), 12, Sequence("q", tuple(prompt), _sp(8)))
     last = TokenDelta("q", (), "", FinishReason.LENGTH, (), len(prompt), 0, 0)
     with pytest.raises(WorkerBusy, match=r"8 KV blocks.*8 in the pool"):
         prefill_worker._publish(small, "q", prompt, _sp(8), last)
-    assert "q" not in small.scheduler.held
+    assert "q" not in small.hold_hook.held
     with pytest.raises(WorkerBusy):                       # nothing held: still busy, never an IndexError
         prefill_worker._publish(small, "q", prompt, _sp(8), last)
 

@@ -32,6 +32,8 @@ STDLIB_FILES = ["os.py", "json/__init__.py", "textwrap.py", "encodings/cp1252.py
 
 
 def _dir(name: str) -> str:
+    if name == "stdlib-coder-draft-nodistill":   # a training baseline, kept beside the training code
+        return os.path.join(REPO, "bench", "spec_training", "weights", name)
     return os.path.join(WEIGHTS, name)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.kv.block_pool import BlockPool
-from cluster.transfer.base import LayoutMismatch
+from cluster.transfer.base import LayoutMismatch, TransferStatus
 from cluster.transfer.consumer import KVConsumer, PullState
 from cluster.transfer.loopback import LoopbackTransport
 from cluster.transfer.messages import Kind, Message
@@ -96,10 +96,9 @@ def test_consumer_renews_while_waiting_and_lease_expires_once_it_stops():
     p, d = Side(clock, lease=30.0), Side(clock, timeout=1000.0)
     p.transport.add_peer(d.transport.metadata())
     d.transport.add_peer(p.transport.metadata())
-    p.held["r"] = p.pool.allocate(2)
-    remote = d.pool.allocate(2)
-    lease = p.producer.begin_push("r", d.name, remote, p.held["r"], 8)   # never finished: d keeps waiting
-    d.consumer.expect_push(lease, p.name, remote)
+    h = p.publish("r", 2)
+    d.consumer.start_pull(h, d.pool.allocate(2))
+    d.transport.poll = lambda transfer: TransferStatus.PENDING   # a read that never lands: d keeps waiting
     for t in range(0, 90, 2):                            # 90 s, three lease lengths
         clock.t = float(t)
         d.consumer.poll()
@@ -176,39 +175,3 @@ def test_handle_and_messages_round_trip_without_pickle():
     h = KVHandle("r", "p", "l", (3, 1, 2), 12, 7, "abc", (1, 2, 3))
     assert KVHandle.decode(h.encode()) == h
     assert Message.decode(b"\x80garbage") is None
-
-
-def test_push_given_up_is_fenced_until_the_producer_stops_writing():
-    clock = Clock()
-    p, d = Side(clock), Side(clock, timeout=5.0)
-    p.transport.add_peer(d.transport.metadata())
-    d.transport.add_peer(p.transport.metadata())
-    p.held["r"] = p.pool.allocate(2)
-    remote = d.pool.allocate(2)
-    lease = p.producer.begin_push("r", d.name, remote, p.held["r"], 8)
-    pull = d.consumer.expect_push(lease, p.name, remote)
-    p.producer.push_layer(lease, 0)                     # a write is out
-    clock.t = 6.0
-    d.consumer.poll()                                   # timeout: FAIL sent, but not FAILED yet
-    assert pull.state is PullState.FENCING
-    p.producer.poll()                                   # producer ends the lease, then ACKs the fence
-    d.consumer.poll()
-    assert pull.state is PullState.FAILED and "timed out" in pull.error
-    p.pool.check_idle()
-    p.close()
-    d.close()
-
-
-def test_fence_times_out_when_the_producer_is_gone():
-    clock = Clock()
-    p, d = Side(clock), Side(clock, timeout=5.0)
-    d.transport.add_peer(p.transport.metadata())
-    pull = d.consumer.expect_push("lease-x", p.name, d.pool.allocate(1))
-    p.close()                                           # producer gone
-    clock.t = 6.0
-    d.consumer.poll()
-    assert pull.state is PullState.FENCING
-    clock.t = 12.0
-    d.consumer.poll()
-    assert pull.state is PullState.FAILED and "never confirmed the fence" in pull.error
-    d.close()

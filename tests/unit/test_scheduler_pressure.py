@@ -21,7 +21,10 @@ TOKEN = 5   # what the fake model samples (never an eos)
 
 
 def _sched(num_blocks: int, budget: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget), BlockPool(num_blocks), BS, 256, (1,))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), BlockPool(num_blocks), BS, 256, (1,))
+    s.held = []                  # what the hold hook (prefill/handoff.py in a worker) was given
+    s.on_hold = s.held.append
+    return s
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:
@@ -35,7 +38,7 @@ def _plain(s: Scheduler, rid: str, n: int, max_tokens: int, hold_kv: bool = Fals
 
 
 def _handed_off(s: Scheduler, rid: str, n: int, max_tokens: int) -> Sequence:
-    """As `LLMEngine.add_prefilled`: prompt KV in blocks taken at pull time, first token pending."""
+    """As `decode.handoff.add_prefilled`: prompt KV in blocks taken at pull time, first token pending."""
     prompt = _prompt(n, len(rid))
     seq = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    token_ids=[*prompt, TOKEN], num_computed_tokens=n,

@@ -1,4 +1,4 @@
-"""Train the EAGLE head (cluster/model/training/eagle.py) for stdlib-coder on CPU.
+"""Train the EAGLE head (bench/spec_training/eagle.py) for stdlib-coder on CPU.
 
 Per step: the frozen target runs on a batch of training windows (bf16 autocast,
 no grad); a forward hook on its last decoder layer gives the pre-norm features

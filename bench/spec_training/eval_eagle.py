@@ -13,7 +13,7 @@ prompt + continuation; features are causal so this equals recomputing them per
 step) and drafts k tokens autoregressively on its own features with
 ``eagle.draft_greedy`` (the dense reference of the serving contract).
 
-    python -m cluster.model.training.eval_eagle            # 50 prompts, k=4
+    python -m bench.spec_training.eval_eagle            # 50 prompts, k=4
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from .eagle import FeatureHook, draft_greedy, load_eagle_head, load_target_parts
 from .evaluate import heldout_windows
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WEIGHTS = os.path.join(REPO, "cluster", "model", "weights")
 
 

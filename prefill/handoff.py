@@ -1,0 +1,121 @@
+"""The prefill side of a P/D handoff: the blocks of finished `hold_kv` requests, held for a
+consumer, and their publication under a lease as a `KVHandle`.
+
+`KVHold` is the engine's `HoldHook` (cluster/engine/hooks.py): when a `hold_kv` request finishes
+with its first token the engine gives it the request's blocks, and when a fork of it draws its
+first token the hook keeps that delta. `publish_first` (the prefill worker calls it on the engine
+thread, in the turn the prefill ends) decides whether a decode worker must continue, publishes
+the blocks through the `KVProducer` (cluster/transfer/producer.py) or frees them at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from cluster.engine.engine import LLMEngine
+from cluster.engine.sequence import Sequence
+from cluster.errors import WorkerBusy
+from cluster.transfer.producer import KVProducer
+from cluster.types import FinishReason, SamplingParams, TokenDelta
+
+
+@dataclass
+class HeldKV:
+    """A finished `hold_kv` request's prompt KV, kept for its consumer."""
+    block_ids: list[int]
+    num_tokens: int
+    seq: Sequence        # its EAGLE feature (`spec_feature`) is set by the end of its last step
+    fork_firsts: list[TokenDelta] = field(default_factory=list)
+
+
+class KVHold:
+    """Blocks held outside the scheduler, by request id, until `release` frees them."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.held: dict[str, HeldKV] = {}
+        self._fork_firsts: dict[str, list[TokenDelta]] = {}
+        engine.hold_hook = self
+        engine.scheduler.on_hold = self.hold
+
+    # --- the engine's HoldHook -----------------------------------------------------------------
+    def hold(self, seq: Sequence) -> None:
+        self.held[seq.request_id] = HeldKV(seq.block_ids, seq.num_computed_tokens, seq)
+
+    def fork_first(self, parent_id: str, delta: TokenDelta) -> None:
+        self._fork_firsts.setdefault(parent_id, []).append(delta)
+
+    # --- the prefill worker's ------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.held
+
+    def take(self, request_id: str) -> tuple[list[int], int]:
+        """Blocks and token count of a finished `hold_kv` request; they stay referenced until
+        `release`."""
+        held = self.held[request_id]
+        return held.block_ids, held.num_tokens
+
+    def release(self, request_id: str) -> None:
+        held = self.held.pop(request_id)
+        self.engine.pool.free(reversed(held.block_ids))
+
+    def take_feature(self, request_id: str) -> bytes:
+        """With an EAGLE head: the target's hidden state at the prompt's last position, the one
+        piece of proposer state the blocks do not carry (raw bytes in the KV layout's dtype)."""
+        held = self.held.get(request_id)
+        feature = None if held is None else held.seq.spec_feature
+        if feature is None:
+            return b""
+        return feature.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def take_fork_firsts(self, request_id: str) -> list[TokenDelta]:
+        """A `hold_kv` request's forks, each ended with its first token (drawn from the prompt's
+        logits beside the request's own): what a decode worker continues them from."""
+        return self._fork_firsts.pop(request_id, [])
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What a prefill ended with: its last delta, its forks' first deltas, and the encoded handle
+    when a decode worker must continue (None: every sample ended with its first token)."""
+    last: TokenDelta
+    reason: FinishReason | None
+    forks: tuple[TokenDelta, ...]
+    handle: bytes | None
+
+
+def first_reason(e: LLMEngine, last: TokenDelta, sampling: SamplingParams) -> FinishReason | None:
+    """Why a request ends with its first token (None: a decode worker continues it)."""
+    if last.finish_reason in (FinishReason.STOP, FinishReason.ABORT):
+        return last.finish_reason
+    if sampling.max_tokens == 1 or last.num_prompt_tokens + 1 >= e.max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def publish_first(hold: KVHold, producer: KVProducer, request_id: str, prompt_ids: list[int],
+                  sampling: SamplingParams, last: TokenDelta, forks: dict[str, SamplingParams]) -> FirstToken:
+    """On the engine thread, in the turn that finished the prefill: the lease starts and the
+    handle leaves at once, not a step later."""
+    e = hold.engine
+    firsts = tuple(replace(d, finish_reason=first_reason(e, d, forks[d.request_id]))
+                   for d in hold.take_fork_firsts(request_id))
+    if not last.token_ids and last.finish_reason is not FinishReason.ABORT:
+        # Ended for lack of blocks before its first token: nothing to hand off, nothing kept.
+        if request_id in hold:
+            hold.release(request_id)
+        need = -(-len(prompt_ids) // e.layout.block_size)
+        raise WorkerBusy(f"prefill of {request_id} ended without a first token: its prompt needs {need} KV "
+                         f"blocks and this worker has {e.pool.num_blocks} in the pool "
+                         f"({e.pool.num_free} free); try another worker")
+    reason = first_reason(e, last, sampling)
+    handle = None
+    if request_id in hold:
+        if reason is not None and all(d.finish_reason is not None for d in firsts):
+            hold.release(request_id)
+        else:
+            blocks, n = hold.take(request_id)
+            h = producer.publish(request_id, blocks, n, last.token_ids[0])
+            handle = replace(h, feature=hold.take_feature(request_id)).encode()
+    return FirstToken(last, reason, firsts, handle)
