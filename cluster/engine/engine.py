@@ -28,7 +28,7 @@ from cluster.model.loader import load_generation_defaults, load_model, load_toke
 from cluster.model.model_config import TORCH_DTYPES
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import ComputeSetup, pin_process, usable_cpus
-from cluster.types import Completion, FinishReason, KVLayout, SamplingParams, TokenDelta
+from cluster.types import Completion, FinishReason, Fork, KVLayout, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -173,29 +173,29 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False,
-                    forks: Seq[tuple[str, SamplingParams]] = ()) -> str:
+                    forks: Seq[Fork] = ()) -> str:
         """Queue a request. With `hold_kv` its blocks outlive it (see `take_held_kv`): the
         prefill side of a P/D handoff keeps them pinned until the consumer has read them.
-        `forks`: (request id, sampling) of more samples of the same prompt (OpenAI's `n`). The
+        `forks` (request id, sampling): more samples of the same prompt (OpenAI's `n`). The
         prompt is computed once: each fork draws its first token from the same logits with its own
         generator, then decodes on the prompt's blocks (shared; see `Scheduler.fork`). With
         `hold_kv` the forks only draw their first tokens (`take_fork_firsts`): the decode worker
         forks them on the transferred KV."""
         sampling = sampling or SamplingParams()
-        if not isinstance(sampling, SamplingParams) or not all(isinstance(f[1], SamplingParams) for f in forks):
+        if not isinstance(sampling, SamplingParams) or not all(isinstance(f, Fork) for f in forks):
             raise ValueError("sampling must be a SamplingParams")
         request_id = request_id or uuid.uuid4().hex
-        ids_in_use = [r for r in (request_id, *(f[0] for f in forks)) if r in self._seqs]
-        if ids_in_use or len({request_id, *(f[0] for f in forks)}) != 1 + len(forks):
+        ids_in_use = [r for r in (request_id, *(f.request_id for f in forks)) if r in self._seqs]
+        if ids_in_use or len({request_id, *(f.request_id for f in forks)}) != 1 + len(forks):
             raise ValueError(f"request_id {(ids_in_use or [request_id])[0]!r} is already in use")
         ids = self.validate_prompt(prompt)
         if not hold_kv:   # a P/D producer only prefills: speculation is the decode worker's concern
-            for sp in (sampling, *(f[1] for f in forks)):
+            for sp in (sampling, *(f.sampling for f in forks)):
                 self.validate_speculation(sp)
         seq = self._new_sequence(request_id, ids, sampling, hold_kv=hold_kv)
         # The parent reports the prompt's logprobs; a fork's prompt is never computed.
-        seq.forks = [self._new_sequence(rid, ids, sp, hold_kv=hold_kv, prompt_logprobs_sent=True)
-                     for rid, sp in forks]
+        seq.forks = [self._new_sequence(f.request_id, ids, f.sampling, hold_kv=hold_kv, prompt_logprobs_sent=True)
+                     for f in forks]
         self.scheduler.add(seq)
         return request_id
 
@@ -242,16 +242,16 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, prompt_ids: Seq[int], first_token: int,
                       sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"",
-                      forks: Seq[tuple[str, SamplingParams, int]] = ()) -> None:
+                      forks: Seq[Fork] = ()) -> None:
         """Join a sequence whose prompt KV already sits in `block_ids` (taken from this engine's
         pool and filled by a transfer) and whose first token was sampled elsewhere. It decodes
         from its second token on, waiting with its blocks while the pool is full; if it is ever
         preempted, or its KV is discarded to avoid a deadlock, it is recomputed here. `forks`:
         (request id, sampling, first token) of more samples of the prompt, on the same blocks."""
         ids = self.validate_prompt(list(prompt_ids))
-        for sp in (sampling, *(f[1] for f in forks)):
+        for sp in (sampling, *(f.sampling for f in forks)):
             self.validate_speculation(sp)
-        for rid in (request_id, *(f[0] for f in forks)):
+        for rid in (request_id, *(f.request_id for f in forks)):
             if rid in self._seqs:
                 raise ValueError(f"request_id {rid!r} is already in use")
         if len(block_ids) != -(-len(ids) // self.layout.block_size):
@@ -263,8 +263,8 @@ class LLMEngine:
         lead = self._prefilled_sequence(request_id, ids, sampling, first_token, feature)
         lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
         self.scheduler.add(lead)
-        for rid, sp, token in forks:
-            child = self._prefilled_sequence(rid, ids, sp, token, feature)
+        for f in forks:
+            child = self._prefilled_sequence(f.request_id, ids, f.sampling, f.first_token, feature)
             if not self.scheduler.fork(lead, child, len(ids), self.kv_cache.copy_block):
                 self.scheduler.add(child)      # no block for its copy: it computes the prompt itself
 

@@ -273,6 +273,7 @@ def _remote_prompt(client, args):
 
 def cmd_generate_remote(args) -> int:
     from router.client import Client  # noqa: PLC0415
+    from router.finish_reasons import from_proto  # noqa: PLC0415
     client = Client(args.server, api_key=args.api_key)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
@@ -286,7 +287,6 @@ def cmd_generate_remote(args) -> int:
     elif args.num_speculative_tokens is not None:
         sampling["num_speculative_tokens"] = args.num_speculative_tokens
     ids, text, reason = [], [], None
-    names = {1: "stop", 2: "length", 3: "abort"}
     for msg in client.stream(_remote_prompt(client, args), **sampling):
         ids.extend(msg.token_ids)
         text.append(msg.text)
@@ -294,7 +294,7 @@ def cmd_generate_remote(args) -> int:
             sys.stdout.write(msg.text)
             sys.stdout.flush()
         if msg.finish_reason:
-            reason = names[msg.finish_reason]
+            reason = from_proto(msg.finish_reason).value
     if args.json:
         print(json.dumps({"token_ids": ids, "text": "".join(text), "finish_reason": reason}))
     else:

@@ -13,7 +13,7 @@ import torch
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.types import FinishReason, SamplingParams
+from cluster.types import FinishReason, Fork, SamplingParams
 
 
 def _engine(model_dir, prefix_caching=False, num_blocks=128, budget=2048, block_size=4) -> LLMEngine:
@@ -53,9 +53,9 @@ def test_forks_compute_the_prompt_once_and_equal_separate_runs(engine, length):
     greedy = list(engine.generate([prompt], SamplingParams(max_tokens=12))[0].token_ids)
     before = engine.prompt_tokens_computed
     engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=seeds[0]), "s0",
-                       forks=[("s1", SamplingParams(max_tokens=12, temperature=1.0, seed=seeds[1])),
-                              ("s2", SamplingParams(max_tokens=12, temperature=1.0, seed=seeds[2])),
-                              ("g", SamplingParams(max_tokens=12))])
+                       forks=[Fork("s1", SamplingParams(max_tokens=12, temperature=1.0, seed=seeds[1])),
+                              Fork("s2", SamplingParams(max_tokens=12, temperature=1.0, seed=seeds[2])),
+                              Fork("g", SamplingParams(max_tokens=12))])
     out = _run(engine)
     assert engine.prompt_tokens_computed - before == length     # once, not four times
     assert [_tokens(out[r]) for r in ("s0", "s1", "s2")] == alone
@@ -75,8 +75,8 @@ def test_a_fork_that_stops_at_its_first_token_and_one_without_a_free_block(tiny_
     fork = engine.scheduler.fork
     engine.scheduler.fork = lambda *a: shared.append(fork(*a)) or shared[-1]
     engine.add_request(prompt, SamplingParams(max_tokens=6), "p",
-                       forks=[("stops", SamplingParams(max_tokens=6, stop_token_ids=(first,))),
-                              ("a", SamplingParams(max_tokens=6)), ("b", SamplingParams(max_tokens=6))])
+                       forks=[Fork("stops", SamplingParams(max_tokens=6, stop_token_ids=(first,))),
+                              Fork("a", SamplingParams(max_tokens=6)), Fork("b", SamplingParams(max_tokens=6))])
     out = _run(engine)
     assert _tokens(out["stops"]) == [first] and out["stops"][-1].finish_reason is FinishReason.STOP
     assert _tokens(out["p"]) == _tokens(out["a"]) == _tokens(out["b"]) == greedy
@@ -85,7 +85,7 @@ def test_a_fork_that_stops_at_its_first_token_and_one_without_a_free_block(tiny_
 
 
 def test_aborting_the_parent_before_its_first_token_ends_its_forks(engine):
-    engine.add_request(_prompt(20), SamplingParams(max_tokens=5), "p", forks=[("f", SamplingParams(max_tokens=5))])
+    engine.add_request(_prompt(20), SamplingParams(max_tokens=5), "p", forks=[Fork("f", SamplingParams(max_tokens=5))])
     assert engine.abort("p")
     out = _run(engine)
     assert out["p"][-1].finish_reason is FinishReason.ABORT and out["f"][-1].finish_reason is FinishReason.ABORT
