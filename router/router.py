@@ -14,6 +14,10 @@ request on another worker, or on the same one once it has room; only a dead work
 leaves routing, until its new incarnation is back (`router/health.py`). Requests wait, within their
 deadline, for a worker to route to: before the cluster is ready, and while every worker of a role
 is restarting.
+
+Workers are called through `router/workers.py` with the typed messages of
+`cluster/worker_messages.py`; one request and the n samples of a prompt take the same decode path
+(`_decode`), whose one exception ladder is `_attempt_failed`.
 """
 from __future__ import annotations
 
