@@ -25,7 +25,7 @@ from cluster.types import TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.admission import Admission, AdmissionConfig, Refused
 from router.connections import ConnectionLimits, grpc_options
-from router.finish_reasons import to_proto
+from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
@@ -65,7 +65,7 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
         msg.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if delta.finish_reason is not None:
-        msg.finish_reason = to_proto(delta.finish_reason)
+        msg.finish_reason = reason_to_proto(delta.finish_reason)
         msg.usage.prompt_tokens = delta.num_prompt_tokens
         msg.usage.completion_tokens = usage_tokens
         msg.usage.cached_prompt_tokens = delta.num_cached_tokens

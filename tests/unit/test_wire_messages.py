@@ -207,6 +207,10 @@ def test_every_finish_reason_has_one_form_per_api():
     for reason in FinishReason:
         assert from_proto(to_proto(reason)) is reason
     assert from_proto(pb.FINISH_REASON_UNSPECIFIED) is None
+    from router.server import to_proto as response
+    for reason in FinishReason:       # the gRPC response of a final delta
+        msg = response(TokenDelta("r", (5,), "x", reason, (), 3, 1, 0), usage_tokens=1)
+        assert from_proto(msg.finish_reason) is reason and msg.usage.completion_tokens == 1
     assert [to_openai(r) for r in FinishReason] == ["stop", "length", "length"]     # OpenAI has no "abort"
 
 
