@@ -176,7 +176,7 @@ def rss_kb(pid: int | None) -> int | None:
 
 
 def rss_snapshot(ct: ClusterThread) -> dict:
-    procs = {"driver": os.getpid()} | {n: (s or {}).get("pid") for n, s in ct.stats().items()}
+    procs = {"driver": os.getpid()} | {n: s.pid if s is not None else None for n, s in ct.stats().items()}
     return {name: {"pid": pid, "rss_kb": rss_kb(pid)} for name, pid in procs.items()}
 
 
@@ -196,7 +196,7 @@ def wait_idle(ct: ClusterThread, timeout: float) -> dict:
     while True:
         stats = ct.stats()
         keys = ("pid", "blocks_used", "leases", "running", "waiting")
-        view = {n: None if s is None else {k: s.get(k, 0) for k in keys} for n, s in stats.items()}
+        view = {n: None if s is None else {k: getattr(s, k) for k in keys} for n, s in stats.items()}
         idle = all(v is not None and not (v["blocks_used"] or v["leases"] or v["running"] or v["waiting"])
                    for v in view.values())
         if idle or time.monotonic() > limit:
@@ -221,7 +221,7 @@ def run_load(ct, args, workload, run: str, faults: bool, tmp: Path, duration=Non
             if not faults or time.monotonic() < next_kill or time.monotonic() > t0 + duration:
                 continue                           # the grace period after --duration is fault-free
             next_kill += args.kill_every
-            live = {n: s["pid"] for n, s in ct.stats().items() if s is not None}
+            live = {n: s.pid for n, s in ct.stats().items() if s is not None}
             if live and proc.poll() is None:
                 name = rng.choice(sorted(live))
                 try:

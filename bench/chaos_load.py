@@ -25,8 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # router/, proto/ of this tree
 
-_REASONS = {1: "stop", 2: "length", 3: "abort"}   # proto FinishReason values
-
 
 def _cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -36,6 +34,7 @@ def _cpu_seconds() -> float:
 async def _one(stub, req: dict, run: str, t0: float, calls: dict) -> dict:
     import grpc
     from router.client import build_request
+    from router.finish_reasons import from_proto
     msg = build_request(req["prompt"], f"{run}-{req['i']}", **req["sampling"])
     if req.get("empty_prompt"):
         msg.token_ids.SetInParent()                # the oneof set, with no ids in it
@@ -51,7 +50,8 @@ async def _one(stub, req: dict, run: str, t0: float, calls: dict) -> dict:
                 out["ttft"] = time.perf_counter() - sent
             out["tokens"].extend(resp.token_ids)
             if resp.finish_reason:
-                out["finish_reason"] = _REASONS.get(resp.finish_reason, str(resp.finish_reason))
+                reason = from_proto(resp.finish_reason)
+                out["finish_reason"] = reason.value if reason is not None else str(resp.finish_reason)
             if cancel_after is not None and len(out["tokens"]) >= cancel_after and not out["finish_reason"]:
                 call.cancel()
                 out["code"] = "CANCELLED"

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 PHASES = ("call", "queue", "read", "verify", "confirm", "join")
 
 
-def run(transport: str, args, prompts) -> list[dict]:
+def run(transport: str, args, prompts) -> list:
     import ray
     from cluster.launch.app import ClusterConfig
     from cluster.config import DataPlaneConfig
@@ -67,8 +67,8 @@ def main() -> None:
     print(f"{'transport':<10}" + "".join(f"{p:>16}" for p in (*PHASES, "total")))
     for transport in args.transports:
         rows = run(transport, args, prompts)
-        cols = [[r[p] for r in rows] for p in PHASES]
-        cols.append([sum(r[p] for p in PHASES) for r in rows])
+        cols = [[getattr(r, p) for r in rows] for p in PHASES]
+        cols.append([sum(getattr(r, p) for p in PHASES) for r in rows])
         cells = []
         for col in cols:
             col = sorted(col)

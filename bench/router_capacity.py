@@ -115,7 +115,7 @@ def main() -> None:
     cluster = ClusterThread(cfg)
     try:
         frontends = cluster.cluster.frontend_pids()
-        workers = {s["name"]: s["pid"] for s in cluster.stats()}
+        workers = {s.name: s.pid for s in cluster.stats()}
         ctx = mp.get_context("spawn")
         pipes, procs = [], []
         per = [args.concurrency // args.clients + (i < args.concurrency % args.clients) for i in range(args.clients)]

@@ -13,6 +13,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from cluster.worker_messages import WorkerStats
+
 PREFIX = "splitserve_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -61,25 +63,25 @@ class _WorkerCollector:
             ("emitted", "spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)"))}
         transport = self.metrics.transport
         for s in stats.values():
-            for method, counts in s.get("spec", {}).items():
+            for counts in s.spec:
                 for key, family in spec.items():
-                    family.add_metric([s["name"], method], counts[key])
-            w, r = s["name"], s["role"]
-            g_blocks.add_metric([w, r], s["blocks_used"])
-            g_total.add_metric([w, r], s["blocks_total"])
-            g_running.add_metric([w, r], s["running"])
-            g_waiting.add_metric([w, r], s["waiting"])
-            c_queries.add_metric([w, r], s["prefix_queries"])
-            c_hits.add_metric([w, r], s["prefix_hits"])
-            c_prompt.add_metric([w, r], s.get("prompt_tokens_computed", 0))
-            queue.add_metric([w, r], count_value=s.get("queue_count", 0), sum_value=s.get("queue_seconds", 0.0))
-            c_discarded.add_metric([w, r], s.get("kv_discarded", 0))
-            if r == "decode":
-                c_declined.add_metric([w, transport], s.get("handoff_declined", 0))
-                c_bytes.add_metric([w, transport], s["handoff_bytes"])
-                c_secs.add_metric([w, transport], s["handoff_seconds"])
-                c_done.add_metric([w, transport], s["handoff_done"])
-                c_fail.add_metric([w, transport], s["handoff_failed"])
+                    family.add_metric([s.name, counts.method], getattr(counts, key))
+            w, r = s.name, s.role
+            g_blocks.add_metric([w, r], s.blocks_used)
+            g_total.add_metric([w, r], s.blocks_total)
+            g_running.add_metric([w, r], s.running)
+            g_waiting.add_metric([w, r], s.waiting)
+            c_queries.add_metric([w, r], s.prefix_queries)
+            c_hits.add_metric([w, r], s.prefix_hits)
+            c_prompt.add_metric([w, r], s.prompt_tokens_computed)
+            queue.add_metric([w, r], count_value=s.queue_count, sum_value=s.queue_seconds)
+            c_discarded.add_metric([w, r], s.kv_discarded)
+            if s.handoff is not None:
+                c_declined.add_metric([w, transport], s.handoff.declined)
+                c_bytes.add_metric([w, transport], s.handoff.bytes)
+                c_secs.add_metric([w, transport], s.handoff.seconds)
+                c_done.add_metric([w, transport], s.handoff.done)
+                c_fail.add_metric([w, transport], s.handoff.failed)
         yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, c_prompt, queue, c_bytes, c_secs, c_done,
                     c_fail, c_declined, c_discarded, *spec.values())
 
@@ -154,7 +156,7 @@ class ClusterMetrics:
         request series this registry sums instead of recording its own."""
         self.registry = CollectorRegistry()
         self.transport = transport
-        self.worker_stats: dict[str, dict] = {}
+        self.worker_stats: dict[str, WorkerStats] = {}
         self.has_workers = workers      # this registry holds the whole cluster's series
         r = self.registry
         if workers:
@@ -194,8 +196,8 @@ class ClusterMetrics:
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_time.observe(seconds)
 
-    def update_worker(self, stats: dict) -> None:
-        self.worker_stats[stats["name"]] = stats
+    def update_worker(self, stats: WorkerStats) -> None:
+        self.worker_stats[stats.name] = stats
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

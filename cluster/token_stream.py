@@ -7,13 +7,18 @@ holding every delta of that step for that frontend's requests (`TokenSender`). A
 token leaves as soon as its step ends; under load one frame carries a whole batch, and a stream
 whose reader lags picks up several deltas at once (`StreamQueue.take`).
 
-Wire: each frame is a 4-byte big-endian length and a msgpack array `[version, kind, ...]`:
-  hello  [1, "hello", worker_name, secret]       first frame of a connection, checked with
-                                                 hmac.compare_digest before anything else is read
-  step   [1, "step", [record, ...]]              record = [key, token_ids, text, finish, logprobs,
-                                                 n_prompt, n_output, n_cached(, prompt_logprobs)]
-                                                 (finish: "" = running; the last field only when set)
-  error  [1, "error", [[key, message], ...]]     the worker failed these streams (its fault)
+Wire (version 2): each frame is a 4-byte big-endian length and a msgpack array `[version, kind, body]`:
+  hello  [2, "hello", [worker_name, secret]]    first frame of a connection, checked with
+                                                hmac.compare_digest before anything else is read
+  step   [2, "step", [record, ...]]             record = [key, token_ids, text, finish, logprobs,
+                                                n_prompt, n_output, n_cached, prompt_logprobs]
+                                                (finish: "" = running; logprobs: nil or a list)
+  error  [2, "error", [[key, message], ...]]    the worker failed these streams (its fault)
+Every frame is decoded strictly into its dataclass (`Hello`, `StepFrame` of `StepRecord`s,
+`ErrorFrame`): another version, a field of the wrong type or a missing one is a `FrameError`
+naming it; the receiver counts it (`TokenReceiver.refused`), fails the streams the frame was for
+and drops that connection, never itself. Records are fixed-order arrays, not maps: one frame per
+step per frontend stays cheap to build and to read.
 `key` is the frontend's number for one attempt of one request (`SinkAddress` + key travel in the
 control call that starts it), so a late frame from a dead worker can never reach a retry.
 """
@@ -34,7 +39,7 @@ from cluster.types import FinishReason, TokenDelta, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-STREAM_VERSION = 1
+STREAM_VERSION = 2
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
 _FINISH = {r.value: r for r in FinishReason}
@@ -54,40 +59,155 @@ class SinkAddress:
     secret: bytes
 
 
-# --- encoding ------------------------------------------------------------------------------------
-def _frame(body) -> bytes:
-    data = msgpack.packb(body, use_bin_type=True)
+# --- frames ---------------------------------------------------------------------------------------
+class FrameError(ValueError):
+    """A frame this version of the protocol does not send; `keys`: the streams it was for (as far
+    as they could be read), failed at once rather than left waiting."""
+
+    def __init__(self, message: str, keys: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.keys = keys
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    worker: str
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One request's delta of one step, named by its stream key (the frontend knows the request id)."""
+    key: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: tuple[TokenLogprob, ...]
+
+    def delta(self, request_id: str) -> TokenDelta:
+        return TokenDelta(request_id, self.token_ids, self.text, self.finish_reason, self.logprobs,
+                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens,
+                          self.prompt_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class StepFrame:
+    records: tuple[StepRecord, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    key: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    errors: tuple[StreamError, ...]
+
+
+Frame = Hello | StepFrame | ErrorFrame
+
+
+def _frame(kind: str, body) -> bytes:
+    data = msgpack.packb([STREAM_VERSION, kind, body], use_bin_type=True)
     return _LEN.pack(len(data)) + data
 
 
 def _encode_logprobs(logprobs) -> list | None:
-    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs] if logprobs else None
+    return [[int(lp.token_id), float(lp.logprob), [[int(a), float(b)] for a, b in lp.top]]
+            for lp in logprobs] if logprobs else None
 
 
-def _decode_logprobs(lps) -> tuple[TokenLogprob, ...]:
-    return tuple(TokenLogprob(int(t), float(v), tuple((int(a), float(b)) for a, b in top))
-                 for t, v, top in lps) if lps else ()
+def encode_hello(worker_name: str, secret: bytes) -> bytes:
+    return _frame("hello", [worker_name, secret])
 
 
 def encode_step(records: list[tuple[int, TokenDelta]]) -> bytes:
-    out = []
-    for key, d in records:
-        rec = [key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "",
-               _encode_logprobs(d.logprobs), d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens]
-        if d.prompt_logprobs:
-            rec.append(_encode_logprobs(d.prompt_logprobs))
-        out.append(rec)
-    return _frame([STREAM_VERSION, "step", out])
+    return _frame("step", [[key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "",
+                            _encode_logprobs(d.logprobs), d.num_prompt_tokens, d.num_output_tokens,
+                            d.num_cached_tokens, _encode_logprobs(d.prompt_logprobs)] for key, d in records])
 
 
 def encode_errors(errors: list[tuple[int, str]]) -> bytes:
-    return _frame([STREAM_VERSION, "error", [[k, m] for k, m in errors]])
+    return _frame("error", [[k, m] for k, m in errors])
 
 
-def decode_record(rec, request_id: str) -> TokenDelta:
-    key, ids, text, finish, lps, n_prompt, n_output, n_cached = rec[:8]
-    return TokenDelta(request_id, tuple(ids), text, _FINISH[finish] if finish else None, _decode_logprobs(lps),
-                      n_prompt, n_output, n_cached, _decode_logprobs(rec[8]) if len(rec) > 8 else ())
+def decode_frame(data: bytes) -> Frame:
+    """One frame's body, strictly: `FrameError` for anything but a frame of this version."""
+    try:
+        msg = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several kinds on garbage
+        raise FrameError(f"not msgpack ({type(exc).__name__})") from None
+    if type(msg) is not list or len(msg) != 3:
+        raise FrameError("not a [version, kind, body] array")
+    version, kind, body = msg
+    if version != STREAM_VERSION:
+        raise FrameError(f"version {version!r}; this receiver reads version {STREAM_VERSION}")
+    if kind == "step":
+        return StepFrame(_records(body))
+    if kind == "error":
+        return ErrorFrame(_errors(body))
+    if kind == "hello":
+        _need(type(body) is list and len(body) == 2 and type(body[0]) is str and type(body[1]) is bytes,
+              "hello: [worker name, secret bytes]")
+        return Hello(body[0], body[1])
+    raise FrameError(f"unknown kind {kind!r}")
+
+
+def _need(ok: bool, what: str, keys: tuple[int, ...] = ()) -> None:
+    if not ok:
+        raise FrameError(what, keys)
+
+
+def _is_int(v) -> bool:
+    return type(v) is int
+
+
+def _records(body) -> tuple[StepRecord, ...]:
+    _need(type(body) is list, "step: a list of records")
+    try:
+        return tuple(_record(rec) for rec in body)
+    except FrameError as exc:
+        keys = tuple(r[0] for r in body if type(r) is list and r and _is_int(r[0]))
+        raise FrameError(f"step record: {exc}", keys) from None
+
+
+def _record(rec) -> StepRecord:
+    _need(type(rec) is list and len(rec) == 9, "an array of 9 fields")
+    key, ids, text, finish, lps, n_prompt, n_output, n_cached, plps = rec
+    _need(_is_int(key), "key: an integer")
+    _need(type(ids) is list and all(_is_int(t) for t in ids), "token_ids: a list of integers")
+    _need(type(text) is str, "text: a string")
+    _need(type(finish) is str and (finish == "" or finish in _FINISH), f"finish: one of {sorted(_FINISH)} or \"\"")
+    _need(_is_int(n_prompt) and _is_int(n_output) and _is_int(n_cached), "counts: integers")
+    return StepRecord(key, tuple(ids), text, _FINISH[finish] if finish else None, _logprobs(lps, "logprobs"),
+                      n_prompt, n_output, n_cached, _logprobs(plps, "prompt_logprobs"))
+
+
+def _logprobs(lps, name: str) -> tuple[TokenLogprob, ...]:
+    if lps is None:
+        return ()
+    _need(type(lps) is list, f"{name}: nil or a list")
+    out = []
+    for entry in lps:
+        _need(type(entry) is list and len(entry) == 3, f"{name}: [token id, logprob, top] entries")
+        token, logprob, top = entry
+        _need(_is_int(token) and type(logprob) is float and type(top) is list, f"{name}: [int, float, list] entries")
+        _need(all(type(t) is list and len(t) == 2 and _is_int(t[0]) and type(t[1]) is float for t in top),
+              f"{name}: top entries [token id, logprob]")
+        out.append(TokenLogprob(token, logprob, tuple((a, b) for a, b in top)))
+    return tuple(out)
+
+
+def _errors(body) -> tuple[StreamError, ...]:
+    _need(type(body) is list and all(type(e) is list and len(e) == 2 and _is_int(e[0]) and type(e[1]) is str
+                                     for e in body), "error: a list of [key, message]")
+    return tuple(StreamError(k, m) for k, m in body)
 
 
 # --- worker side ---------------------------------------------------------------------------------
@@ -106,7 +226,7 @@ class TokenSender:
         if sock is None:
             sock = socket.create_connection((sink.host, sink.port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_frame([STREAM_VERSION, "hello", self.worker_name, sink.secret]))
+            sock.sendall(encode_hello(self.worker_name, sink.secret))
             self._socks[sink] = sock
         return sock
 
@@ -192,7 +312,7 @@ class _Connection(asyncio.Protocol):
         while len(self.buf) >= 4:
             (n,) = _LEN.unpack_from(self.buf)
             if n > MAX_FRAME_BYTES or (self.worker is None and n > 4096):
-                log.warning("token stream: refusing a %d-byte frame from %s", n, self.worker or "an unknown peer")
+                self.receiver.refuse(self.worker, FrameError(f"a {n}-byte frame, over the limit"))
                 self.transport.close()
                 return
             if len(self.buf) < 4 + n:
@@ -205,26 +325,22 @@ class _Connection(asyncio.Protocol):
 
     def _on_frame(self, body: bytes) -> bool:
         try:
-            msg = msgpack.unpackb(body, raw=False)
-            version, kind = msg[0], msg[1]
-        except Exception:  # noqa: BLE001 - malformed: never trusted
-            return False
-        if version != STREAM_VERSION:
-            log.warning("token stream: version %r, expected %d", version, STREAM_VERSION)
+            frame = decode_frame(body)
+        except FrameError as exc:       # never trusted: counted, its streams failed, the peer dropped
+            self.receiver.refuse(self.worker, exc)
             return False
         if self.worker is None:
-            if kind != "hello" or not isinstance(msg[3], bytes) or not hmac.compare_digest(msg[3], self.receiver.secret):
-                log.warning("token stream: a peer failed the hello; closing")
+            if type(frame) is not Hello or not hmac.compare_digest(frame.secret, self.receiver.secret):
+                self.receiver.refuse(None, FrameError("the first frame is not a hello with this frontend's secret"))
                 return False
-            self.worker = str(msg[2])
+            self.worker = frame.worker
             return True
-        try:
-            if kind == "step":
-                self.receiver.deliver(msg[2])
-            elif kind == "error":
-                self.receiver.fail(msg[2])
-        except Exception:  # noqa: BLE001 - a bad record drops the connection, not the frontend
-            log.exception("token stream: bad frame from %s", self.worker)
+        if type(frame) is StepFrame:
+            self.receiver.deliver(frame.records)
+        elif type(frame) is ErrorFrame:
+            self.receiver.fail(frame.errors)
+        else:
+            self.receiver.refuse(self.worker, FrameError("a second hello"))
             return False
         return True
 
@@ -239,6 +355,7 @@ class TokenReceiver:
         self.queues: dict[int, StreamQueue] = {}
         self.connections: set[_Connection] = set()
         self._next_key = 0
+        self.refused = 0                        # frames refused by the strict decoder
         self.server: asyncio.AbstractServer | None = None
         self.address: SinkAddress | None = None
 
@@ -260,18 +377,27 @@ class TokenReceiver:
     def close_key(self, key: int) -> None:
         self.queues.pop(key, None)
 
-    def deliver(self, records) -> None:
+    def deliver(self, records: tuple[StepRecord, ...]) -> None:
         queues = self.queues
         for rec in records:
-            q = queues.get(rec[0])
+            q = queues.get(rec.key)
             if q is not None:       # unknown: an attempt already given up (e.g. after a failover)
-                q.push(decode_record(rec, q.request_id))
+                q.push(rec.delta(q.request_id))
 
-    def fail(self, errors) -> None:
-        for key, message in errors:
-            q = self.queues.get(key)
+    def fail(self, errors: tuple[StreamError, ...]) -> None:
+        for e in errors:
+            q = self.queues.get(e.key)
             if q is not None:
-                q.push(StreamBroken(str(message)))
+                q.push(StreamBroken(e.message))
+
+    def refuse(self, worker: str | None, exc: FrameError) -> None:
+        """A frame refused (undecodable, over the size limit, or a failed hello): counted, and the
+        streams it was for fail now (the worker's fault: the router continues them elsewhere)
+        instead of waiting for a delta that never comes. The caller drops the connection."""
+        self.refused += 1
+        log.warning("token stream: refused a frame from %s: %s", worker or "an unknown peer", exc)
+        if worker is not None:
+            self.fail(tuple(StreamError(k, f"worker {worker} sent a malformed token frame: {exc}") for k in exc.keys))
 
     async def stop(self) -> None:
         """Stop listening and drop every worker's connection (their streams to us then fail)."""

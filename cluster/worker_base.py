@@ -19,16 +19,17 @@ from cluster.errors import RequestError
 from cluster.token_stream import TokenSender
 from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
+from cluster.transfer.registry import make_transport
+from cluster.worker_messages import SpecStats, WorkerStats
 
 _PEER = b"peer-metadata"
+MAX_METADATA_BYTES = 1 << 20
 
 
 def _node_address() -> str:
     """This node's address as Ray knows it (a multi-node cluster: the KV listener binds it)."""
     import ray  # noqa: PLC0415
     return ray.util.get_node_ip_address()
-MAX_METADATA_BYTES = 1 << 20
-from cluster.transfer.registry import make_transport
 
 
 class EngineWorker:
@@ -84,18 +85,24 @@ class EngineWorker:
             self.ready = True
         return self.ready
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         pool, sched = self.engine.pool, self.engine.scheduler
         waiting, running = len(sched.waiting), len(sched.running)
-        return {"name": self.name, "role": self.role, "pid": os.getpid(), "incarnation": self.incarnation,
-                "ready": self.ready, "steps": self.loop.steps, "has_work": bool(waiting or running),
-                "blocks_used": pool.num_used, "blocks_total": pool.num_blocks, "block_size": self.engine.layout.block_size,
-                "blocks_free": pool.num_free, "waiting": waiting, "running": running,
-                "prefix_queries": pool.queries, "prompt_tokens_computed": self.engine.prompt_tokens_computed,
-                "kv_refused": self.mailbox.refused + getattr(self.transport, "refused", 0),
-                "prefix_hits": pool.hits, "queue_seconds": sched.queue_seconds,
-                "queue_count": sched.queue_count, "kv_discarded": getattr(self.engine, "kv_discarded", 0),
-                "spec": self.engine.speculator.stats() if self.engine.speculator is not None else {}}
+        spec = self.engine.speculator.stats() if self.engine.speculator is not None else {}
+        return WorkerStats(
+            name=self.name, role=self.role, incarnation=self.incarnation, ready=self.ready, pid=os.getpid(),
+            steps=self.loop.steps, has_work=bool(waiting or running), blocks_used=pool.num_used,
+            blocks_free=pool.num_free, blocks_total=pool.num_blocks, block_size=self.engine.layout.block_size,
+            waiting=waiting, running=running, prefix_queries=pool.queries, prefix_hits=pool.hits,
+            prompt_tokens_computed=self.engine.prompt_tokens_computed,
+            kv_refused=self.mailbox.refused + getattr(self.transport, "refused", 0),
+            kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
+            queue_count=sched.queue_count, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
+            **self._role_stats())
+
+    def _role_stats(self) -> dict:
+        """The role's part of `stats`: `prefill=PrefillStats(...)` or `handoff=HandoffStats(...)`."""
+        return {}
 
     def _add_request(self, e: LLMEngine, *args, **kwargs) -> str:
         """`e.add_request`, with the engine's refusal (a bad prompt or option) typed as the

@@ -16,20 +16,19 @@ A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.errors import RequestError, WorkerBusy
 from cluster.kv.block_pool import NoFreeBlocks
-from cluster.token_stream import SinkAddress
 from cluster.transfer.consumer import KVConsumer, KVPull, PullState
 from cluster.types import FinishReason, Fork, KVHandle, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
+from cluster.worker_messages import DecodeCall, GenerateCall, HandoffStats
 from decode.handoff import add_prefilled
 from decode.spec.speculator import make_speculator
 
@@ -44,13 +43,13 @@ class _Handoff:
     sampling: SamplingParams
     handle: KVHandle
     first_token: int
-    forks: tuple[tuple[str, SamplingParams, int], ...] = ()   # (request id, sampling, first token)
+    forks: tuple[Fork, ...] = ()     # each with its first token
     aborted: bool = False
     times: dict = field(default_factory=dict)   # phase -> time.time(), for `handoff_timings`
 
     @property
     def members(self) -> list[str]:
-        return [self.request_id, *(f[0] for f in self.forks)]
+        return [self.request_id, *(f.request_id for f in self.forks)]
 
 
 PHASES = ("sent", "called", "pull_started", "read", "verified", "acked", "first_step")
@@ -83,46 +82,36 @@ class DecodeWorker(EngineWorker):
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
         self._start_loop([self._poll_consumer])
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                       sink: SinkAddress, key: int, resume_samples: int = 0,
-                       forks: tuple[tuple[str, SamplingParams, int], ...] = ()) -> str:
-        """Both phases here (colocated mode, or a prompt not worth a handoff). `resume_samples`: the
-        request continues one that already sampled this many tokens elsewhere (a failover), so its
-        seeded generator resumes where that one was instead of restarting from the seed. `forks`:
-        (request id, sampling, stream key) of more samples of the prompt, computed once."""
+    async def generate(self, call: GenerateCall) -> FinishReason:
+        """Both phases here (colocated mode, or a prompt not worth a handoff). A failover's
+        `resume_samples` resumes the seeded generator where the attempt before stopped instead of
+        restarting from the seed; `forks` are computed on the prompt once."""
         def start(e: LLMEngine):
-            self._add_request(e, prompt_ids, sampling, request_id, forks=[Fork(rid, sp) for rid, sp, _ in forks])
-            if resume_samples:
-                e.skip_samples(request_id, resume_samples)
-        last = await self.loop.run(request_id, start, sink, key, forks=tuple((rid, k) for rid, _, k in forks))
-        return last.finish_reason.value
+            self._add_request(e, list(call.prompt_ids), call.sampling, call.request_id,
+                              forks=[Fork(f.request_id, f.sampling) for f in call.forks])
+            if call.resume_samples:
+                e.skip_samples(call.request_id, call.resume_samples)
+        last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks)
+        return last.finish_reason
 
-    async def decode(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     handle_bytes: bytes, sink: SinkAddress, key: int, sent_at: float = 0.0,
-                     first_token: int | None = None,
-                     forks: tuple[tuple[str, SamplingParams, int, int], ...] = ()) -> str:
-        """Continue a request prefilled elsewhere; streams deltas from its second token on.
-        `first_token`: this request's (default: the handle's, whose lead may have ended already);
-        `forks`: (request id, sampling, first token, stream key) of more samples of the prompt,
-        continued on the same pulled blocks. Aborting any of them during the pull aborts all."""
+    async def decode(self, call: DecodeCall) -> FinishReason:
+        """Continue a request prefilled elsewhere; streams deltas from its second token on (its
+        forks' too, on the same pulled blocks). Aborting any of them during the pull aborts all."""
         try:
-            handle = KVHandle.decode(handle_bytes)
+            handle = KVHandle.decode(call.handle)
         except ValueError as exc:
             raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
         arena = self.peer_blocks.get(handle.producer)
         if arena is None or max(handle.block_ids) >= arena:
             raise RequestError(f"decode worker {self.name} refused the KV handle: its blocks are not inside a "
                                f"known producer's arena ({handle.producer!r})")
-        ids = [request_id, *(f[0] for f in forks)]
-        loop = asyncio.get_running_loop()
-        dones = [loop.create_future() for _ in ids]
-        times = {"sent": sent_at or time.time(), "called": time.time()}
+        times = {"sent": call.sent_at or time.time(), "called": time.time()}
 
         def begin(e: LLMEngine):
             times["pull_started"] = time.time()
-            h = _Handoff(request_id, list(prompt_ids), sampling, handle,
-                         handle.first_token if first_token is None else first_token,
-                         tuple((rid, sp, tok) for rid, sp, tok, _ in forks), times=times)
+            h = _Handoff(call.request_id, list(call.prompt_ids), call.sampling, handle,
+                         handle.first_token if call.first_token is None else call.first_token,
+                         tuple(Fork(f.request_id, f.sampling, f.first_token) for f in call.forks), times=times)
             n = len(handle.block_ids)
             try:
                 blocks = e.pool.allocate(n)
@@ -139,21 +128,9 @@ class DecodeWorker(EngineWorker):
                 if isinstance(exc, ValueError):     # a layout mismatch or a malformed handle
                     raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
                 raise
-            self.loop.register(request_id, dones[0], sink, key)
-            for (rid, _, _, k), done in zip(forks, dones[1:]):
-                self.loop.register(rid, done, sink, k)
             self._handoffs[pull.lease_id] = h
-
-        def abort_all(e: LLMEngine) -> None:
-            for rid in ids:
-                self._abort(e, rid)
-        try:
-            await self.loop.acall(begin)
-        except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
-            self.loop.call(abort_all)
-            raise
-        results = await self.loop.wait_all(ids, dones, abort_all)
-        return results[0].finish_reason.value
+        last = await self.loop.run(call.request_id, begin, call.sink, call.key, forks=call.forks, abort=self._abort)
+        return last.finish_reason
 
     # --- engine thread ----------------------------------------------------------------------------
     def _poll_consumer(self) -> float | None:
@@ -184,7 +161,7 @@ class DecodeWorker(EngineWorker):
                 self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
                 self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
                 add_prefilled(e, h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
-                              h.handle.feature, forks=[Fork(rid, sp, first_token=tok) for rid, sp, tok in h.forks])
+                              h.handle.feature, forks=h.forks)
                 joined = True
                 for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
                     if not self.loop.has_stream(rid):
@@ -210,16 +187,17 @@ class DecodeWorker(EngineWorker):
         gaps = [max(0.0, h.times[b] - h.times[a]) for a, b in zip(PHASES, PHASES[1:])]
         self.timings.append(HandoffTiming(h.request_id, len(h.handle.block_ids), *gaps))
 
-    def handoff_timings(self) -> list[dict]:
+    def handoff_timings(self) -> tuple[HandoffTiming, ...]:
         """The last handoffs' phase times (bench/handoff_served.py reads them)."""
-        return [asdict(t) for t in self.timings]
+        return tuple(self.timings)
 
     def _recompute(self, e: LLMEngine, h: _Handoff, why: str) -> None:
         """The pull failed (the producer died, a bad checksum): compute the prompt here. The
         first token was sampled by the producer, so the generator skips that draw."""
         self.handoffs["failed"] += 1
         log.warning("handoff of %s failed (%s); recomputing here", h.request_id, why)
-        for rid, sampling, first in ((h.request_id, h.sampling, h.first_token), *h.forks):
+        for rid, sampling, first in ((h.request_id, h.sampling, h.first_token),
+                                     *((f.request_id, f.sampling, f.first_token) for f in h.forks)):
             rest = replace(sampling, max_tokens=sampling.max_tokens - 1, prompt_logprobs=None)
             try:
                 e.add_request([*h.prompt_ids, first], rest, rid)
@@ -238,5 +216,5 @@ class DecodeWorker(EngineWorker):
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(lambda e: self._abort(e, request_id))
 
-    def stats(self) -> dict:
-        return {**super().stats(), **{f"handoff_{k}": v for k, v in self.handoffs.items()}}
+    def _role_stats(self) -> dict:
+        return {"handoff": HandoffStats(**self.handoffs)}

@@ -6,37 +6,17 @@ A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.transfer.producer import KVProducer
-from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta, TokenLogprob
+from cluster.types import Fork, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
+from cluster.worker_messages import PrefillCall, PrefillResult, PrefillStats
 from prefill.handoff import KVHold, publish_first
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token: int
-    text: str
-    finish_reason: FinishReason | None     # set when the request ends with its first token
-    handle: bytes | None                   # KVHandle (msgpack) when a decode worker must continue
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    # n > 1: the other samples' first tokens, drawn from the same prompt logits (finish_reason
-    # None: it continues on the decode worker, on the same handle).
-    forks: tuple[TokenDelta, ...] = ()
-
-    @property
-    def continues(self) -> list[str]:
-        """Request ids (this one's and its forks') that a decode worker must continue."""
-        return [d.request_id for d in (self, *self.forks) if d.finish_reason is None]
 
 
 class PrefillWorker(EngineWorker):
@@ -54,17 +34,18 @@ class PrefillWorker(EngineWorker):
         self.producer.poll()
         return self.producer.poll_interval()
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                      forks: tuple[tuple[str, SamplingParams], ...] = ()) -> PrefillResult:
-        """`forks`: (request id, sampling) of more samples of this prompt: computed once, each
-        with its own first token, all continued from one handle."""
-        first_only = [Fork(rid, replace(sp, max_tokens=1)) for rid, sp in forks]
+    async def prefill(self, call: PrefillCall) -> PrefillResult:
+        """The prompt's KV and first token (and each fork's first token, from the same logits),
+        published under one handle for a decode worker to continue."""
+        first_only = [Fork(f.request_id, replace(f.sampling, max_tokens=1)) for f in call.forks]
+        forks = {f.request_id: f.sampling for f in call.forks}
+        prompt_ids = list(call.prompt_ids)
 
         def publish(e: LLMEngine, last: TokenDelta) -> PrefillResult:
-            return self._publish(e, request_id, prompt_ids, sampling, last, dict(forks))
+            return self._publish(e, call.request_id, prompt_ids, call.sampling, last, forks)
         return await self.loop.run(
-            request_id, lambda e: self._add_request(e, prompt_ids, replace(sampling, max_tokens=1), request_id,
-                                                    hold_kv=True, forks=first_only),
+            call.request_id, lambda e: self._add_request(e, prompt_ids, replace(call.sampling, max_tokens=1),
+                                                         call.request_id, hold_kv=True, forks=first_only),
             on_end=publish)
 
     def _publish(self, e: LLMEngine, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -81,5 +62,5 @@ class PrefillWorker(EngineWorker):
             self.producer.abort(request_id)
         await self.loop.acall(go)
 
-    def stats(self) -> dict:
-        return {**super().stats(), "leases": self.producer.num_active()}
+    def _role_stats(self) -> dict:
+        return {"prefill": PrefillStats(leases=self.producer.num_active())}

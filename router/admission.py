@@ -44,6 +44,16 @@ class RefusedWhy(enum.Enum):
     QUEUE_TIMEOUT = "queue_timeout"
     SHUTTING_DOWN = "shutting_down"
 
+    # How both APIs answer a refusal (router/server.py, router/http_server.py): the client's own
+    # request too large to ever fit, the server stopping, or busy (retry later).
+    @property
+    def grpc_code(self) -> str:
+        return "UNAVAILABLE" if self is RefusedWhy.SHUTTING_DOWN else "RESOURCE_EXHAUSTED"
+
+    @property
+    def http_status(self) -> int:
+        return {RefusedWhy.TOO_LARGE: 400, RefusedWhy.SHUTTING_DOWN: 503}.get(self, 429)
+
 
 class Refused(Exception):
     def __init__(self, why: RefusedWhy, message: str):
@@ -81,6 +91,13 @@ class Admission:
 
     def _fits(self, tenant: str, slots: int) -> bool:
         return self.in_use + slots <= self.cfg.max_in_flight and self.by_tenant[tenant] + slots <= self.tenant_cap
+
+    async def admit(self, tenant: str, slots: int, closing: bool) -> Ticket:
+        """The one admission check of both APIs: refused while the router is `closing` (shutting
+        down), else `acquire`. Raises `Refused`; each API answers it by `why`."""
+        if closing:
+            raise Refused(RefusedWhy.SHUTTING_DOWN, "the server is shutting down; retry on another replica")
+        return await self.acquire(tenant, slots)
 
     async def acquire(self, tenant: str, slots: int) -> Ticket:
         """Slots for one request, now or after a wait in the fair queue; raises `Refused`."""

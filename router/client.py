@@ -8,8 +8,8 @@ import grpc
 
 from proto.splitserve.v1 import inference_pb2 as pb
 from proto.splitserve.v1 import inference_pb2_grpc as pb_grpc
+from router.finish_reasons import from_proto
 
-_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class _Collector:
         self.text.append(msg.text)
         self.request_id = msg.request_id
         if msg.finish_reason:
-            self.reason = _REASONS[msg.finish_reason]
+            self.reason = from_proto(msg.finish_reason).value
 
     def result(self) -> Completion:
         return Completion(self.request_id, tuple(self.ids), "".join(self.text), self.reason)

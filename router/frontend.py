@@ -14,105 +14,18 @@ import asyncio
 import gc
 import logging
 import os
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
 from router.router import RouterConfig
+from router.workers import StatsCadence, WorkerClient, apply_poll, poll_workers
+
+if TYPE_CHECKING:
+    from router.server import ServerInfo
 
 log = logging.getLogger(__name__)
-
-
-class StatsCadence:
-    """How often to poll the workers' stats: fast while the cluster has work (or had it in the last
-    `linger_s`), slowly when idle. Routing needs fresh load figures under load; an idle cluster
-    should not wake every worker (and Ray's io threads) several times a second for nothing."""
-
-    def __init__(self, busy_s: float = 0.25, idle_s: float = 2.0, linger_s: float = 5.0):
-        self.busy_s, self.idle_s, self.linger_s = busy_s, idle_s, linger_s
-        self.last_busy = time.monotonic()
-
-    async def sleep(self, stats: list[dict], router=None) -> None:
-        """Sleep until the next poll is due, or until `router` takes a new request."""
-        period = self.next(stats, router.in_flight if router is not None else 0)
-        if router is None:
-            await asyncio.sleep(period)
-            return
-        router.activity.clear()
-        try:
-            await asyncio.wait_for(router.activity.wait(), timeout=period)
-        except asyncio.TimeoutError:
-            pass
-
-    def next(self, stats: list[dict], in_flight: int = 0) -> float:
-        now = time.monotonic()
-        if in_flight or any(s["running"] or s["waiting"] or s["blocks_used"] or s.get("leases") for s in stats):
-            self.last_busy = now
-        return self.busy_s if now - self.last_busy < self.linger_s else self.idle_s
-
-
-CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
-
-
-class RayWorkerClient:
-    """The router's view of one worker actor. Data calls (prefill, generate, decode) run in the
-    actor's default group; control calls in its "control" group, so that they never queue behind
-    the streams."""
-
-    def __init__(self, name: str, handle):
-        self.name = name
-        self.handle = handle
-
-    def _control(self, method: str):
-        return getattr(self.handle, method).options(concurrency_group=CONTROL)
-
-    async def prefill(self, request_id, prompt_ids, sampling, forks=()):
-        return await self.handle.prefill.remote(request_id, prompt_ids, sampling, forks)
-
-    def start(self, method: str, *args, **kwargs):
-        """Start a streamed request (`generate` or `decode`); its deltas come over the token stream,
-        the returned ref resolves when it ends (or raises if the worker dies)."""
-        return getattr(self.handle, method).remote(*args, **kwargs)
-
-    async def abort(self, request_id):
-        await self._control("abort").remote(request_id)
-
-    async def stats(self):
-        return await self._control("stats").remote()
-
-    async def metadata(self):
-        return await self._control("metadata").remote()
-
-    async def add_peer(self, metadata: bytes):
-        return await self._control("add_peer").remote(metadata)
-
-    async def set_ready(self, incarnation: str) -> bool:
-        return await self._control("set_ready").remote(incarnation)
-
-
-async def poll_workers(clients: dict, timeout_s: float) -> dict:
-    """Every worker's stats at once (one slow worker delays no other): name -> stats, or the
-    exception its call raised (a timeout is `TimeoutError`: slow, not dead)."""
-    async def one(client):
-        try:
-            return await asyncio.wait_for(client.stats(), timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001 - judged by the caller (router.worker_failed)
-            return exc
-    results = await asyncio.gather(*(one(c) for c in clients.values()))
-    return dict(zip(clients, results))
-
-
-def apply_poll(router, results: dict) -> list[dict]:
-    """Feed one poll round to a router's health and routing views; returns the stats that came."""
-    got = []
-    for name, result in results.items():
-        if isinstance(result, BaseException):
-            router.worker_failed(name, result)
-        else:
-            router.worker_polled(name, result)
-            got.append(result)
-    return got
 
 
 @dataclass(frozen=True)
@@ -122,7 +35,7 @@ class FrontendConfig:
     name: str
     model_dir: str                  # the tokenizer is read from here
     limits: object                  # router.validation.Limits
-    info: dict                      # ServerInfo fields
+    info: "ServerInfo"              # what the ServerInfo RPC answers
     router: RouterConfig
     transport: str                  # the KV transport (a metrics label)
     host: str
@@ -163,7 +76,7 @@ class Frontend:
         cfg = self.cfg
         if self.metrics is None:
             self.metrics = ClusterMetrics(cfg.transport, workers=False)
-        clients = {n: RayWorkerClient(n, h) for n, h in self.handles.items()}
+        clients = {n: WorkerClient(n, h) for n, h in self.handles.items()}
         prefill = {n: c for n, c in clients.items() if cfg.roles[n] == "prefill"}
         decode = {n: c for n, c in clients.items() if cfg.roles[n] == "decode"}
         receiver = TokenReceiver(cfg.name, host=cfg.stream_host)

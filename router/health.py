@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.worker_messages import WorkerStats
+
 
 class Liveness(enum.Enum):
     STARTING = "starting"    # not answered yet, or a (new) incarnation not yet handshaken
@@ -55,24 +57,24 @@ class WorkerHealth:
     def routable(self) -> bool:
         return self.state is Liveness.READY
 
-    def observe(self, stats: dict) -> Change:
-        """A stats poll answered. `stats["ready"]` is the worker's own word that it has loaded
+    def observe(self, stats: WorkerStats) -> Change:
+        """A stats poll answered. `stats.ready` is the worker's own word that it has loaded
         and been handshaken with its peers (the driver sets it after each (re)start)."""
         now = self.clock()
         change = Change.NONE
-        if stats.get("incarnation") != self.incarnation:
-            self.incarnation, self.steps, self.moved_at = stats.get("incarnation"), stats.get("steps", 0), now
+        if stats.incarnation != self.incarnation:
+            self.incarnation, self.steps, self.moved_at = stats.incarnation, stats.steps, now
             self.state = Liveness.STARTING
             change = Change.NEW_INCARNATION
         if self.state in (Liveness.STARTING, Liveness.DEAD):
-            if not stats.get("ready", True):
+            if not stats.ready:
                 return change
             # DEAD yet the same incarnation answers: the error was transient; it kept its peers.
             was_dead = self.state is Liveness.DEAD and change is Change.NONE
             self.state, self.moved_at = Liveness.READY, now
             return Change.RECOVERED if was_dead else change
-        steps = stats.get("steps", 0)
-        if steps != self.steps or not stats.get("has_work"):
+        steps = stats.steps
+        if steps != self.steps or not stats.has_work:
             self.steps, self.moved_at = steps, now
             if self.state is Liveness.STALLED:
                 self.state = Liveness.READY

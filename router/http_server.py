@@ -179,10 +179,8 @@ class OpenAIServer:
             raise _refusal(exc) from None
 
     async def _admit(self, tenant: str, slots: int) -> Ticket:
-        if self.router.closing:
-            raise ApiError(503, "the server is shutting down; retry on another replica", code="unavailable")
         try:
-            return await self.admission.acquire(tenant, slots)
+            return await self.admission.admit(tenant, slots, self.router.closing)
         except Refused as exc:
             raise _refusal(exc) from None
 
@@ -396,12 +394,12 @@ def _parse_json(data: bytes, max_depth: int):
     return body
 
 
+_REFUSAL_CODE = {RefusedWhy.TOO_LARGE: "too_many_samples", RefusedWhy.SHUTTING_DOWN: "unavailable"}
+
+
 def _refusal(exc: Refused) -> ApiError:
-    if exc.why is RefusedWhy.TOO_LARGE:
-        return ApiError(400, str(exc), param="n", code="too_many_samples")
-    if exc.why is RefusedWhy.SHUTTING_DOWN:
-        return ApiError(503, str(exc), code="unavailable")
-    return ApiError(429, str(exc), code="overloaded")
+    return ApiError(exc.why.http_status, str(exc), param="n" if exc.why is RefusedWhy.TOO_LARGE else None,
+                    code=_REFUSAL_CODE.get(exc.why, "overloaded"))
 
 
 def _ssl_context(tls: tuple[bytes, bytes], client_ca: bytes | None):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate, ChatTemplateError
+from router.finish_reasons import to_openai
 from router.validation import Limits, ValidationError, clip, cut_message, validate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
@@ -380,7 +381,7 @@ class Choice:
         self.num_prompt_tokens = d.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
         if d.finish_reason is not None:
-            self.finish_reason = "stop" if d.finish_reason.value == "stop" else "length"
+            self.finish_reason = to_openai(d.finish_reason)
 
 
 def usage(job: Job, choices: dict[int, Choice]) -> dict:

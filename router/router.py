@@ -14,22 +14,29 @@ request on another worker, or on the same one once it has room; only a dead work
 leaves routing, until its new incarnation is back (`router/health.py`). Requests wait, within their
 deadline, for a worker to route to: before the cluster is ready, and while every worker of a role
 is restarting.
+
+Workers are called through `router/workers.py` with the typed messages of
+`cluster/worker_messages.py`; one request and the n samples of a prompt take the same decode path
+(`_decode`), whose one exception ladder is `_attempt_failed`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 from cluster.config import derived, require, setting
 from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import StreamBroken, TokenReceiver
-from cluster.types import FinishReason, GenerateRequest, TokenDelta, merge_deltas
+from cluster.types import Fork, GenerateRequest, TokenDelta, merge_deltas
+from cluster.worker_messages import DecodeCall, GenerateCall, PrefillCall, PrefillResult, WorkerStats
 from router.health import Change, WorkerHealth, is_actor_death
 from router.policy import WorkerView
+from router.workers import WorkerClient
 
 
 class ShuttingDown(RuntimeError):
@@ -40,6 +47,15 @@ class NoWorker(RuntimeError):
     """No worker of a role became routable within `RouterConfig.unavailable_wait_s`."""
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A remote prefill's outcome as the decode attempts read it: the worker's result, each
+    member's first delta (already streamed to the client) and the prefill worker holding the lease."""
+    result: PrefillResult
+    firsts: Mapping[str, TokenDelta]
+    worker: str
 
 
 @dataclass
@@ -69,8 +85,8 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, policy, prefill: dict, decode: dict, receiver: TokenReceiver,
-                 metrics=None):
+    def __init__(self, config: RouterConfig, policy, prefill: dict[str, WorkerClient],
+                 decode: dict[str, WorkerClient], receiver: TokenReceiver, metrics=None):
         """`prefill`/`decode`: worker name -> client (see cluster/launch/app.py)."""
         self.config = config
         self.receiver = receiver
@@ -97,7 +113,7 @@ class Router:
         """Every worker has loaded and been handshaken at least once (gRPC health: SERVING)."""
         return all(v.healthy for v in self.views.values())
 
-    def worker_polled(self, name: str, stats: dict) -> None:
+    def worker_polled(self, name: str, stats: WorkerStats) -> None:
         """A stats poll answered: the routing view's load figures, and the worker's health."""
         first_start = self.health[name].incarnation is None
         change = self.health[name].observe(stats)
@@ -145,12 +161,12 @@ class Router:
                 pass
         return views
 
-    def update_stats(self, stats: dict) -> None:
-        view = self.views.get(stats.get("name"))
+    def update_stats(self, stats: WorkerStats) -> None:
+        view = self.views.get(stats.name)
         if view is not None:
-            view.blocks_free = stats["blocks_free"]
-            view.blocks_total = stats["blocks_total"]
-            view.running = stats.get("running", 0)
+            view.blocks_free = stats.blocks_free
+            view.blocks_total = stats.blocks_total
+            view.running = stats.running
 
     def check_capacity(self, req: GenerateRequest) -> None:
         """Refuse, before anything is scheduled, a prompt no decode worker can ever hold (its KV
@@ -228,27 +244,22 @@ class Router:
                 prefilled = await self._prefill(req, hashes, forks)
             finally:
                 dec.in_flight -= 1
-            if prefilled is None:
-                local = True            # no prefill worker could take it: the decode worker prefills
-            else:
-                firsts = prefilled[1]
-                for first in firsts.values():
+            if prefilled is not None:   # None: no prefill worker could take it; the decode worker prefills
+                for first in prefilled.firsts.values():
                     yield first
-                members = [m for m in members if not firsts[m.request_id].finished]
+                members = [m for m in members if not prefilled.firsts[m.request_id].finished]
                 if not members:
                     return
-        if not forks:
-            stream = self._decode(req, dec, hashes, None if local else prefilled, streamed[req.request_id])
-        else:
-            stream = self._decode_group(members, dec, hashes, None if local else prefilled, streamed)
-        async for d in stream:
+        async for d in self._decode(members, dec, hashes, prefilled, streamed):
             yield d
 
-    async def _prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()):
-        """(result, first delta of each member by id, worker name), or None when every prefill
-        worker failed or was busy."""
+    async def _prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()
+                       ) -> Prefilled | None:
+        """The prefill on the first prefill worker that takes it; None when every one failed or was busy."""
         tried = set()
         members = (req, *forks)
+        call = PrefillCall(req.request_id, req.prompt_token_ids, req.sampling,
+                           tuple(Fork(f.request_id, f.sampling) for f in forks))
         while True:
             candidates = [v for v in self._healthy("prefill") if v.name not in tried]
             if not candidates:
@@ -260,9 +271,7 @@ class Router:
             view.in_flight += 1
             t0 = time.perf_counter()
             try:
-                result = await self.clients[view.name].prefill(
-                    req.request_id, list(req.prompt_token_ids), req.sampling,
-                    tuple((f.request_id, f.sampling) for f in forks))
+                result = await self.clients[view.name].prefill(call)
             except (asyncio.CancelledError, RequestError):
                 raise
             except WorkerBusy as exc:
@@ -281,118 +290,102 @@ class Router:
             for m in members:
                 if m is not req or result.handle is None:
                     self.active[m.request_id].remove(view.name)
-            firsts = {req.request_id: TokenDelta(
-                req.request_id, (result.first_token,) if result.first_token >= 0 else (), result.text,
-                result.finish_reason, result.logprobs, result.num_prompt_tokens, 1, result.num_cached_tokens,
-                result.prompt_logprobs)}
-            firsts |= {d.request_id: d for d in result.forks}
-            for f in forks:       # ended with the request before its first token (an abort)
-                firsts.setdefault(f.request_id, TokenDelta(f.request_id, (), "", result.finish_reason or
-                                                           FinishReason.ABORT, (), result.num_prompt_tokens))
-            return result, firsts, view.name
+            return Prefilled(result, result.first_deltas(tuple(f.request_id for f in forks)), view.name)
 
-    async def _decode_group(self, members: list[GenerateRequest], dec: WorkerView, hashes, prefilled,
-                            streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
-        """The samples of one prompt in one attempt on one decode worker: the handoff (`prefilled`)
-        continued into every member, or the prompt computed there once. If that attempt fails,
-        each unfinished member goes on alone (`_decode`), from the tokens it has streamed."""
-        lead, rest = members[0], members[1:]
-        view = dec
-        for m in members:
-            self.active[m.request_id].append(view.name)
-        view.in_flight += 1
-        client = self.clients[view.name]
-        done: set[str] = set()
-        try:
-            if prefilled is not None:
-                firsts = prefilled[1]
-                stream = self._stream(client, "decode", lead.request_id, list(lead.prompt_token_ids), lead.sampling,
-                                      prefilled[0].handle, sent_at=time.time(),
-                                      first_token=firsts[lead.request_id].token_ids[0],
-                                      forks=[(m.request_id, m.sampling, firsts[m.request_id].token_ids[0])
-                                             for m in rest])
-            else:
-                stream = self._stream(client, "generate", lead.request_id, list(lead.prompt_token_ids), lead.sampling,
-                                      forks=[(m.request_id, m.sampling) for m in rest])
-            async for d in stream:
-                if d.finished:
-                    done.add(d.request_id)
-                yield d
-            dec.remember(hashes)
-            return
-        except (asyncio.CancelledError, RequestError, ShuttingDown):
-            raise
-        except Exception as exc:  # noqa: BLE001 - busy or failed: each member goes on alone
-            log.warning("decode worker %s failed on the samples of %s (%s)", view.name, lead.request_id,
-                        error_message(exc))
-            if not isinstance(exc, WorkerBusy):
-                self.worker_failed(view.name, exc)
-                self.recoveries += 1
-            if prefilled is not None:
-                self._release_lease(prefilled[2], prefilled[0].request_id)
-        finally:
-            view.in_flight -= 1
-        left = [m for m in members if m.request_id not in done]
-        candidates = await self._routable("decode")
-        dec = self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates)
-        async for d in merge_streams([self._decode(m, dec, hashes, None, streamed[m.request_id]) for m in left]):
-            yield d
-
-    async def _decode(self, req: GenerateRequest, dec: WorkerView, hashes, prefilled, streamed):
-        """Attempts on decode workers until the request ends: the first continues the handoff
-        (`prefilled`) or prefills locally; a later one continues from the prompt plus every token
-        streamed so far, with the seeded generator resumed past them."""
+    async def _decode(self, members: list[GenerateRequest], dec: WorkerView, hashes, prefilled: Prefilled | None,
+                      streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+        """Attempts on decode workers until every member has ended. The first continues the handoff
+        (`prefilled`) into every member, or computes the prompt there once. When an attempt fails,
+        each unfinished member goes on alone from the prompt plus every token it has streamed (its
+        seeded generator resumed past them): on another worker, or on a busy one once it has room."""
         failures, busy_wait = 0, 0.02
         while True:
-            view = dec
-            self.active[req.request_id].append(view.name)
-            view.in_flight += 1
-            client = self.clients[view.name]
+            view, done = dec, set()
             try:
-                if prefilled is not None:
-                    stream = self._stream(client, "decode", req.request_id, list(req.prompt_token_ids),
-                                          req.sampling, prefilled[0].handle, sent_at=time.time())
-                elif not streamed:
-                    stream = self._stream(client, "generate", req.request_id, list(req.prompt_token_ids),
-                                          req.sampling)
-                else:
-                    left = req.sampling.max_tokens - len(streamed)
-                    stream = self._stream(client, "generate", req.request_id, [*req.prompt_token_ids, *streamed],
-                                          replace(req.sampling, max_tokens=max(1, left), prompt_logprobs=None),
-                                          resume_samples=len(streamed))
-                async for d in stream:
+                async for d in self._attempt(members, view, prefilled, streamed):
+                    if d.finished:
+                        done.add(d.request_id)
                     yield d
-                dec.remember(hashes)
+                view.remember(hashes)
                 return
             except (asyncio.CancelledError, RequestError, ShuttingDown):
                 raise
-            except WorkerBusy as exc:
-                # The handoff was declined (its lease is released): continue from the first token on
-                # another decode worker, or on this one once it has room.
-                self.busy_retries += 1
-                log.info("decode worker %s declined %s (%s)", view.name, req.request_id, error_message(exc))
+            except Exception as exc:  # noqa: BLE001 - busy or failed: `_attempt_failed` says which
+                busy = self._attempt_failed(view, members[0].request_id, exc, prefilled)
                 prefilled = None
-                others = [v for v in self._healthy("decode") if v is not view and v.blocks_free > 0]
-                if others:
-                    dec = self.policy.choose_decode(hashes, others)
-                else:
-                    await asyncio.sleep(busy_wait)
-                    busy_wait = min(1.0, busy_wait * 2)
-                    dec = self.policy.choose_decode(hashes, await self._routable("decode"))
-            except Exception as exc:  # noqa: BLE001 - the worker's fault: continue elsewhere
-                log.warning("decode worker %s failed on %s (%s)", view.name, req.request_id, error_message(exc))
-                self.worker_failed(view.name, exc)
-                self.recoveries += 1
-                failures += 1
-                if prefilled is not None:   # the producer's pins are no use now: release them at once
-                    self._release_lease(prefilled[2], req.request_id)
-                    prefilled = None
+                failures += not busy
                 if failures >= self.config.max_attempts:
                     raise
-                candidates = await self._routable("decode")
-                dec = self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates)
-            finally:
-                view.in_flight -= 1
+            members = [m for m in members if m.request_id not in done]
+            dec, slept = await self._next_decode(view, hashes, busy, busy_wait)
+            busy_wait = min(1.0, busy_wait * 2) if slept else busy_wait
+            if len(members) != 1:       # from here on each member resumes from its own tokens
+                async for d in merge_streams([self._decode([m], dec, hashes, None, streamed) for m in members]):
+                    yield d
+                return
+
+    def _attempt_failed(self, view: WorkerView, request_id: str, exc: Exception, prefilled: Prefilled | None
+                        ) -> bool:
+        """The one exception ladder of a decode attempt (the client's fault and a shutdown are raised
+        before it): True when the worker was busy (it declined the handoff: try elsewhere or later),
+        False when it failed (routed around if Ray says it died). Either way the handoff's lease is
+        of no use any more: its pins are released at once."""
+        busy = isinstance(exc, WorkerBusy)
+        if busy:
+            self.busy_retries += 1
+            log.info("decode worker %s declined %s (%s)", view.name, request_id, error_message(exc))
+        else:
+            log.warning("decode worker %s failed on %s (%s)", view.name, request_id, error_message(exc))
+            self.worker_failed(view.name, exc)
+            self.recoveries += 1
+        if prefilled is not None:
+            self._release_lease(prefilled.worker, prefilled.result.request_id)
+        return busy
+
+    async def _next_decode(self, view: WorkerView, hashes, busy: bool, wait: float) -> tuple[WorkerView, bool]:
+        """Where the next attempt goes, and whether it waited `wait` s first: after a decline, another
+        worker with free blocks (none: any, after the wait); after a failure, another routable one."""
+        if busy:
+            others = [v for v in self._healthy("decode") if v is not view and v.blocks_free > 0]
+            if others:
+                return self.policy.choose_decode(hashes, others), False
+            await asyncio.sleep(wait)
+            return self.policy.choose_decode(hashes, await self._routable("decode")), True
+        candidates = await self._routable("decode")
+        return self.policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates), False
+
+    async def _attempt(self, members: list[GenerateRequest], view: WorkerView, prefilled: Prefilled | None,
+                       streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+        """One attempt of `members` on one decode worker."""
+        for m in members:
+            self.active[m.request_id].append(view.name)
+        view.in_flight += 1
+        try:
+            make, forks = self._call(members, prefilled, streamed)
+            async for d in self._stream(self.clients[view.name], members[0].request_id, make, forks):
+                yield d
+        finally:
+            view.in_flight -= 1
+
+    @staticmethod
+    def _call(members: list[GenerateRequest], prefilled: Prefilled | None, streamed: dict[str, list[int]]
+              ) -> tuple[Callable[..., GenerateCall | DecodeCall], tuple[Fork, ...]]:
+        """What an attempt asks of its worker: continue the handoff into every member, resume a
+        failover from the tokens already streamed (a member alone by then), or compute the prompt
+        there once. The call lacks its stream (sink, key: `_stream` opens them) and comes with its forks."""
+        lead, rest = members[0], members[1:]
+        if prefilled is not None:
+            first = {rid: d.token_ids[0] for rid, d in prefilled.firsts.items() if d.token_ids}
+            return (partial(DecodeCall, lead.request_id, lead.prompt_token_ids, lead.sampling, prefilled.result.handle,
+                            sent_at=time.time(), first_token=first[lead.request_id]),
+                    tuple(Fork(m.request_id, m.sampling, first[m.request_id]) for m in rest))
+        done = tuple(streamed[lead.request_id])
+        if done:
+            left = replace(lead.sampling, max_tokens=max(1, lead.sampling.max_tokens - len(done)), prompt_logprobs=None)
+            return partial(GenerateCall, lead.request_id, (*lead.prompt_token_ids, *done), left,
+                           resume_samples=len(done)), ()
+        return (partial(GenerateCall, lead.request_id, lead.prompt_token_ids, lead.sampling),
+                tuple(Fork(m.request_id, m.sampling) for m in rest))
 
     def _release_lease(self, prefill_worker: str, request_id: str) -> None:
         workers = self.active.get(request_id, [])
@@ -408,22 +401,21 @@ class Router:
         for q in list(self.receiver.queues.values()):
             q.push(ShuttingDown("the server is shutting down; retry on another replica"))
 
-    async def _stream(self, client, method: str, request_id: str, *args, forks=(), **kwargs
+    async def _stream(self, client: WorkerClient, request_id: str,
+                      make: Callable[..., GenerateCall | DecodeCall], forks: tuple[Fork, ...] = ()
                       ) -> AsyncIterator[TokenDelta]:
-        """One attempt on one worker: start it with a control call, read its deltas from the token
-        stream. Several deltas that arrived together leave as one (a lagging reader coalesces).
-        `forks`: more samples of the prompt in the same call (their arguments, to which each one's
-        stream key is added); the attempt ends when every one has finished."""
+        """One attempt on one worker: start it with a control call (`make(sink, key, forks=...)`,
+        each fork given its own stream key), read its deltas from the token stream. Several deltas
+        that arrived together leave as one (a lagging reader coalesces). The attempt ends when the
+        request and every fork have finished."""
         key, queue = self.receiver.open(request_id)
-        keys = [key]
-        for f in forks:
-            keys.append(self.receiver.open(f[0], queue)[0])
-        if forks:
-            kwargs["forks"] = tuple((*f, k) for f, k in zip(forks, keys[1:]))
-        call = client.start(method, request_id, *args, self.receiver.address, key, **kwargs)
-        watch = asyncio.ensure_future(self._watch(call, queue))
-        running = 1 + len(forks)
+        forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
+        keys = [key, *(f.stream_key for f in forks)]
+        running, watch = 1 + len(forks), None
         try:
+            call = make(self.receiver.address, key, forks=forks)
+            ref = client.decode(call) if isinstance(call, DecodeCall) else client.generate(call)
+            watch = asyncio.ensure_future(self._watch(ref, queue))
             while True:
                 items = await queue.take()
                 for item in items:
@@ -438,7 +430,8 @@ class Router:
         finally:
             for k in keys:
                 self.receiver.close_key(k)
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
 
     async def _watch(self, call, queue) -> None:
         """The attempt's control call: it raises if the worker dies (Ray knows), and returns once the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict, dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,19 +21,37 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.errors import RequestError, error_message
 from cluster.secrets import as_api_keys, authenticate
-from cluster.types import FinishReason, TokenDelta
+from cluster.types import TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
-from router.admission import Admission, AdmissionConfig, Refused, RefusedWhy
+from router.admission import Admission, AdmissionConfig, Refused
 from router.connections import ConnectionLimits, grpc_options
+from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
 log = logging.getLogger(__name__)
 
-_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-            FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 SERVICE_NAME = "splitserve.v1.Inference"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the ServerInfo RPC answers (its fields are the proto's, one for one)."""
+    version: str
+    mode: str                       # "disaggregated" or "colocated"
+    prefill_workers: int
+    decode_workers: int
+    kv_transport: str
+    max_tokens_limit: int
+    speculative: str                # the default proposer
+    num_speculative_tokens: str     # the default lookahead: k, or "auto"
+    deterministic: bool
+
+    def to_proto(self) -> pb.ServerInfoResponse:
+        return pb.ServerInfoResponse(**asdict(self))
+
+
 async def _abort(context, code: grpc.StatusCode, message: str):
     await context.abort(code, cut_message(message))
 
@@ -46,7 +65,7 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
         msg.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if delta.finish_reason is not None:
-        msg.finish_reason = _REASONS[delta.finish_reason]
+        msg.finish_reason = reason_to_proto(delta.finish_reason)
         msg.usage.prompt_tokens = delta.num_prompt_tokens
         msg.usage.completion_tokens = usage_tokens
         msg.usage.cached_prompt_tokens = delta.num_cached_tokens
@@ -54,7 +73,7 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
 
 
 class InferenceService:
-    def __init__(self, router: Router, limits: Limits, tokenize, info: dict, api_keys: tuple = (),
+    def __init__(self, router: Router, limits: Limits, tokenize, info: ServerInfo, api_keys: tuple = (),
                  metrics=None, siblings=None, admission: AdmissionConfig = AdmissionConfig(),
                  offload: Offload | None = None):
         """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
@@ -90,14 +109,10 @@ class InferenceService:
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
-        if self.router.closing:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
         try:
-            ticket = await self.admission.acquire(tenant, 1)
+            ticket = await self.admission.admit(tenant, 1, self.router.closing)
         except Refused as exc:
-            code = grpc.StatusCode.UNAVAILABLE if exc.why is RefusedWhy.SHUTTING_DOWN else \
-                grpc.StatusCode.RESOURCE_EXHAUSTED
-            await _abort(context, code, str(exc))
+            await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         try:
             async for msg in self._generate(request, context, tenant):
                 yield msg
@@ -110,7 +125,7 @@ class InferenceService:
         except ValidationError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Refused as exc:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         if req.request_id in self.router.active:     # the same tenant's own id: ids are scoped per tenant
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
         their_id = client_id(tenant, req.request_id)
@@ -167,7 +182,7 @@ class InferenceService:
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
-        return pb.ServerInfoResponse(**self.info)
+        return self.info.to_proto()
 
 
 _METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),

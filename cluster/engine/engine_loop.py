@@ -28,7 +28,7 @@ from typing import Any
 
 from cluster.engine.engine import LLMEngine
 from cluster.token_stream import SinkAddress, StreamBroken, TokenSender, encode_errors, encode_step
-from cluster.types import TokenDelta, merge_deltas
+from cluster.types import Fork, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 
@@ -92,18 +92,21 @@ class EngineLoop:
 
     async def run(self, request_id: str, start: Callable[[LLMEngine], Any], sink: SinkAddress | None = None,
                   key: int = 0, on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None,
-                  forks: tuple[tuple[str, int], ...] = ()) -> Any:
-        """Register `request_id` (and its `forks`: (request id, key) of more samples of its prompt,
-        streamed to the same sink), run `start(engine)` (which adds them) on the engine thread and
-        wait for every final delta; returns the request's own. Cancelling the caller aborts them."""
+                  forks: tuple[Fork, ...] = (), abort: Callable[[LLMEngine, str], Any] | None = None) -> Any:
+        """Register `request_id` and its `forks` (more samples of its prompt, each streamed to the
+        same sink under its `stream_key`), run `start(engine)` on the engine thread and wait for
+        every final delta; returns the request's own. `start` may fail (the worker is busy, the
+        request is refused): then nothing stays registered and its exception is the caller's.
+        Cancelling the caller runs `abort(engine, request id)` (default `engine.abort`) for each."""
         loop = asyncio.get_running_loop()
-        ids = [request_id, *(rid for rid, _ in forks)]
+        ids = [request_id, *(f.request_id for f in forks)]
         dones = [loop.create_future() for _ in ids]
+        stop = abort or (lambda e, rid: e.abort(rid))
 
         def begin(e: LLMEngine):
             self.register(request_id, dones[0], sink, key, on_end)
-            for (rid, k), done in zip(forks, dones[1:]):
-                self.register(rid, done, sink, k)
+            for f, done in zip(forks, dones[1:]):
+                self.register(f.request_id, done, sink, f.stream_key or 0)
             try:
                 return start(e)
             except BaseException:
@@ -113,29 +116,21 @@ class EngineLoop:
 
         def abort_all(e: LLMEngine) -> None:
             for rid in ids:
-                e.abort(rid)
+                stop(e, rid)
         try:
             await self.acall(begin)
         except asyncio.CancelledError:     # `begin` may still run: abort whatever it started
             self.call(abort_all)
             raise
-        results = await self.wait_all(ids, dones, abort_all)
-        return results[0]
-
-    async def wait_all(self, ids: list[str], dones: list[asyncio.Future], abort: Callable[[LLMEngine], Any]) -> list:
-        """Every request's final delta (one raising fails the call once all have ended)."""
         try:
             results = await asyncio.shield(asyncio.gather(*dones, return_exceptions=True))
         except asyncio.CancelledError:
-            self.call(abort)
+            self.call(abort_all)
             raise
-        for r in results:
+        for r in results:                  # one raising fails the call, once all have ended
             if isinstance(r, BaseException):
                 raise r
-        return results
-
-    async def wait(self, request_id: str, done: asyncio.Future, abort: Callable[[LLMEngine], Any] | None = None):
-        return (await self.wait_all([request_id], [done], abort or (lambda e: e.abort(request_id))))[0]
+        return results[0]
 
     def close(self) -> None:
         self._stop.set()

@@ -221,7 +221,7 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, t
     """Polls the workers' stats (all at once, in their control group): metrics, the bring-up of
     restarted workers, and the routing view of the in-process frontend (`router`; None when the
     frontends are actors, which poll for themselves). A slow poll is skipped, never a verdict."""
-    from router.frontend import StatsCadence, apply_poll, poll_workers  # noqa: PLC0415
+    from router.workers import StatsCadence, apply_poll, poll_workers  # noqa: PLC0415
     cadence = StatsCadence()
     pending: dict[str, asyncio.Task] = {}
     unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
@@ -233,10 +233,10 @@ async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, t
             metrics.update_worker(stats)
             if name in pending and not pending[name].done():
                 continue
-            if not stats["ready"]:
-                log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats["incarnation"][:8])
+            if not stats.ready:
+                log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats.incarnation[:8])
                 pending[name] = asyncio.ensure_future(
-                    _bring_up(name, stats["incarnation"], workers, roles, metas, alive - {name}, unpaired))
+                    _bring_up(name, stats.incarnation, workers, roles, metas, alive - {name}, unpaired))
             elif unpaired.get(name, set()) & alive:
                 pending[name] = asyncio.ensure_future(
                     _bring_up(name, None, workers, roles, metas, unpaired[name] & alive, unpaired))
@@ -260,7 +260,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     import ray  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
-    from router.frontend import Frontend, RayWorkerClient  # noqa: PLC0415
+    from router.frontend import Frontend  # noqa: PLC0415
+    from router.server import ServerInfo  # noqa: PLC0415
+    from router.workers import WorkerClient  # noqa: PLC0415
     from router.validation import Limits  # noqa: PLC0415
     from cluster.model.loader import load_tokenizer  # noqa: PLC0415
 
@@ -292,7 +294,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
-        (prefill if role == "prefill" else decode)[name] = RayWorkerClient(name, h)
+        (prefill if role == "prefill" else decode)[name] = WorkerClient(name, h)
     roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
     workers = {**prefill, **decode}
     mc = load_model_config(cfg.engine.model)
@@ -304,11 +306,11 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                     max_speculative_tokens=spec.max_speculative_tokens,
                     default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
                     max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))
-    info = {"version": "0.1.0", "mode": "colocated" if cfg.colocated else "disaggregated",
-            "prefill_workers": len(prefill), "decode_workers": len(decode), "kv_transport": cfg.data_plane.transport,
-            "max_tokens_limit": cfg.max_tokens_limit, "speculative": spec.method,
-            "num_speculative_tokens": str(spec.num_speculative_tokens),
-            "deterministic": cfg.engine.deterministic}
+    info = ServerInfo(version="0.1.0", mode="colocated" if cfg.colocated else "disaggregated",
+                      prefill_workers=len(prefill), decode_workers=len(decode), kv_transport=cfg.data_plane.transport,
+                      max_tokens_limit=cfg.max_tokens_limit, speculative=spec.method,
+                      num_speculative_tokens=str(spec.num_speculative_tokens),
+                      deterministic=cfg.engine.deterministic)
     fcfg = _frontend_config(cfg, limits, info, roles, stream_host=ray.util.get_node_ip_address())
     handles = {n: c.handle for n, c in workers.items()}
     frontend, actors = None, []
@@ -325,8 +327,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     first = await asyncio.gather(*(c.stats() for c in workers.values()))
     for p in prefill:
         await _handshake(p, workers, roles, metas)
-    await asyncio.gather(*(workers[s["name"]].set_ready(s["incarnation"]) for s in first))
-    from router.frontend import apply_poll, poll_workers  # noqa: PLC0415
+    await asyncio.gather(*(workers[s.name].set_ready(s.incarnation) for s in first))
+    from router.workers import apply_poll, poll_workers  # noqa: PLC0415
     if frontend is not None:
         apply_poll(frontend.router, await poll_workers(workers, 60.0))
         await frontend.wait_ready()

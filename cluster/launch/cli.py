@@ -183,7 +183,8 @@ def _remote_prompt(client, args):
 
 def cmd_generate_remote(inv: Invocation) -> int:
     import grpc  # noqa: PLC0415
-    from router.client import _REASONS, Client  # noqa: PLC0415
+    from router.client import Client  # noqa: PLC0415
+    from router.finish_reasons import from_proto  # noqa: PLC0415
     args = inv.args
     client = Client(args.server, api_key=args.api_key)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -201,7 +202,7 @@ def cmd_generate_remote(inv: Invocation) -> int:
     printer = StreamPrinter(args.json)
     try:
         for msg in client.stream(_remote_prompt(client, args), **sampling):
-            printer.add(msg.token_ids, msg.text, _REASONS.get(msg.finish_reason))
+            printer.add(msg.token_ids, msg.text, from_proto(msg.finish_reason).value if msg.finish_reason else None)
     except grpc.RpcError as exc:
         raise CommandError(f"{args.server} answered {exc.code().name}: {exc.details()}") from None
     return printer.close()

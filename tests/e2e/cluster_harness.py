@@ -35,12 +35,12 @@ class ClusterThread:
                     raise
                 time.sleep(0.2)
                 continue
-            idle = all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 and s["running"] == 0 and s["waiting"] == 0
+            idle = all(s.blocks_used == 0 and s.leases == 0 and s.running == 0 and s.waiting == 0
                        for s in stats)
             if idle:
                 return stats
             if time.monotonic() > limit:
-                busy = {s["name"]: {k: s.get(k, 0) for k in ("blocks_used", "leases", "running", "waiting")}
+                busy = {s.name: {k: getattr(s, k) for k in ("blocks_used", "leases", "running", "waiting")}
                         for s in stats}
                 raise AssertionError(f"the cluster is not idle after {timeout:.0f}s: {busy}")
             time.sleep(0.1)

@@ -62,9 +62,9 @@ def test_16_concurrent_greedy_requests_equal_single_engine(cluster, reference):
     outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
     assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     stats = cluster.wait_idle()
-    assert all(s["blocks_used"] == 0 for s in stats), stats
-    decode = next(s for s in stats if s["role"] == "decode")
-    assert decode["handoff_done"] >= 14 and decode["handoff_failed"] == 0   # 2 prompts are short: local
+    assert all(s.blocks_used == 0 for s in stats), stats
+    decode = next(s for s in stats if s.role == "decode")
+    assert decode.handoff.done >= 14 and decode.handoff.failed == 0   # 2 prompts are short: local
 
 
 def test_seeded_sampling_reproduces_single_engine(cluster, reference):
@@ -124,7 +124,7 @@ def test_cancel_mid_stream_frees_every_block(cluster):
             call.cancel()
             break
     stats = cluster.wait_idle()
-    assert all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 for s in stats), stats
+    assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
 
 
 def test_deadline_exceeded_stops_the_request(cluster):
@@ -136,7 +136,7 @@ def test_deadline_exceeded_stops_the_request(cluster):
         list(client.stream(_prompts(2)[1], max_tokens=64, ignore_eos=True, timeout=0.01))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = cluster.wait_idle()
-    assert all(s["blocks_used"] == 0 for s in stats), stats
+    assert all(s.blocks_used == 0 for s in stats), stats
 
 
 def test_overload_answers_resource_exhausted(cluster):
@@ -184,8 +184,8 @@ def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
         outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
         assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
         stats = c.wait_idle()
-        assert all(s["blocks_used"] == 0 for s in stats)
-        used = [s for s in stats if s["role"] == "decode" and s["handoff_done"] > 0]
+        assert all(s.blocks_used == 0 for s in stats)
+        used = [s for s in stats if s.role == "decode" and s.handoff.done > 0]
         assert len(used) == 2, "both decode workers should have taken handoffs"
     finally:
         c.stop()
@@ -238,7 +238,7 @@ def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
         prompts = _prompts(8, seed=5)
         outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
         assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-        assert all(s["blocks_used"] == 0 for s in c.wait_idle())
+        assert all(s.blocks_used == 0 for s in c.wait_idle())
     finally:
         c.stop()
 
@@ -271,7 +271,7 @@ def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, referenc
         outs = _concurrent(client, _prompts(8, seed=9), max_tokens=4)
         assert all(o.finish_reason in ("length", "stop") for o in outs)
         stats = c.wait_idle()
-        assert all(s["blocks_used"] == 0 for s in stats), stats
+        assert all(s.blocks_used == 0 for s in stats), stats
     finally:
         c.stop()
 

@@ -54,10 +54,9 @@ def _scrape(cluster: ClusterThread) -> dict:
 def _spec_totals(cluster: ClusterThread, method: str) -> tuple[int, int]:
     emitted = steps = 0
     for s in cluster.stats():
-        c = s.get("spec", {}).get(method)
-        if c:
-            emitted += c["emitted"]
-            steps += c["steps"]
+        c = s.spec_of(method)
+        emitted += c.emitted
+        steps += c.steps
     return emitted, steps
 
 
@@ -85,16 +84,16 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
         # A salt per round: no prefix hits on the decode worker, so every request is handed off.
         results = {m: _serve_one_by_one(pd, speculative=m, cache_salt=m) for m in methods}
         stats = pd.wait_idle()
-        assert all(s["blocks_used"] == 0 for s in stats), stats
-        decode = next(s for s in stats if s["role"] == "decode")
-        assert decode["handoff_done"] == len(methods) * len(PROMPTS) and decode["handoff_failed"] == 0
+        assert all(s.blocks_used == 0 for s in stats), stats
+        decode = next(s for s in stats if s.role == "decode")
+        assert decode.handoff.done == len(methods) * len(PROMPTS) and decode.handoff.failed == 0
         time.sleep(0.6)   # one stats poll
         scraped = _scrape(pd)
         for method in methods:
-            counts = decode["spec"][method]
+            counts = decode.spec_of(method)
             for name, key in (("draft_tokens", "drafted"), ("accepted_tokens", "accepted"),
                               ("verify_steps", "steps"), ("emitted_tokens", "emitted")):
-                assert scraped[f"splitserve_spec_{name}_total", method] == counts[key] > 0
+                assert scraped[f"splitserve_spec_{name}_total", method] == getattr(counts, key) > 0
     finally:
         pd.stop()
     colo = ClusterThread(ClusterConfig(engine=_engine_config(configured), colocated=True, port=0))

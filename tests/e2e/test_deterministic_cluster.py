@@ -86,8 +86,8 @@ def test_1p1d_concurrent_requests_equal_generate(reference):
     finally:
         pd.stop()
     assert _mismatches(got, reference) == []
-    decode = next(s for s in stats if s["role"] == "decode")
-    assert decode["handoff_done"] == len(PROMPTS) and decode["handoff_failed"] == 0
+    decode = next(s for s in stats if s.role == "decode")
+    assert decode.handoff.done == len(PROMPTS) and decode.handoff.failed == 0
 
 
 def test_colocated_ngram_concurrent_requests_equal_generate(reference):
@@ -98,4 +98,4 @@ def test_colocated_ngram_concurrent_requests_equal_generate(reference):
     finally:
         colo.stop()
     assert _mismatches(got, reference) == []
-    assert sum(s.get("spec", {}).get("ngram", {}).get("steps", 0) for s in stats) > 0, "no verification ran"
+    assert sum(s.spec_of("ngram").steps for s in stats) > 0, "no verification ran"

@@ -117,7 +117,7 @@ def _wait_routable(c: ClusterThread, timeout=90.0) -> None:
 
 
 def _kill(c: ClusterThread, name: str) -> int:
-    pid = next(s["pid"] for s in c.stats() if s["name"] == name)
+    pid = next(s.pid for s in c.stats() if s.name == name)
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -214,9 +214,9 @@ def test_a_restarted_worker_rejoins_as_a_new_incarnation_and_takes_work(cluster,
     while router.health["decode-1"].incarnation == old or not router.views["decode-1"].healthy:
         assert time.monotonic() < limit, router.health["decode-1"]
         time.sleep(0.1)
-    before = {s["name"]: s["handoff_done"] + s["queue_count"] for s in cluster.stats() if s["role"] == "decode"}
+    before = {s.name: s.handoff.done + s.queue_count for s in cluster.stats() if s.role == "decode"}
     prompts = _prompts(16, [12, 20, 28, 16], seed=61)
     outs = _concurrent(cluster.target, prompts, max_tokens=6, ignore_eos=True)
     assert [list(o.token_ids) for o in outs] == reference(prompts, max_tokens=6, ignore_eos=True)
-    after = {s["name"]: s["handoff_done"] + s["queue_count"] for s in cluster.wait_idle() if s["role"] == "decode"}
+    after = {s.name: s.handoff.done + s.queue_count for s in cluster.wait_idle() if s.role == "decode"}
     assert after["decode-1"] > before["decode-1"], (before, after)

@@ -47,7 +47,7 @@ def _served_by(cluster) -> list[float]:
 
 
 def _handoffs(cluster) -> dict[str, int]:
-    return {s["name"]: s["handoff_done"] for s in cluster.stats() if s["role"] == "decode"}
+    return {s.name: s.handoff.done for s in cluster.stats() if s.role == "decode"}
 
 
 def test_both_frontends_serve_the_same_tokens_as_one_engine(cluster, tiny_model_dir):
@@ -61,7 +61,7 @@ def test_both_frontends_serve_the_same_tokens_as_one_engine(cluster, tiny_model_
         client.close()
     assert outs == [list(r.token_ids) for r in ref] * 2
     assert all(n > 0 for n in _served_by(cluster)), _served_by(cluster)
-    assert all(s["blocks_used"] == 0 for s in cluster.wait_idle())
+    assert all(s.blocks_used == 0 for s in cluster.wait_idle())
 
 
 def test_the_http_api_is_served_by_both_frontends_on_one_port(cluster):
@@ -82,7 +82,7 @@ def test_the_http_api_is_served_by_both_frontends_on_one_port(cluster):
     assert got == want * 3
     after = _served_by(cluster)
     assert sum(after) - sum(before) == 9
-    assert all(s["blocks_used"] == 0 for s in cluster.wait_idle())
+    assert all(s.blocks_used == 0 for s in cluster.wait_idle())
 
 
 def test_shared_prefix_lands_on_one_decode_worker_whichever_frontend(cluster):
@@ -128,7 +128,7 @@ def test_abort_reaches_the_owning_frontend_from_any(cluster):
     assert sum(len(m.token_ids) for m in got) < 190
     # Directly through each frontend's own Abort path: the non-owner passes it on.
     assert ray.get([f.abort_anywhere.remote("no-such-request") for f in cluster.cluster.frontends]) == [False, False]
-    assert all(s["blocks_used"] == 0 and s.get("leases", 0) == 0 for s in cluster.wait_idle())
+    assert all(s.blocks_used == 0 and s.leases == 0 for s in cluster.wait_idle())
 
 
 def test_one_scrape_covers_both_frontends(cluster):

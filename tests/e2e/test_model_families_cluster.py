@@ -39,5 +39,5 @@ def test_greedy_through_prefill_and_decode_workers(served, hf_reference):  # noq
         assert list(out.token_ids) == hf_reference(served.kind, prompt, MAX_TOKENS)[0], \
             f"{served.kind}: prompt of {len(prompt)} tokens"
     stats = served.wait_idle()
-    decode = next(s for s in stats if s["role"] == "decode")
-    assert decode["handoff_done"] >= len(prompts) and decode["handoff_failed"] == 0, decode
+    decode = next(s for s in stats if s.role == "decode")
+    assert decode.handoff.done >= len(prompts) and decode.handoff.failed == 0, decode

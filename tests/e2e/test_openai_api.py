@@ -73,7 +73,7 @@ def _model(served) -> str:
 
 
 def _prompt_tokens_computed(served) -> int:
-    return sum(s["prompt_tokens_computed"] for s in served.stats())
+    return sum(s.prompt_tokens_computed for s in served.stats())
 
 
 def _post(served, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
@@ -104,7 +104,7 @@ def test_completions_equal_the_engine_and_the_grpc_api(served, reference):
                                 extra_body={"speculative": "ngram", "num_speculative_tokens": 3, "ignore_eos": True})
     assert r2.choices[0].text == r.choices[0].text
     grpc.close()
-    assert all(s["blocks_used"] == 0 for s in served.wait_idle())
+    assert all(s.blocks_used == 0 for s in served.wait_idle())
 
 
 def test_streaming_sends_the_same_text_then_usage_and_done(served):
@@ -161,7 +161,7 @@ def test_n_samples_share_one_prefill_and_are_reproducible(served, reference):
     greedy = api.completions.create(model=model, prompt=prompt, n=2, max_tokens=12, temperature=0,
                                     extra_body={"return_token_ids": True})
     assert [c.token_ids for c in greedy.choices] == [reference(reference.engine.tokenize(prompt), 12)] * 2
-    assert all(s["blocks_used"] == 0 for s in served.wait_idle())
+    assert all(s.blocks_used == 0 for s in served.wait_idle())
 
 
 def test_logprobs_echo_and_stop_strings(served, reference):
@@ -248,7 +248,7 @@ def test_errors_have_openai_shapes_and_statuses(served):
     with pytest.raises(openai.BadRequestError) as e:    # 5 prompts x n=64: over one request's share
         api.completions.create(model=model, prompt=["a"] * 5, n=64, max_tokens=1)
     assert e.value.body["param"] == "prompt" and "--max-samples-per-request" in e.value.body["message"]
-    assert all(s["blocks_used"] == 0 for s in served.wait_idle())
+    assert all(s.blocks_used == 0 for s in served.wait_idle())
 
 
 def _send(served, body: dict) -> socket.socket:
@@ -261,7 +261,7 @@ def _send(served, body: dict) -> socket.socket:
 
 def _wait_running(served, timeout=30.0) -> None:
     limit = time.monotonic() + timeout
-    while not any(s["running"] for s in served.stats()):
+    while not any(s.running for s in served.stats()):
         assert time.monotonic() < limit, "the request never started"
         time.sleep(0.05)
 
@@ -270,21 +270,21 @@ def test_a_client_that_disconnects_stops_its_request_everywhere(served):
     model = _model(served)
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 250, "temperature": 0, "ignore_eos": True, "n": 2}
     for stream in (True, False):
-        steps = sum(s["steps"] for s in served.stats())
+        steps = sum(s.steps for s in served.stats())
         sock = _send(served, {**body, "stream": stream})
         if stream:
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")   # streaming has begun
         _wait_running(served)
         sock.close()
         stats = served.wait_idle(timeout=20)            # every block released, nothing left running
-        assert all(s["blocks_used"] == 0 and s["running"] == 0 for s in stats)
+        assert all(s.blocks_used == 0 and s.running == 0 for s in stats)
         admission = served.cluster.frontend.service.admission   # and every in-flight slot given back: the
         limit = time.monotonic() + 10                           # frontend does so once the worker's abort returns
         while admission.in_use and time.monotonic() < limit:
             time.sleep(0.05)
         assert admission.in_use == 0 and not admission.waiting
         # Stopped, not run to the end: 250 tokens would take at least 250 engine steps.
-        taken = sum(s["steps"] for s in stats) - steps
+        taken = sum(s.steps for s in stats) - steps
         assert taken < 150, taken
 
 

@@ -117,7 +117,7 @@ def test_another_tenants_abort_is_answered_as_an_unknown_id(served, pki):
                               metadata=(("authorization", f"Bearer {KEYS['beta']}"),))
     assert unknown.found is False                           # the same answer as for an unknown id
     time.sleep(0.2)
-    assert any(s["running"] for s in served.stats())      # alpha's request goes on
+    assert any(s.running for s in served.stats())      # alpha's request goes on
     own = alpha2.stub.Abort(pb.AbortRequest(request_id="alpha-req"),
                             metadata=(("authorization", f"Bearer {KEYS['alpha-2']}"),))
     assert own.found is True                                # a key of the same tenant may
@@ -179,7 +179,7 @@ def _notify(addr, sealer: Sealer, to: str, message: bytes) -> bool:
 
 
 def _refused(served, name: str) -> int:
-    return next(s["kv_refused"] for s in served.stats() if s["name"] == name)
+    return next(s.kv_refused for s in served.stats() if s.name == name)
 
 
 def test_forged_and_replayed_kv_messages_are_refused_and_change_nothing(served, pki):

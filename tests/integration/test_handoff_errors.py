@@ -13,6 +13,7 @@ from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, WorkerCon
 from cluster.errors import RequestError, WorkerBusy
 from cluster.token_stream import TokenReceiver
 from cluster.types import SamplingParams
+from cluster.worker_messages import DecodeCall, GenerateCall, PrefillCall
 from decode.worker import DecodeWorker
 from prefill.worker import PrefillWorker
 
@@ -43,7 +44,7 @@ async def _connect(prefill, decode) -> TokenReceiver:
 async def _released(prefill, timeout=2.0) -> bool:
     limit = time.monotonic() + timeout
     while time.monotonic() < limit:
-        if prefill.stats()["leases"] == 0 and prefill.stats()["blocks_used"] == 0:
+        if prefill.stats().leases == 0 and prefill.stats().blocks_used == 0:
             return True
         await asyncio.sleep(0.01)
     return False
@@ -60,14 +61,14 @@ def test_a_full_decode_worker_declines_at_once_and_the_producer_releases(pair):
         receiver = await _connect(prefill, decode)
         try:
             held = await decode.loop.acall(lambda e: e.pool.allocate(e.pool.num_blocks))   # a full pool
-            result = await prefill.prefill("r1", PROMPT, SAMPLING)
-            assert prefill.stats()["leases"] == 1
+            result = await prefill.prefill(PrefillCall("r1", PROMPT, SAMPLING))
+            assert prefill.stats().leases == 1
             key, _ = receiver.open("r1")
             with pytest.raises(WorkerBusy, match="no room for a 10-block handoff"):
-                await decode.decode("r1", PROMPT, SAMPLING, result.handle, receiver.address, key)
+                await decode.decode(DecodeCall("r1", PROMPT, SAMPLING, result.handle, receiver.address, key))
             # Told at once: the pins go long before the 30 s lease would have run out.
             assert await _released(prefill), prefill.stats()
-            assert decode.stats()["handoff_declined"] == 1 and decode.stats()["handoff_failed"] == 0
+            assert decode.stats().handoff.declined == 1 and decode.stats().handoff.failed == 0
             await decode.loop.acall(lambda e: e.pool.free(reversed(held)))
             await decode.loop.acall(lambda e: e.pool.check_idle())
         finally:
@@ -85,10 +86,10 @@ def test_a_handoff_that_fails_between_pull_and_batch_frees_its_blocks(pair, monk
     async def go():
         receiver = await _connect(prefill, decode)
         try:
-            result = await prefill.prefill("r2", PROMPT, SAMPLING)
+            result = await prefill.prefill(PrefillCall("r2", PROMPT, SAMPLING))
             key, _ = receiver.open("r2")
             with pytest.raises(RequestError, match="cannot continue"):
-                await decode.decode("r2", PROMPT, SAMPLING, result.handle, receiver.address, key)
+                await decode.decode(DecodeCall("r2", PROMPT, SAMPLING, result.handle, receiver.address, key))
             await decode.loop.acall(lambda e: e.pool.check_idle())
             assert await _released(prefill)
         finally:
@@ -104,10 +105,10 @@ def test_a_bad_request_is_typed_as_the_requests_fault(pair):
         try:
             key, _ = receiver.open("r3")
             with pytest.raises(RequestError, match="token ids must be in"):
-                await decode.generate("r3", [1, 10_000], SAMPLING, receiver.address, key)
+                await decode.generate(GenerateCall("r3", [1, 10_000], SAMPLING, receiver.address, key))
             with pytest.raises(RequestError, match="token ids must be in"):
-                await prefill.prefill("r4", [1, 10_000], SAMPLING)
-            assert decode.stats()["ready"] is False            # not handshaken by a driver: no work for it yet
+                await prefill.prefill(PrefillCall("r4", [1, 10_000], SAMPLING))
+            assert decode.stats().ready is False            # not handshaken by a driver: no work for it yet
         finally:
             await receiver.stop()
     asyncio.run(go())

@@ -3,6 +3,7 @@ import asyncio
 
 import pytest
 
+from cluster.worker_messages import WorkerStats
 from router.health import Change, Liveness, WorkerHealth, is_actor_death
 
 
@@ -14,8 +15,8 @@ class Clock:
         return self.now
 
 
-def _stats(inc="a", ready=True, steps=0, has_work=False):
-    return {"incarnation": inc, "ready": ready, "steps": steps, "has_work": has_work}
+def _stats(inc="a", ready=True, steps=0, has_work=False, **load):
+    return WorkerStats(name="d0", role="decode", incarnation=inc, ready=ready, steps=steps, has_work=has_work, **load)
 
 
 def test_a_worker_is_ready_only_once_it_says_so_and_a_restart_is_a_new_incarnation():
@@ -82,7 +83,7 @@ def test_the_router_keeps_routing_to_a_worker_whose_call_failed_without_dying(ex
 
     async def go():
         r = Router(RouterConfig(), make_policy("least_loaded"), {}, {"d0": None}, receiver=None)
-        r.worker_polled("d0", {"name": "d0", **_stats(), "blocks_free": 8, "blocks_total": 8})
+        r.worker_polled("d0", _stats(blocks_free=8, blocks_total=8))
         assert r.views["d0"].healthy
         r.worker_failed("d0", exc)
         assert r.views["d0"].healthy

@@ -183,7 +183,7 @@ def test_the_token_listener_drops_bad_peers_and_keeps_serving():
     """A frontend's token listener (deltas from workers): random bytes, a huge length, a wrong
     hello secret and a bad record each close that connection; a real worker's frames still arrive."""
     import asyncio
-    from cluster.token_stream import TokenReceiver, TokenSender, encode_step
+    from cluster.token_stream import STREAM_VERSION, StreamBroken, TokenReceiver, TokenSender, encode_step
     from cluster.types import TokenDelta
 
     async def go():
@@ -191,7 +191,7 @@ def test_the_token_listener_drops_bad_peers_and_keeps_serving():
         address = await receiver.start()
         rng = random.Random(4)
         hostile = [rng.randbytes(200), struct.pack(">I", 1 << 30) + b"x" * 100,
-                   _frame([1, "hello", "w", b"wrong-secret"]), _frame([1, "step", []])]
+                   _frame([STREAM_VERSION, "hello", ["w", b"wrong-secret"]]), _frame([STREAM_VERSION, "step", []])]
         for data in hostile:
             r, w = await asyncio.open_connection(address.host, address.port)
             w.write(data)
@@ -203,9 +203,11 @@ def test_the_token_listener_drops_bad_peers_and_keeps_serving():
         await asyncio.to_thread(sender.send, address, encode_step([(key, TokenDelta("req", (5,), "x"))]))
         items = await asyncio.wait_for(queue.take(), 5)
         assert items[0].token_ids == (5,)
-        sender.send(address, _frame([1, "step", [[key, "not-a-list", 3, "bogus", None, 0, 0, 0]]]))
+        sender.send(address, _frame([STREAM_VERSION, "step", [[key, "not-a-list", 3, "bogus", None, 0, 0, 0, None]]]))
+        broken = await asyncio.wait_for(queue.take(), 5)             # its stream fails at once, not at a timeout
+        assert isinstance(broken[0], StreamBroken) and "token_ids" in str(broken[0])
         await asyncio.sleep(0.2)                                     # a bad record drops that connection only
-        assert len(receiver.connections) == 0
+        assert len(receiver.connections) == 0 and receiver.refused == len(hostile) + 1
         sender.close()
         await receiver.stop()
     asyncio.run(go())

@@ -1,0 +1,201 @@
+"""The messages of the worker calls: what the router sends a worker (Ray control and data calls)
+and what comes back. Frozen, typed and checked on construction, so a wrong shape fails where it is
+built, not three processes later; each result carries a version its reader checks.
+
+Reading order: the calls (`PrefillCall`, `GenerateCall`, `DecodeCall`, their `forks` being
+`cluster.types.Fork`), the prefill outcome (`PrefillResult`), the stats a worker answers a poll
+with (`WorkerStats`, with its role's parts as typed sub-records). Deltas do not travel here: they
+go over the token stream (`cluster/token_stream.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.token_stream import SinkAddress
+from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta, TokenLogprob
+
+WORKER_STATS_VERSION = 1
+PREFILL_RESULT_VERSION = 1
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_call(call) -> None:
+    """What every call shares: a request id, token ids as a tuple, sampling and typed forks."""
+    _need(isinstance(call.request_id, str) and call.request_id != "", f"{type(call).__name__}.request_id: a string")
+    object.__setattr__(call, "prompt_ids", tuple(call.prompt_ids))
+    _need(isinstance(call.sampling, SamplingParams), f"{type(call).__name__}.sampling: a SamplingParams")
+    object.__setattr__(call, "forks", tuple(call.forks))
+    _need(all(isinstance(f, Fork) for f in call.forks), f"{type(call).__name__}.forks: Fork records")
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """Prefill a prompt and publish its KV. `forks` (request id, sampling): more samples of this
+    prompt, computed once, each with its own first token, all continued from one handle."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    forks: tuple[Fork, ...] = ()
+
+    def __post_init__(self):
+        _check_call(self)
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """Both phases on a decode worker (colocated, or a prompt not worth a handoff); deltas go to
+    `sink` under `key`. `resume_samples`: the request continues one that already sampled this many
+    tokens elsewhere (a failover). `forks` (request id, sampling, stream key): more samples."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    sink: SinkAddress
+    key: int
+    resume_samples: int = 0
+    forks: tuple[Fork, ...] = ()
+
+    def __post_init__(self):
+        _check_call(self)
+        _need(isinstance(self.sink, SinkAddress), "GenerateCall.sink: a SinkAddress")
+        _need(all(f.stream_key is not None for f in self.forks), "GenerateCall.forks: each with its stream key")
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """Continue a request prefilled elsewhere from its KV `handle` (a msgpack `KVHandle`).
+    `first_token`: this request's (None: the handle's); `forks` (request id, sampling, first token,
+    stream key): more samples continued on the same pulled blocks. `sent_at`: for handoff timings."""
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    handle: bytes
+    sink: SinkAddress
+    key: int
+    sent_at: float = 0.0
+    first_token: int | None = None
+    forks: tuple[Fork, ...] = ()
+
+    def __post_init__(self):
+        _check_call(self)
+        _need(isinstance(self.handle, bytes), "DecodeCall.handle: bytes (an encoded KVHandle)")
+        _need(isinstance(self.sink, SinkAddress), "DecodeCall.sink: a SinkAddress")
+        _need(all(f.first_token is not None and f.stream_key is not None for f in self.forks),
+              "DecodeCall.forks: each with its first token and stream key")
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill answers: the first token (and its text, logprobs, counts), why the request
+    ended there if it did, and the KV handle a decode worker continues from otherwise."""
+    request_id: str
+    first_token: int                       # -1: none (the request ended before it)
+    text: str
+    finish_reason: FinishReason | None     # set when the request ends with its first token
+    handle: bytes | None                   # KVHandle (msgpack) when a decode worker must continue
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    # n > 1: the other samples' first tokens, drawn from the same prompt logits (finish_reason
+    # None: it continues on the decode worker, on the same handle).
+    forks: tuple[TokenDelta, ...] = ()
+    version: int = PREFILL_RESULT_VERSION
+
+    def first_deltas(self, fork_ids: tuple[str, ...] = ()) -> dict[str, TokenDelta]:
+        """The first delta of the request and of each fork, by request id, as the client sees them."""
+        tokens = (self.first_token,) if self.first_token >= 0 else ()
+        firsts = {self.request_id: TokenDelta(self.request_id, tokens, self.text, self.finish_reason, self.logprobs,
+                                              self.num_prompt_tokens, 1, self.num_cached_tokens,
+                                              self.prompt_logprobs)}
+        firsts |= {d.request_id: d for d in self.forks}
+        for rid in fork_ids:       # ended with the request before its first token (an abort)
+            firsts.setdefault(rid, TokenDelta(rid, (), "", self.finish_reason or FinishReason.ABORT, (),
+                                              self.num_prompt_tokens))
+        return firsts
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """One speculative method's counts on one worker."""
+    method: str
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    emitted: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    leases: int = 0                 # published handles not yet pulled (their blocks pinned)
+
+
+@dataclass(frozen=True)
+class HandoffStats:
+    """A decode worker's handoffs: pulled, failed (recomputed here), declined (no room)."""
+    done: int = 0
+    failed: int = 0
+    declined: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's answer to a stats poll: its health (incarnation, readiness, step counter), its
+    load (KV blocks, queues) and counters for the metrics. Role-specific parts are None elsewhere."""
+    name: str
+    role: str                       # "prefill" | "decode"
+    incarnation: str
+    ready: bool
+    pid: int = 0
+    steps: int = 0                  # engine steps that did work (the progress watchdog reads it)
+    has_work: bool = False
+    blocks_used: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+    block_size: int = 0
+    waiting: int = 0
+    running: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prompt_tokens_computed: int = 0
+    kv_refused: int = 0
+    kv_discarded: int = 0
+    queue_seconds: float = 0.0
+    queue_count: int = 0
+    spec: tuple[SpecStats, ...] = ()
+    prefill: PrefillStats | None = None
+    handoff: HandoffStats | None = None
+    version: int = WORKER_STATS_VERSION
+
+    @property
+    def leases(self) -> int:
+        return self.prefill.leases if self.prefill is not None else 0
+
+    def spec_of(self, method: str) -> SpecStats:
+        """One speculative method's counts here (zeros when it never ran here)."""
+        return next((c for c in self.spec if c.method == method), SpecStats(method))
+
+    @property
+    def busy(self) -> bool:
+        """Anything in flight: queued, running, blocks held or leases out."""
+        return bool(self.running or self.waiting or self.blocks_used or self.leases)
+
+
+class MessageRefused(ValueError):
+    """A worker's answer of the wrong type or version (a worker of another release in the cluster)."""
+
+
+def expect(message, cls):
+    """`message` if it is a `cls` of the version this side reads; else `MessageRefused`, never a
+    read of fields that may mean something else."""
+    if not isinstance(message, cls):
+        raise MessageRefused(f"expected a {cls.__name__}, got {type(message).__name__}")
+    want = cls.__dataclass_fields__["version"].default
+    if message.version != want:
+        raise MessageRefused(f"a {cls.__name__} of version {message.version!r}; this side reads version {want}")
+    return message

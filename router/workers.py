@@ -1,0 +1,116 @@
+"""The router's side of the worker actors: one typed client per worker, and the stats poll.
+
+Every call is a typed method taking and returning the frozen messages of
+`cluster/worker_messages.py`: no method names as strings, no positional argument lists. Data calls
+(`prefill`, `generate`, `decode`) run in the actor's default concurrency group; control calls
+(`abort`, `stats`, the handshake) in its "control" group, so that they never queue behind the
+streams. What comes back is checked for its type and version (`expect`) before it is read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from cluster.worker_messages import DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
+    WorkerStats, expect
+
+log = logging.getLogger(__name__)
+
+CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
+
+
+class WorkerClient:
+    """One worker actor (a prefill or decode worker) as the router and the driver call it."""
+
+    def __init__(self, name: str, handle):
+        self.name = name
+        self.handle = handle
+
+    def _control(self, method):
+        return method.options(concurrency_group=CONTROL)
+
+    # --- data calls ------------------------------------------------------------------------------
+    async def prefill(self, call: PrefillCall) -> PrefillResult:
+        return expect(await self.handle.prefill.remote(call), PrefillResult)
+
+    def generate(self, call: GenerateCall):
+        """Start a streamed request; its deltas come over the token stream. The returned ref
+        resolves when it ends (with its `FinishReason`), or raises if the worker dies."""
+        return self.handle.generate.remote(call)
+
+    def decode(self, call: DecodeCall):
+        """Start the decode of a handed-off request (as `generate`)."""
+        return self.handle.decode.remote(call)
+
+    # --- control calls ---------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        await self._control(self.handle.abort).remote(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return expect(await self._control(self.handle.stats).remote(), WorkerStats)
+
+    async def metadata(self) -> bytes:
+        return await self._control(self.handle.metadata).remote()
+
+    async def add_peer(self, metadata: bytes) -> str:
+        return await self._control(self.handle.add_peer).remote(metadata)
+
+    async def set_ready(self, incarnation: str) -> bool:
+        return await self._control(self.handle.set_ready).remote(incarnation)
+
+
+async def poll_workers(clients: dict, timeout_s: float) -> dict:
+    """Every worker's stats at once (one slow worker delays no other): name -> `WorkerStats`, or
+    the exception its call raised (a timeout is `TimeoutError`: slow, not dead; stats of another
+    version are `MessageRefused`: logged, never read)."""
+    async def one(name, client):
+        try:
+            return await asyncio.wait_for(client.stats(), timeout=timeout_s)
+        except MessageRefused as exc:
+            log.warning("worker %s: stats refused (%s)", name, exc)
+            return exc
+        except Exception as exc:  # noqa: BLE001 - judged by the caller (router.worker_failed)
+            return exc
+    results = await asyncio.gather(*(one(n, c) for n, c in clients.items()))
+    return dict(zip(clients, results))
+
+
+def apply_poll(router, results: dict) -> list[WorkerStats]:
+    """Feed one poll round to a router's health and routing views; returns the stats that came."""
+    got = []
+    for name, result in results.items():
+        if isinstance(result, BaseException):
+            router.worker_failed(name, result)
+        else:
+            router.worker_polled(name, result)
+            got.append(result)
+    return got
+
+
+class StatsCadence:
+    """How often to poll the workers' stats: fast while the cluster has work (or had it in the last
+    `linger_s`), slowly when idle. Routing needs fresh load figures under load; an idle cluster
+    should not wake every worker (and Ray's io threads) several times a second for nothing."""
+
+    def __init__(self, busy_s: float = 0.25, idle_s: float = 2.0, linger_s: float = 5.0):
+        self.busy_s, self.idle_s, self.linger_s = busy_s, idle_s, linger_s
+        self.last_busy = time.monotonic()
+
+    async def sleep(self, stats: list[WorkerStats], router=None) -> None:
+        """Sleep until the next poll is due, or until `router` takes a new request."""
+        period = self.next(stats, router.in_flight if router is not None else 0)
+        if router is None:
+            await asyncio.sleep(period)
+            return
+        router.activity.clear()
+        try:
+            await asyncio.wait_for(router.activity.wait(), timeout=period)
+        except asyncio.TimeoutError:
+            pass
+
+    def next(self, stats: list[WorkerStats], in_flight: int = 0) -> float:
+        now = time.monotonic()
+        if in_flight or any(s.busy for s in stats):
+            self.last_busy = now
+        return self.busy_s if now - self.last_busy < self.linger_s else self.idle_s
