@@ -8,12 +8,13 @@ prefix, a client without a certificate, a Ray client without the token, and a se
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -78,6 +79,15 @@ def pki(tmp_path_factory):
     return _pki(tmp_path_factory.mktemp("pki"))
 
 
+def _long_context(model_dir, out):
+    """The tiny llama with a 4,096-token context: a request that must still run while the test
+    makes its calls gets thousands of tokens to go (the tiny model decodes hundreds in that time)."""
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory, pki):
     d = tmp_path_factory.mktemp("secrets")
@@ -86,8 +96,8 @@ def served(tiny_model_dir, tmp_path_factory, pki):
     secret.write_text(SECRET)
     for f in (keys, secret):
         f.chmod(0o600)
-    engine = EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, kernels="torch",
-                          cache=CacheConfig(block_size=4, num_blocks=128))
+    engine = EngineConfig(model=_long_context(tiny_model_dir("llama"), d / "model"), dtype="float32",
+                          num_threads=1, kernels="torch", cache=CacheConfig(block_size=4, num_blocks=1100))
     c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
                                     http_port=0, router=RouterConfig(local_prefill_max_tokens=4),
                                     api_keys=read_api_key_file(keys), cluster_secret=read_secret_file(secret),
@@ -108,15 +118,15 @@ def _client(served, pki, key: str, cert: str | None = "client") -> Client:
 def test_another_tenants_abort_is_answered_as_an_unknown_id(served, pki):
     from proto.splitserve.v1 import inference_pb2 as pb
     alpha, alpha2, beta = (_client(served, pki, k) for k in ("alpha-1", "alpha-2", "beta"))
-    stream = alpha.stream(PROMPT[:20], request_id="alpha-req", max_tokens=200, ignore_eos=True)
-    first = next(stream)
+    stream = alpha.stream(PROMPT[:20], request_id="alpha-req", max_tokens=4000, ignore_eos=True)
+    first = next(stream)            # from the prefill worker
     assert first.token_ids
+    next(stream)                    # from the decode worker: the request has joined its batch
     found = beta.stub.Abort(pb.AbortRequest(request_id="alpha-req"), metadata=(("authorization", f"Bearer {KEYS['beta']}"),))
     assert found.found is False
     unknown = beta.stub.Abort(pb.AbortRequest(request_id="no-such-request"),
                               metadata=(("authorization", f"Bearer {KEYS['beta']}"),))
     assert unknown.found is False                           # the same answer as for an unknown id
-    time.sleep(0.2)
     assert any(s.running for s in served.stats())      # alpha's request goes on
     own = alpha2.stub.Abort(pb.AbortRequest(request_id="alpha-req"),
                             metadata=(("authorization", f"Bearer {KEYS['alpha-2']}"),))
