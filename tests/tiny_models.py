@@ -134,3 +134,15 @@ def make_chat_model(out_dir: Path, kind: str = "llama") -> Path:
     config["chat_template"] = CHATML_TEMPLATE
     config_path.write_text(json.dumps(config))
     return out_dir
+
+
+def long_context_copy(model_dir: Path, out_dir: Path, max_positions: int = 4096) -> Path:
+    """A copy of a tiny checkpoint with a longer context (the llama kind's RoPE does not depend on
+    it: same weights, same tokens). For tests where a request must still run while the test acts on
+    it: the tiny model decodes hundreds of tokens in the time a few calls take."""
+    import shutil
+    out_dir = Path(out_dir)
+    shutil.copytree(model_dir, out_dir)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max_positions}))
+    return out_dir

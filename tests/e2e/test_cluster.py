@@ -16,6 +16,7 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
+from tiny_models import long_context_copy
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 
@@ -243,18 +244,20 @@ def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
         c.stop()
 
 
-def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, reference):
+def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path):
     import ray
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
-                                    data_plane=DataPlaneConfig(transport="nixl"), port=0,
+    # 3,000 tokens to go when the kill is sent: the request cannot end before the worker dies.
+    engine = dataclasses.replace(_engine_config(long_context_copy(tiny_model_dir("llama"), tmp_path / "model")),
+                     cache=CacheConfig(block_size=4, num_blocks=1024))
+    prompt = _prompts(1, seed=8)[0]
+    ref = list(LLMEngine(engine).generate([prompt], SamplingParams(max_tokens=3000, ignore_eos=True))[0].token_ids)
+    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                     num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
-                                    max_tokens_limit=240))
+                                    max_tokens_limit=3000))
     try:
         client = Client(c.target)
-        prompt = _prompts(1, seed=8)[0]
-        ref = reference([prompt], SamplingParams(max_tokens=200, ignore_eos=True))[0]
         tokens, killed = [], None
-        for msg in client.stream(prompt, max_tokens=200, ignore_eos=True):
+        for msg in client.stream(prompt, max_tokens=3000, ignore_eos=True):
             tokens.extend(msg.token_ids)
             if killed is None and len(tokens) >= 5:
                 busy = [n for n, v in c.cluster.router.views.items() if v.role == "decode" and v.in_flight]

@@ -8,9 +8,7 @@ prefix, a client without a certificate, a Ray client without the token, and a se
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -34,6 +32,7 @@ from cluster.transfer.base import PeerMetadata
 from cluster.transfer.messages import Kind, Message
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
+from tiny_models import long_context_copy
 from router.client import Client
 
 KEYS = {"alpha-1": "sk-alpha-one-0123456789", "alpha-2": "sk-alpha-two-0123456789",
@@ -79,15 +78,6 @@ def pki(tmp_path_factory):
     return _pki(tmp_path_factory.mktemp("pki"))
 
 
-def _long_context(model_dir, out):
-    """The tiny llama with a 4,096-token context: a request that must still run while the test
-    makes its calls gets thousands of tokens to go (the tiny model decodes hundreds in that time)."""
-    shutil.copytree(model_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory, pki):
     d = tmp_path_factory.mktemp("secrets")
@@ -96,7 +86,7 @@ def served(tiny_model_dir, tmp_path_factory, pki):
     secret.write_text(SECRET)
     for f in (keys, secret):
         f.chmod(0o600)
-    engine = EngineConfig(model=_long_context(tiny_model_dir("llama"), d / "model"), dtype="float32",
+    engine = EngineConfig(model=long_context_copy(tiny_model_dir("llama"), d / "model"), dtype="float32",
                           num_threads=1, kernels="torch", cache=CacheConfig(block_size=4, num_blocks=1100))
     c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
                                     http_port=0, router=RouterConfig(local_prefill_max_tokens=4),
