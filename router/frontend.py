@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
-from router.router import RouterConfig
+from router.router_config import RouterConfig
 from router.workers import StatsCadence, WorkerClient, apply_poll, poll_workers
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from router.connections import ConnectionLimits, guarded_h11
 from router.offload import Offload, batch_tokenize
 from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
     parse_completion, samples_needed, usage
-from router.router import merge_streams
+from router.attempts import merge_streams
 from router.validation import clip
 
 log = logging.getLogger(__name__)
