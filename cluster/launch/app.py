@@ -272,7 +272,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     await _first_bring_up(workers, roster, metas, frontend, actors)
     supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roster, metas,
                                                   metrics, fcfg.poll_timeout_s))
-    metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host) if cfg.metrics_port is not None else None
+    metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+                      if cfg.metrics_port is not None else None)
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
