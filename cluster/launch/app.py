@@ -122,10 +122,10 @@ def ray_environment(joining: bool = False, token_file: str | None = None) -> Non
 @dataclass
 class RunningCluster:
     config: ClusterConfig
-    frontend: object            # the in-process frontend (router/frontend.py); None with --frontends N > 1
-    frontends: list             # actor frontends (with --frontends N > 1)
+    frontend: Frontend | None   # the in-process frontend; None with --frontends N > 1
+    frontends: list             # actor frontends' handles (with --frontends N > 1)
     port: int
-    workers: dict
+    workers: dict[str, WorkerClient]
     started_ray: bool
     supervisor: object
     metrics: object = None
@@ -170,7 +170,7 @@ class RunningCluster:
 PEER_CALL_S = 5.0       # a live peer answers a control call within this; one that does not is skipped
 
 
-async def _handshake(name: str, workers: dict, roster: WorkerRoster, metas: dict,
+async def _handshake(name: str, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
                      alive: set | None = None) -> list[str]:
     """(Re)connect one worker with every worker of the other role: transport metadata both ways,
     each peer's fetched afresh (a worker restarted by Ray comes back with a new agent; `metas`
@@ -204,7 +204,7 @@ async def _handshake(name: str, workers: dict, roster: WorkerRoster, metas: dict
     return skipped
 
 
-async def _bring_up(name: str, incarnation: str | None, workers: dict, roster: WorkerRoster, metas: dict,
+async def _bring_up(name: str, incarnation: str | None, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
                     peers: set, unpaired: dict) -> None:
     """Handshake `name` with `peers` (the live ones), remember those it could not reach
     (`unpaired`, retried while both live), and, for a worker that is not ready yet (just started,
@@ -222,7 +222,7 @@ async def _bring_up(name: str, incarnation: str | None, workers: dict, roster: W
         log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
-async def _supervise(router, workers: dict, roster: WorkerRoster, metas: dict, metrics,
+async def _supervise(router, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict, metrics,
                      timeout_s: float = 5.0) -> None:
     """Polls the workers' stats (all at once, in their control group): metrics, the bring-up of
     restarted workers, and the routing view of the in-process frontend (`router`; None when the
