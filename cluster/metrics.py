@@ -9,81 +9,106 @@ through a collector, each labelled by worker, so one scrape target covers the wh
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-from cluster.worker_messages import WorkerStats
+from cluster.worker_messages import WorkerStats, expect
 
 PREFIX = "splitserve_"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+SAMPLES_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One value of a metric family, with its labels (sorted by name)."""
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class SampleFamily:
+    """One metric family's samples as a frontend process sends them to the driver, which sums the
+    frontends' at scrape time (`--frontends N`)."""
+    name: str
+    type: str
+    documentation: str
+    samples: tuple[Sample, ...]
+    version: int = SAMPLES_VERSION
+
+
+# The workers' series: (name without the prefix, help, the `WorkerStats` field it reads).
+_ROLE_GAUGES = (
+    ("kv_cache_blocks_in_use", "KV blocks held by requests (cached but unreferenced blocks count as free)",
+     "blocks_used"),
+    ("kv_cache_blocks", "KV blocks in the pool", "blocks_total"),
+    ("num_requests_running", "requests in the running batch", "running"),
+    ("num_requests_waiting", "requests queued", "waiting"),
+)
+_ROLE_COUNTERS = (
+    ("prefix_cache_queries", "prompt blocks looked up in the prefix cache", "prefix_queries"),
+    ("prefix_cache_hits", "prompt blocks found in the prefix cache", "prefix_hits"),
+    ("prompt_tokens_computed", "prompt tokens run through the model (prefix-cache hits, transferred KV and the "
+                               "shared prompt of n > 1 samples are not)", "prompt_tokens_computed"),
+)
+_DISCARDED = ("kv_discarded", "handed-off requests whose transferred KV was freed to be recomputed (KV pressure)",
+              "kv_discarded")
+# A decode worker's handoffs (`WorkerStats.handoff`, a `HandoffStats`), labelled by transport.
+_HANDOFF_COUNTERS = (
+    ("kv_transfer_bytes", "KV bytes received by handoff", "bytes"),
+    ("kv_transfer_seconds", "time spent in KV handoffs (read, verify, ack)", "seconds"),
+    ("kv_transfers", "KV handoffs completed", "done"),
+    ("kv_transfer_failures", "KV handoffs that failed (recomputed locally)", "failed"),
+    ("kv_transfers_declined", "KV handoffs a full decode worker declined (continued elsewhere or later)", "declined"),
+)
+# Per speculative method (`WorkerStats.spec`, `SpecStats`).
+_SPEC_COUNTERS = (
+    ("spec_draft_tokens", "speculative tokens proposed", "drafted"),
+    ("spec_accepted_tokens", "speculative tokens accepted by verification", "accepted"),
+    ("spec_verify_steps", "verification passes (one per drafted sequence)", "steps"),
+    ("spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)", "emitted"),
+)
+
+
+def _families(kind, series, labels: list[str]) -> list[tuple]:
+    """(family, the field it reads) for each series of a table."""
+    return [(kind(PREFIX + name, text, labels=labels), field) for name, text, field in series]
+
+
 class _WorkerCollector:
+    """The workers' series, from each worker's last `WorkerStats`, labelled by worker."""
+
     def __init__(self, metrics: "ClusterMetrics"):
         self.metrics = metrics
 
     def collect(self):
-        stats = self.metrics.worker_stats
-        g_blocks = GaugeMetricFamily(PREFIX + "kv_cache_blocks_in_use",
-                                     "KV blocks held by requests (cached but unreferenced blocks count as free)",
-                                     labels=["worker", "role"])
-        g_total = GaugeMetricFamily(PREFIX + "kv_cache_blocks", "KV blocks in the pool", labels=["worker", "role"])
-        g_running = GaugeMetricFamily(PREFIX + "num_requests_running", "requests in the running batch",
-                                      labels=["worker", "role"])
-        g_waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "requests queued", labels=["worker", "role"])
-        c_queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "prompt blocks looked up in the prefix cache",
-                                        labels=["worker", "role"])
-        c_hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "prompt blocks found in the prefix cache",
-                                     labels=["worker", "role"])
-        c_bytes = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV bytes received by handoff",
-                                      labels=["worker", "transport"])
-        c_secs = CounterMetricFamily(PREFIX + "kv_transfer_seconds", "time spent in KV handoffs (read, verify, ack)",
-                                     labels=["worker", "transport"])
-        c_done = CounterMetricFamily(PREFIX + "kv_transfers", "KV handoffs completed",
-                                     labels=["worker", "transport"])
-        c_fail = CounterMetricFamily(PREFIX + "kv_transfer_failures", "KV handoffs that failed (recomputed locally)",
-                                     labels=["worker", "transport"])
-        c_declined = CounterMetricFamily(PREFIX + "kv_transfers_declined",
-                                         "KV handoffs a full decode worker declined (continued elsewhere or later)",
-                                         labels=["worker", "transport"])
-        c_discarded = CounterMetricFamily(PREFIX + "kv_discarded",
-                                          "handed-off requests whose transferred KV was freed to be recomputed "
-                                          "(KV pressure)", labels=["worker", "role"])
-        c_prompt = CounterMetricFamily(PREFIX + "prompt_tokens_computed",
-                                       "prompt tokens run through the model (prefix-cache hits, transferred KV and "
-                                       "the shared prompt of n > 1 samples are not)", labels=["worker", "role"])
+        by_role = [*_families(GaugeMetricFamily, _ROLE_GAUGES, ["worker", "role"]),
+                   *_families(CounterMetricFamily, _ROLE_COUNTERS, ["worker", "role"])]
+        discarded = _families(CounterMetricFamily, (_DISCARDED,), ["worker", "role"])
+        handoff = _families(CounterMetricFamily, _HANDOFF_COUNTERS, ["worker", "transport"])
+        spec = _families(CounterMetricFamily, _SPEC_COUNTERS, ["worker", "method"])
         queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
                                     "time requests waited for their first schedule", labels=["worker", "role"])
-        spec = {key: CounterMetricFamily(PREFIX + name, text, labels=["worker", "method"]) for key, name, text in (
-            ("drafted", "spec_draft_tokens", "speculative tokens proposed"),
-            ("accepted", "spec_accepted_tokens", "speculative tokens accepted by verification"),
-            ("steps", "spec_verify_steps", "verification passes (one per drafted sequence)"),
-            ("emitted", "spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)"))}
         transport = self.metrics.transport
-        for s in stats.values():
-            for counts in s.spec:
-                for key, family in spec.items():
-                    family.add_metric([s.name, counts.method], getattr(counts, key))
-            w, r = s.name, s.role
-            g_blocks.add_metric([w, r], s.blocks_used)
-            g_total.add_metric([w, r], s.blocks_total)
-            g_running.add_metric([w, r], s.running)
-            g_waiting.add_metric([w, r], s.waiting)
-            c_queries.add_metric([w, r], s.prefix_queries)
-            c_hits.add_metric([w, r], s.prefix_hits)
-            c_prompt.add_metric([w, r], s.prompt_tokens_computed)
-            queue.add_metric([w, r], count_value=s.queue_count, sum_value=s.queue_seconds)
-            c_discarded.add_metric([w, r], s.kv_discarded)
+        for s in self.metrics.worker_stats.values():
+            for family, field in (*by_role, *discarded):
+                family.add_metric([s.name, s.role], getattr(s, field))
+            queue.add_metric([s.name, s.role], count_value=s.queue_count, sum_value=s.queue_seconds)
             if s.handoff is not None:
-                c_declined.add_metric([w, transport], s.handoff.declined)
-                c_bytes.add_metric([w, transport], s.handoff.bytes)
-                c_secs.add_metric([w, transport], s.handoff.seconds)
-                c_done.add_metric([w, transport], s.handoff.done)
-                c_fail.add_metric([w, transport], s.handoff.failed)
-        yield from (g_blocks, g_total, g_running, g_waiting, c_queries, c_hits, c_prompt, queue, c_bytes, c_secs, c_done,
-                    c_fail, c_declined, c_discarded, *spec.values())
+                for family, field in handoff:
+                    family.add_metric([s.name, transport], getattr(s.handoff, field))
+            for counts in s.spec:
+                for family, field in spec:
+                    family.add_metric([s.name, counts.method], getattr(counts, field))
+        yield from (f for f, _ in by_role)
+        yield queue
+        yield from (f for f, _ in (*handoff, *discarded, *spec))
 
 
 class RequestTracker:
@@ -136,13 +161,13 @@ class _FrontendCollector:
     def collect(self):
         import ray  # noqa: PLC0415
         from prometheus_client.metrics_core import Metric  # noqa: PLC0415
-        merged: dict[str, tuple[str, str, dict]] = {}
+        merged: dict[str, tuple[str, str, dict]] = {}     # family -> (type, help, sample key -> sum)
         for families in ray.get([f.metric_samples.remote() for f in self.frontends], timeout=10):
-            for name, typ, doc, samples in families:
-                _, _, values = merged.setdefault(name, (typ, doc, {}))
-                for sample, labels, value in samples:
-                    k = (sample, tuple(sorted(labels.items())))
-                    values[k] = values.get(k, 0.0) + value
+            for family in families:
+                family = expect(family, SampleFamily)
+                _, _, values = merged.setdefault(family.name, (family.type, family.documentation, {}))
+                for s in family.samples:
+                    values[(s.name, s.labels)] = values.get((s.name, s.labels), 0.0) + s.value
         for name, (typ, doc, values) in merged.items():
             m = Metric(name, doc, typ)
             for (sample, labels), value in values.items():
@@ -184,11 +209,12 @@ class ClusterMetrics:
         self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot", registry=r)
         self._requests = r
 
-    def request_samples(self) -> list:
-        """The request series as plain data: (name, type, help, [(sample, labels, value)])."""
-        return [(f.name, f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples
-                                                   if not s.name.endswith("_created")])
-                for f in self._requests.collect()]
+    def request_samples(self) -> tuple[SampleFamily, ...]:
+        """The request series, for the driver's merged scrape."""
+        return tuple(SampleFamily(f.name, f.type, f.documentation,
+                                  tuple(Sample(s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples
+                                        if not s.name.endswith("_created")))
+                     for f in self._requests.collect())
 
     def track(self, request) -> RequestTracker:
         return RequestTracker(self, getattr(request, "tenant", ""))

@@ -106,6 +106,13 @@ class StreamError:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyedDelta:
+    """What a worker sends of one request in a step: its delta under the attempt's stream key."""
+    key: int
+    delta: TokenDelta
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorFrame:
     errors: tuple[StreamError, ...]
 
@@ -127,14 +134,18 @@ def encode_hello(worker_name: str, secret: bytes) -> bytes:
     return _frame("hello", [worker_name, secret])
 
 
-def encode_step(records: list[tuple[int, TokenDelta]]) -> bytes:
-    return _frame("step", [[key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "",
-                            _encode_logprobs(d.logprobs), d.num_prompt_tokens, d.num_output_tokens,
-                            d.num_cached_tokens, _encode_logprobs(d.prompt_logprobs)] for key, d in records])
+def encode_step(records: list[KeyedDelta]) -> bytes:
+    return _frame("step", [_step_record(r.key, r.delta) for r in records])
 
 
-def encode_errors(errors: list[tuple[int, str]]) -> bytes:
-    return _frame("error", [[k, m] for k, m in errors])
+def _step_record(key: int, d: TokenDelta) -> list:
+    return [key, list(d.token_ids), d.text, d.finish_reason.value if d.finish_reason else "",
+            _encode_logprobs(d.logprobs), d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens,
+            _encode_logprobs(d.prompt_logprobs)]
+
+
+def encode_errors(errors: list[StreamError]) -> bytes:
+    return _frame("error", [[e.key, e.message] for e in errors])
 
 
 def decode_frame(data: bytes) -> Frame:

@@ -14,15 +14,18 @@ import asyncio
 import gc
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
-from router.router import RouterConfig
-from router.workers import StatsCadence, WorkerClient, apply_poll, poll_workers
+from router.router_config import RouterConfig
+from router.validation import Limits
+from router.workers import StatsCadence, WorkerClient, WorkerRoster, apply_poll, poll_workers
 
 if TYPE_CHECKING:
+    from cluster.metrics import SampleFamily
     from router.server import ServerInfo
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ class FrontendConfig:
     settings are declared there and in the classes nested here, never restated."""
     name: str
     model_dir: str                  # the tokenizer is read from here
-    limits: object                  # router.validation.Limits
+    limits: Limits
     info: "ServerInfo"              # what the ServerInfo RPC answers
     router: RouterConfig
     transport: str                  # the KV transport (a metrics label)
@@ -45,7 +48,7 @@ class FrontendConfig:
     admission: AdmissionConfig
     connections: ConnectionLimits
     poll_timeout_s: float           # a poll slower than this is skipped (slow is not dead)
-    roles: dict                     # worker name -> "prefill" | "decode"
+    roster: WorkerRoster            # which worker plays which role
     api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
@@ -56,7 +59,8 @@ class FrontendConfig:
 
 
 class Frontend:
-    def __init__(self, cfg: FrontendConfig, handles: dict, metrics=None):
+    def __init__(self, cfg: FrontendConfig, handles: Mapping[str, object], metrics=None):
+        """`handles`: worker name -> its Ray actor handle."""
         self.cfg = cfg
         self.handles = handles
         self.metrics = metrics
@@ -77,8 +81,8 @@ class Frontend:
         if self.metrics is None:
             self.metrics = ClusterMetrics(cfg.transport, workers=False)
         clients = {n: WorkerClient(n, h) for n, h in self.handles.items()}
-        prefill = {n: c for n, c in clients.items() if cfg.roles[n] == "prefill"}
-        decode = {n: c for n, c in clients.items() if cfg.roles[n] == "decode"}
+        prefill = {n: clients[n] for n in cfg.roster.prefill}
+        decode = {n: clients[n] for n in cfg.roster.decode}
         receiver = TokenReceiver(cfg.name, host=cfg.stream_host)
         await receiver.start()
         self.router = Router(cfg.router, make_policy(cfg.policy), prefill, decode, receiver, metrics=self.metrics)
@@ -138,8 +142,8 @@ class Frontend:
                                      return_exceptions=True)
         return any(f is True for f in found)
 
-    def metric_samples(self) -> list:
-        """This frontend's request series, as plain data for the driver's merged scrape."""
+    def metric_samples(self) -> tuple[SampleFamily, ...]:
+        """This frontend's request series, for the driver's merged scrape."""
         return self.metrics.request_samples()
 
     def http_port(self) -> int | None:

@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -31,20 +30,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cluster.errors import RequestError, error_message
 from router.admission import Admission, Refused, RefusedWhy, Ticket
 from router.connections import ConnectionLimits, guarded_h11
 from router.offload import Offload, batch_tokenize
-from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
-    parse_completion, samples_needed, usage
-from router.router import merge_streams
+from router.openai_protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
+    parse_completion, samples_needed
+from router.openai_responses import JobResponse
 from router.validation import clip
 
 log = logging.getLogger(__name__)
-
-_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "NOT_FOUND": 404, "ALREADY_EXISTS": 400,
-           "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400}
-
 
 class _QuietServer(uvicorn.Server):
     """uvicorn without its own signal handling: the process's owner (the CLI) stops it."""
@@ -244,20 +238,15 @@ class OpenAIServer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     # --- generation -----------------------------------------------------------------------------
-    def _deltas(self, job: Job) -> AsyncIterator:
-        """Every sample's deltas, as they come: one router stream per prompt (its n samples a group)."""
-        streams = [self.router.generate(g.requests[0], g.requests[1:]) for g in job.groups]
-        return streams[0] if len(streams) == 1 else merge_streams(streams)
-
     async def _serve(self, job: Job, request: Request, ticket: Ticket) -> Response:
-        index = {r.request_id: g.first_index + j for g in job.groups for j, r in enumerate(g.requests)}
-        trackers = {r.request_id: self.service.metrics.track(r) if self.service.metrics else None
-                    for g in job.groups for r in g.requests}
+        """Stream the job's events, or wait for its whole response while watching for the client
+        to leave (then its requests stop everywhere)."""
+        out = JobResponse(job, self.router, self.logprobs, self.service.metrics)
         if job.stream:
-            return _StreamWithSlots(lambda: self.admission.release(ticket), self._events(job, index, trackers),
+            return _StreamWithSlots(lambda: self.admission.release(ticket), out.events(),
                                     media_type="text/event-stream",
                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        run = asyncio.ensure_future(self._collect(job, index, trackers))
+        run = asyncio.ensure_future(out.collect())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -266,106 +255,10 @@ class OpenAIServer:
             if not run.done():          # the client left (or the server stops): stop its requests everywhere
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
-                _finish_trackers(trackers, "abort")
+                out.finish_trackers("abort")
         if run.cancelled():
             return Response(status_code=499)    # nobody is there to read it
         return JSONResponse(run.result())
-
-    async def _collect(self, job: Job, index: dict, trackers: dict) -> dict:
-        choices = {i: Choice(i) for i in index.values()}
-        stream = self._deltas(job)
-        try:
-            async for d in stream:
-                choices[index[d.request_id]].add(d)
-                _track(trackers, d)
-        except Exception as exc:  # noqa: BLE001 - the router's refusal or failure, as an HTTP status
-            _finish_trackers(trackers, "error")
-            raise _as_api_error(exc) from None
-        finally:
-            await stream.aclose()
-        return self._response(job, choices)
-
-    def _response(self, job: Job, choices: dict[int, Choice]) -> dict:
-        out = []
-        for g in job.groups:
-            for j in range(len(g.requests)):
-                c = choices[g.first_index + j]
-                if job.endpoint is Endpoint.CHAT:
-                    item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self.logprobs.chat(c.logprobs) if job.logprobs is not None else None,
-                            "finish_reason": c.finish_reason}
-                else:
-                    prompt_lps = choices[g.first_index].prompt_logprobs
-                    item = {"index": c.index, "text": g.echo_text + c.text, "finish_reason": c.finish_reason,
-                            "logprobs": self._completion_logprobs(job, g, c, c.logprobs, c.token_ids, prompt_lps)}
-                if job.return_token_ids:
-                    item["token_ids"] = c.token_ids
-                out.append(item)
-        return {"id": job.id, "object": job.endpoint.value, "created": job.created, "model": job.model,
-                "choices": out, "usage": usage(job, choices)}
-
-    def _completion_logprobs(self, job: Job, group, c: Choice, entries, ids, prompt_lps=None) -> dict | None:
-        """`prompt_lps`: given on a choice's first chunk when echoing (the prompt's first token has none)."""
-        if job.logprobs is None:
-            return None
-        if prompt_lps is not None and job.echo:
-            lead = group.requests[0].prompt_token_ids
-            entries, ids = [None, *prompt_lps, *entries], [*lead, *ids]
-        lp, c.offset = self.logprobs.completion(list(entries), list(ids), c.offset)
-        return lp
-
-    async def _events(self, job: Job, index: dict, trackers: dict) -> AsyncIterator[bytes]:
-        choices = {i: Choice(i) for i in index.values()}
-        groups = {g.first_index + j: g for g in job.groups for j in range(len(g.requests))}
-        stream = self._deltas(job)
-        head = {"id": job.id, "object": f"{job.endpoint.value}.chunk" if job.endpoint is Endpoint.CHAT
-                else job.endpoint.value, "created": job.created, "model": job.model}
-        try:
-            async for d in stream:
-                _track(trackers, d)
-                c = choices[index[d.request_id]]
-                c.add(d)
-                # A group's lead streams first, and its first delta carries the prompt's logprobs.
-                prompt_lps = choices[groups[c.index].first_index].prompt_logprobs
-                for chunk in self._chunks(job, groups[c.index], c, d, prompt_lps):
-                    yield _event({**head, "choices": [chunk]})
-            if job.include_usage:
-                yield _event({**head, "choices": [], "usage": usage(job, choices)})
-        except asyncio.CancelledError:
-            _finish_trackers(trackers, "abort")
-            raise
-        except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
-            _finish_trackers(trackers, "error")
-            yield _event(_as_api_error(exc).body())
-        finally:
-            await stream.aclose()
-        yield b"data: [DONE]\n\n"
-
-    def _chunks(self, job: Job, group, c: Choice, d, prompt_lps) -> list[dict]:
-        first = not c.started
-        c.started = True
-        reason = c.finish_reason if d.finish_reason is not None else None
-        if job.endpoint is Endpoint.CHAT:
-            out = []
-            if first:
-                out.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
-            if d.text or d.token_ids:
-                chunk = {"index": c.index, "delta": {"content": d.text}, "finish_reason": None,
-                         "logprobs": self.logprobs.chat(list(d.logprobs)) if job.logprobs is not None else None}
-                if job.return_token_ids:
-                    chunk["token_ids"] = list(d.token_ids)
-                out.append(chunk)
-            if reason is not None:
-                out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason})
-            return out
-        text = (group.echo_text if first else "") + d.text
-        chunk = {"index": c.index, "text": text, "finish_reason": reason,
-                 "logprobs": self._completion_logprobs(job, group, c, d.logprobs, d.token_ids,
-                                                       prompt_lps if first else None)}
-        if job.return_token_ids:
-            chunk["token_ids"] = list(d.token_ids)
-        return [chunk]
 
 
 class _StreamWithSlots(StreamingResponse):
@@ -449,31 +342,6 @@ def _raw_bytes(piece: str | None) -> bytes | None:
     if all(c in _BYTE_LEVEL for c in piece):
         return bytes(_BYTE_LEVEL[c] for c in piece)
     return None
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def _track(trackers: dict, d) -> None:
-    t = trackers.get(d.request_id)
-    if t is not None:
-        t.tokens(len(d.token_ids), d)
-
-
-def _finish_trackers(trackers: dict, reason: str) -> None:
-    for t in trackers.values():
-        if t is not None and not t.done:
-            t.finish(reason)
-
-
-def _as_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RequestError):
-        status = _STATUS.get(getattr(exc, "code", "INVALID_ARGUMENT"), 400)
-        return ApiError(status, error_message(exc), param="prompt" if "prompt" in str(exc)[:20] else None)
-    return ApiError(503, error_message(exc), code="unavailable")
 
 
 async def _disconnected(request: Request) -> None:

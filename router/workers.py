@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from cluster.worker_messages import DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
     WorkerStats, expect
@@ -18,6 +20,25 @@ from cluster.worker_messages import DecodeCall, GenerateCall, MessageRefused, Pr
 log = logging.getLogger(__name__)
 
 CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
+
+
+@dataclass(frozen=True)
+class WorkerRoster:
+    """Which worker plays which role, by name: what the wiring started, as the frontends are told."""
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    def role_of(self, name: str) -> str:
+        if name in self.prefill:
+            return "prefill"
+        if name in self.decode:
+            return "decode"
+        raise KeyError(f"no worker {name!r} in the roster")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Both roles have workers: each prefill worker is handshaken with each decode worker."""
+        return bool(self.prefill and self.decode)
 
 
 class WorkerClient:
@@ -60,10 +81,17 @@ class WorkerClient:
         return await self._control(self.handle.set_ready).remote(incarnation)
 
 
-async def poll_workers(clients: dict, timeout_s: float) -> dict:
-    """Every worker's stats at once (one slow worker delays no other): name -> `WorkerStats`, or
-    the exception its call raised (a timeout is `TimeoutError`: slow, not dead; stats of another
-    version are `MessageRefused`: logged, never read)."""
+@dataclass(frozen=True)
+class PollRound:
+    """One stats poll of every worker: those that answered (`stats`) and those whose call raised
+    (`failed`: a timeout is `TimeoutError`, slow, not dead; stats of another version are
+    `MessageRefused`, logged, never read)."""
+    stats: Mapping[str, WorkerStats]
+    failed: Mapping[str, BaseException]
+
+
+async def poll_workers(clients: Mapping[str, WorkerClient], timeout_s: float) -> PollRound:
+    """Every worker's stats at once (one slow worker delays no other)."""
     async def one(name, client):
         try:
             return await asyncio.wait_for(client.stats(), timeout=timeout_s)
@@ -72,20 +100,18 @@ async def poll_workers(clients: dict, timeout_s: float) -> dict:
             return exc
         except Exception as exc:  # noqa: BLE001 - judged by the caller (router.worker_failed)
             return exc
-    results = await asyncio.gather(*(one(n, c) for n, c in clients.items()))
-    return dict(zip(clients, results))
+    results = dict(zip(clients, await asyncio.gather(*(one(n, c) for n, c in clients.items()))))
+    return PollRound(stats={n: r for n, r in results.items() if not isinstance(r, BaseException)},
+                     failed={n: r for n, r in results.items() if isinstance(r, BaseException)})
 
 
-def apply_poll(router, results: dict) -> list[WorkerStats]:
+def apply_poll(router, poll: PollRound) -> list[WorkerStats]:
     """Feed one poll round to a router's health and routing views; returns the stats that came."""
-    got = []
-    for name, result in results.items():
-        if isinstance(result, BaseException):
-            router.worker_failed(name, result)
-        else:
-            router.worker_polled(name, result)
-            got.append(result)
-    return got
+    for name, exc in poll.failed.items():
+        router.worker_failed(name, exc)
+    for name, stats in poll.stats.items():
+        router.worker_polled(name, stats)
+    return list(poll.stats.values())
 
 
 class StatsCadence:

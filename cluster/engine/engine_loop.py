@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine.engine import LLMEngine
-from cluster.token_stream import SinkAddress, StreamBroken, TokenSender, encode_errors, encode_step
+from cluster.token_stream import KeyedDelta, SinkAddress, StreamBroken, StreamError, TokenSender, encode_errors, \
+    encode_step
 from cluster.types import Fork, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class EngineLoop:
     def emit(self, deltas: list[TokenDelta]) -> None:
         """Engine thread only: send one step's deltas (one frame per frontend), then resolve the
         requests that ended."""
-        frames: dict[SinkAddress, list] = {}
+        frames: dict[SinkAddress, list[KeyedDelta]] = {}
         ended: list[tuple[_Stream, TokenDelta]] = []
         for d in deltas:
             if self.on_first_delta:
@@ -219,7 +220,7 @@ class EngineLoop:
                 elif s.held:
                     d, s.held = merge_deltas([*s.held, d]), []
                 s.sent = True
-                frames.setdefault(s.sink, []).append((s.key, d))
+                frames.setdefault(s.sink, []).append(KeyedDelta(s.key, d))
             if d.finished:
                 del self._streams[d.request_id]
                 ended.append((s, d))
@@ -240,7 +241,7 @@ class EngineLoop:
         """Engine thread only: end a registered request that never reached the engine."""
         s = self._streams.pop(request_id, None)
         if s is not None:
-            if s.sink is not None and not self.sender.send(s.sink, encode_errors([(s.key, str(exc))])):
+            if s.sink is not None and not self.sender.send(s.sink, encode_errors([StreamError(s.key, str(exc))])):
                 self._sink_broke(s.sink)
             s.loop.call_soon_threadsafe(_resolve, s.done, exc)
 
@@ -252,11 +253,11 @@ class EngineLoop:
                 s.loop.call_soon_threadsafe(_resolve, s.done, StreamBroken(f"frontend {sink.frontend} unreachable"))
 
     def _fail_all(self, exc: Exception) -> None:
-        by_sink: dict[SinkAddress, list] = {}
+        by_sink: dict[SinkAddress, list[StreamError]] = {}
         for rid, s in list(self._streams.items()):
             self.engine.abort(rid)
             if s.sink is not None:
-                by_sink.setdefault(s.sink, []).append((s.key, f"engine step failed: {exc}"))
+                by_sink.setdefault(s.sink, []).append(StreamError(s.key, f"engine step failed: {exc}"))
             s.loop.call_soon_threadsafe(_resolve, s.done, RuntimeError(f"engine step failed: {exc}"))
         self._streams.clear()
         for sink, errors in by_sink.items():

@@ -18,7 +18,11 @@ from cluster.model.model_config import load_model_config
 from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
+from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
+from router.server import ServerInfo
+from router.validation import Limits
+from router.workers import StatsCadence, WorkerClient, WorkerRoster, apply_poll, poll_workers
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +122,10 @@ def ray_environment(joining: bool = False, token_file: str | None = None) -> Non
 @dataclass
 class RunningCluster:
     config: ClusterConfig
-    frontend: object            # the in-process frontend (router/frontend.py); None with --frontends N > 1
-    frontends: list             # actor frontends (with --frontends N > 1)
+    frontend: Frontend | None   # the in-process frontend; None with --frontends N > 1
+    frontends: list             # actor frontends' handles (with --frontends N > 1)
     port: int
-    workers: dict
+    workers: dict[str, WorkerClient]
     started_ray: bool
     supervisor: object
     metrics: object = None
@@ -166,7 +170,8 @@ class RunningCluster:
 PEER_CALL_S = 5.0       # a live peer answers a control call within this; one that does not is skipped
 
 
-async def _handshake(name: str, workers: dict, roles: dict, metas: dict, alive: set | None = None) -> list[str]:
+async def _handshake(name: str, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
+                     alive: set | None = None) -> list[str]:
     """(Re)connect one worker with every worker of the other role: transport metadata both ways,
     each peer's fetched afresh (a worker restarted by Ray comes back with a new agent; `metas`
     keeps the last seen). Adding the same metadata twice is a no-op on the worker
@@ -177,7 +182,7 @@ async def _handshake(name: str, workers: dict, roles: dict, metas: dict, alive: 
     metas[name] = await workers[name].metadata()
     skipped = []
     for other, client in workers.items():
-        if roles[other] == roles[name]:
+        if roster.role_of(other) == roster.role_of(name):
             continue
         if alive is not None and other not in alive:
             skipped.append(other)
@@ -199,14 +204,14 @@ async def _handshake(name: str, workers: dict, roles: dict, metas: dict, alive: 
     return skipped
 
 
-async def _bring_up(name: str, incarnation: str | None, workers: dict, roles: dict, metas: dict, peers: set,
-                    unpaired: dict) -> None:
+async def _bring_up(name: str, incarnation: str | None, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
+                    peers: set, unpaired: dict) -> None:
     """Handshake `name` with `peers` (the live ones), remember those it could not reach
     (`unpaired`, retried while both live), and, for a worker that is not ready yet (just started,
     or restarted by Ray as a new incarnation), tell it it may take work."""
     try:
-        if any(r != roles[name] for r in roles.values()):
-            skipped = set(await _handshake(name, workers, roles, metas, peers))
+        if roster.disaggregated:
+            skipped = set(await _handshake(name, workers, roster, metas, peers))
             if incarnation is not None:      # a new incarnation: every peer it missed
                 unpaired[name] = skipped
             else:                            # a retry of some: those still missed
@@ -217,30 +222,29 @@ async def _bring_up(name: str, incarnation: str | None, workers: dict, roles: di
         log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
-async def _supervise(router, workers: dict, roles: dict, metas: dict, metrics, timeout_s: float = 5.0) -> None:
+async def _supervise(router, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict, metrics,
+                     timeout_s: float = 5.0) -> None:
     """Polls the workers' stats (all at once, in their control group): metrics, the bring-up of
     restarted workers, and the routing view of the in-process frontend (`router`; None when the
     frontends are actors, which poll for themselves). A slow poll is skipped, never a verdict."""
-    from router.workers import StatsCadence, apply_poll, poll_workers  # noqa: PLC0415
     cadence = StatsCadence()
     pending: dict[str, asyncio.Task] = {}
     unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
     while True:
-        results = await poll_workers(workers, timeout_s)
-        alive = {n for n, r in results.items() if not isinstance(r, BaseException)}
-        for name in alive:
-            stats = results[name]
+        poll = await poll_workers(workers, timeout_s)
+        alive = set(poll.stats)
+        for name, stats in poll.stats.items():
             metrics.update_worker(stats)
             if name in pending and not pending[name].done():
                 continue
             if not stats.ready:
                 log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats.incarnation[:8])
                 pending[name] = asyncio.ensure_future(
-                    _bring_up(name, stats.incarnation, workers, roles, metas, alive - {name}, unpaired))
+                    _bring_up(name, stats.incarnation, workers, roster, metas, alive - {name}, unpaired))
             elif unpaired.get(name, set()) & alive:
                 pending[name] = asyncio.ensure_future(
-                    _bring_up(name, None, workers, roles, metas, unpaired[name] & alive, unpaired))
-        got = apply_poll(router, results) if router is not None else [results[n] for n in alive]
+                    _bring_up(name, None, workers, roster, metas, unpaired[name] & alive, unpaired))
+        got = apply_poll(router, poll) if router is not None else list(poll.stats.values())
         await cadence.sleep(got, router)
 
 
@@ -253,28 +257,48 @@ def _log_router_node(ray) -> None:
 
 
 async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
+    """Ray, the workers, the frontends (their ports bound, health NOT_SERVING), then every worker
+    loaded, handshaken and ready (health SERVING), and the supervisor that keeps them so."""
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
+    started = _start_ray(cfg)
+    import ray  # noqa: PLC0415
+    workers, roster = await _start_workers(cfg)
+    fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
+                            stream_host=ray.util.get_node_ip_address())
+    frontend, actors, port, metrics = await _start_frontend_processes(cfg, fcfg, workers)
+    metas: dict[str, bytes] = {}
+    await _first_bring_up(workers, roster, metas, frontend, actors)
+    supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roster, metas,
+                                                  metrics, fcfg.poll_timeout_s))
+    metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+                      if cfg.metrics_port is not None else None)
+    http_port = frontend.http_port() if frontend is not None else (
+        await actors[0].http_port.remote() if actors else None)
+    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
+
+
+def _start_ray(cfg: ClusterConfig) -> bool:
+    """Join `--ray-address`, or start a local cluster on loopback; True when this process started it."""
     ray_environment(joining=bool(cfg.ray_address), token_file=cfg.ray_token_file)
     import ray  # noqa: PLC0415
+    if ray.is_initialized():
+        return False
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, log_to_driver=False)
+        _log_router_node(ray)
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                 num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
+    return True
+
+
+async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster]:
+    """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
+    the cluster's kernel plan; their clients, prefill workers first, and who plays which role."""
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
-    from router.frontend import Frontend  # noqa: PLC0415
-    from router.server import ServerInfo  # noqa: PLC0415
-    from router.workers import WorkerClient  # noqa: PLC0415
-    from router.validation import Limits  # noqa: PLC0415
-    from cluster.model.loader import load_tokenizer  # noqa: PLC0415
-
-    started = False
-    if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address, log_to_driver=False)
-            _log_router_node(ray)
-        else:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                     num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
-        started = True
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
     shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
@@ -282,7 +306,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
     # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
     data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
-    prefill, decode = {}, {}
+    workers, prefill, decode = {}, [], []
     for i, share in enumerate(shares):
         role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
         index = i if i < num_prefill else i - num_prefill
@@ -294,63 +318,71 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
                                      runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
-        (prefill if role == "prefill" else decode)[name] = WorkerClient(name, h)
-    roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
-    workers = {**prefill, **decode}
+        workers[name] = WorkerClient(name, h)
+        (prefill if role == "prefill" else decode).append(name)
+    return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode))
+
+
+def _limits(cfg: ClusterConfig) -> Limits:
+    """What a request may ask for, from the model's config and the cluster's settings."""
+    from cluster.model.loader import load_tokenizer  # noqa: PLC0415
     mc = load_model_config(cfg.engine.model)
-    max_len = cfg.engine.max_model_len or mc.max_position_embeddings
     spec = cfg.engine.speculative
-    limits = Limits(model_id=cfg.served_model_name or mc.model_id, vocab_size=mc.vocab_size, max_model_len=max_len,
-                    max_tokens_limit=cfg.max_tokens_limit,
-                    spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
-                    max_speculative_tokens=spec.max_speculative_tokens,
-                    default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
-                    max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))
-    info = ServerInfo(version="0.1.0", mode="colocated" if cfg.colocated else "disaggregated",
-                      prefill_workers=len(prefill), decode_workers=len(decode), kv_transport=cfg.data_plane.transport,
-                      max_tokens_limit=cfg.max_tokens_limit, speculative=spec.method,
-                      num_speculative_tokens=str(spec.num_speculative_tokens),
+    return Limits(model_id=cfg.served_model_name or mc.model_id, vocab_size=mc.vocab_size,
+                  max_model_len=cfg.engine.max_model_len or mc.max_position_embeddings,
+                  max_tokens_limit=cfg.max_tokens_limit,
+                  spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
+                  max_speculative_tokens=spec.max_speculative_tokens,
+                  default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
+                  max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))
+
+
+def _server_info(cfg: ClusterConfig, roster: WorkerRoster) -> ServerInfo:
+    spec = cfg.engine.speculative
+    return ServerInfo(version="0.1.0", mode="colocated" if cfg.colocated else "disaggregated",
+                      prefill_workers=len(roster.prefill), decode_workers=len(roster.decode),
+                      kv_transport=cfg.data_plane.transport, max_tokens_limit=cfg.max_tokens_limit,
+                      speculative=spec.method, num_speculative_tokens=str(spec.num_speculative_tokens),
                       deterministic=cfg.engine.deterministic)
-    fcfg = _frontend_config(cfg, limits, info, roles, stream_host=ray.util.get_node_ip_address())
+
+
+async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, workers: dict[str, WorkerClient]
+                                    ) -> tuple[Frontend | None, list, int, ClusterMetrics]:
+    """The frontend in this process, or `--frontends N` actors; their port bound (health
+    NOT_SERVING: requests wait) and the metrics registry this driver serves."""
     handles = {n: c.handle for n, c in workers.items()}
-    frontend, actors = None, []
     if cfg.frontends == 1:
         metrics = ClusterMetrics(cfg.data_plane.transport)
         frontend = Frontend(fcfg, handles, metrics=metrics)
-        port = await frontend.start()
-    else:
-        actors, port = await _start_frontends(cfg, fcfg, handles)
-        metrics = ClusterMetrics(cfg.data_plane.transport, frontends=actors)
-    # The port is bound (health NOT_SERVING, requests wait); now every worker loads, is
-    # handshaken and marked ready before health turns SERVING.
-    metas: dict[str, bytes] = {}
+        return frontend, [], await frontend.start(), metrics
+    actors, port = await _start_frontends(cfg, fcfg, handles)
+    return None, actors, port, ClusterMetrics(cfg.data_plane.transport, frontends=actors)
+
+
+async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
+                          frontend: Frontend | None, actors: list) -> None:
+    """Every worker loads (its first stats answer), every prefill worker is handshaken with every
+    decode worker, all are marked ready, and the frontends see them routable."""
     first = await asyncio.gather(*(c.stats() for c in workers.values()))
-    for p in prefill:
-        await _handshake(p, workers, roles, metas)
+    for p in roster.prefill:
+        await _handshake(p, workers, roster, metas)
     await asyncio.gather(*(workers[s.name].set_ready(s.incarnation) for s in first))
-    from router.workers import apply_poll, poll_workers  # noqa: PLC0415
     if frontend is not None:
         apply_poll(frontend.router, await poll_workers(workers, 60.0))
         await frontend.wait_ready()
     else:
         await asyncio.gather(*(f.wait_ready.remote() for f in actors))
-    supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roles, metas,
-                                                  metrics, fcfg.poll_timeout_s))
-    metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host) if cfg.metrics_port is not None else None
-    http_port = frontend.http_port() if frontend is not None else (
-        await actors[0].http_port.remote() if actors else None)
-    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
 
 
-def _frontend_config(cfg: ClusterConfig, limits, info: dict, roles: dict, stream_host: str):
+def _frontend_config(cfg: ClusterConfig, limits: Limits, info: ServerInfo, roster: WorkerRoster,
+                     stream_host: str) -> FrontendConfig:
     """What one frontend is told: the cluster's settings, none of them restated."""
-    from router.frontend import FrontendConfig  # noqa: PLC0415
     router = replace(cfg.router, block_size=cfg.engine.cache.block_size, colocated=cfg.colocated)
     return FrontendConfig(name="frontend-0", model_dir=str(cfg.engine.model), limits=limits, info=info, router=router,
                           transport=cfg.data_plane.transport, host=cfg.host, port=cfg.port, stream_host=stream_host,
                           policy=cfg.policy, admission=cfg.admission, connections=cfg.connections,
                           api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca,
-                          roles=roles, poll_timeout_s=cfg.poll_timeout_s, http_port=cfg.http_port,
+                          roster=roster, poll_timeout_s=cfg.poll_timeout_s, http_port=cfg.http_port,
                           http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
 
 
@@ -372,12 +404,11 @@ async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple
     return shares, await task.remote(cfg.engine, shares[-1].threads)
 
 
-async def _start_frontends(cfg: ClusterConfig, fcfg, handles: dict) -> tuple[list, int]:
+async def _start_frontends(cfg: ClusterConfig, fcfg: FrontendConfig, handles: dict) -> tuple[list, int]:
     """N frontend processes on this node, one port: the first binds it (or picks it, for port 0),
     the others join it (SO_REUSEPORT)."""
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
-    from router.frontend import Frontend  # noqa: PLC0415
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actors, port, http_port = [], cfg.port, cfg.http_port
     for i in range(cfg.frontends):

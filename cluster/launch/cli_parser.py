@@ -69,7 +69,17 @@ def build_parser() -> Parser:
         p.settings = []
         return p
 
-    gen = command("generate", "generate a completion with the engine in-process, or from a running server")
+    _add_generate(command("generate", "generate a completion with the engine in-process, or from a running server"))
+    _add_serve(command("serve", "serve the gRPC API (and the OpenAI HTTP API) from a disaggregated prefill/decode "
+                                "cluster on Ray"))
+    _add_chat(command("chat", "a conversation in the terminal: a local cluster, or --server's OpenAI API"))
+    exp = command("export-hf", "write a GGUF file's model as a Hugging Face directory (for transformers, vLLM)")
+    exp.add_argument("gguf", help="the .gguf file")
+    exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    return parser
+
+
+def _add_generate(gen: Parser) -> None:
     gen.settings = add_setting_flags(gen, EngineConfig, ENGINE_TITLES)
     gen.root = EngineConfig
     _add_sampling_args(gen)
@@ -85,8 +95,8 @@ def build_parser() -> Parser:
                           "when it has one; with --server, when the server serves the --model this command names)")
     gen.add_argument("prompt", help="the prompt")
 
-    srv = command("serve", "serve the gRPC API (and the OpenAI HTTP API) from a disaggregated prefill/decode "
-                           "cluster on Ray")
+
+def _add_serve(srv: Parser) -> None:
     _add_cluster_args(srv)
     srv.add_argument("--request", default=None, metavar="PROMPT",
                      help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
@@ -94,16 +104,12 @@ def build_parser() -> Parser:
     srv.add_argument("--raw", action="store_true",
                      help="send --request as is (default: as a user message through the model's chat template)")
 
-    chat = command("chat", "a conversation in the terminal: a local cluster, or --server's OpenAI API")
+
+def _add_chat(chat: Parser) -> None:
     _add_cluster_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--server", default=None, metavar="URL",
                       help="chat with a running server's OpenAI API (e.g. http://127.0.0.1:8000) instead")
-
-    exp = command("export-hf", "write a GGUF file's model as a Hugging Face directory (for transformers, vLLM)")
-    exp.add_argument("gguf", help="the .gguf file")
-    exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
-    return parser
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

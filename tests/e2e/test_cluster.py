@@ -143,12 +143,18 @@ def test_deadline_exceeded_stops_the_request(cluster):
 def test_overload_answers_resource_exhausted(cluster):
     admission = cluster.cluster.frontend.service.admission
     old = admission.cfg
-    admission.cfg = dataclasses.replace(old, max_in_flight=0)
+    # One slot, held by another tenant, and no queue: the request is refused at once. (An
+    # AdmissionConfig of 0 slots is refused by its own check.)
+    admission.cfg = dataclasses.replace(old, max_in_flight=1, max_queued=0)
+    held = cluster.run(admission.acquire("another tenant", 1))
     try:
         with pytest.raises(grpc.RpcError) as info:
             Client(cluster.target).generate("x", max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
+        async def give_back():
+            admission.release(held)
+        cluster.run(give_back())
         admission.cfg = old
 
 

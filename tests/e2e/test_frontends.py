@@ -40,9 +40,9 @@ def cluster(tiny_model_dir):
 def _served_by(cluster) -> list[float]:
     """Requests finished so far, per frontend (from each frontend's own series)."""
     out = []
-    for samples in ray.get([f.metric_samples.remote() for f in cluster.cluster.frontends]):
-        fam = next(s for name, _, _, s in samples if name == "splitserve_requests_finished")
-        out.append(sum(v for _, _, v in fam))
+    for families in ray.get([f.metric_samples.remote() for f in cluster.cluster.frontends]):
+        fam = next(f for f in families if f.name == "splitserve_requests_finished")
+        out.append(sum(s.value for s in fam.samples))
     return out
 
 

@@ -3,6 +3,7 @@ is down, and pairs with it once both are live. Fake worker clients: this is the 
 import asyncio
 
 from cluster.launch.app import _bring_up
+from router.workers import WorkerRoster
 
 
 class FakeWorker:
@@ -30,19 +31,19 @@ class FakeWorker:
 def test_a_worker_is_ready_without_waiting_for_a_peer_that_is_down_and_pairs_with_it_later():
     workers = {"prefill-0": FakeWorker("prefill-0", up=False), "decode-0": FakeWorker("decode-0"),
                "decode-1": FakeWorker("decode-1")}
-    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    roster = WorkerRoster(prefill=("prefill-0",), decode=("decode-0", "decode-1"))
     unpaired, metas = {}, {}
 
     async def go():
         # decode-0 restarted; prefill-0 is restarting too (its last poll failed: not among the live peers).
-        await _bring_up("decode-0", "inc-2", workers, roles, metas, {"decode-1"}, unpaired)
+        await _bring_up("decode-0", "inc-2", workers, roster, metas, {"decode-1"}, unpaired)
         assert workers["decode-0"].ready_as == "inc-2" and unpaired["decode-0"] == {"prefill-0"}
         assert workers["decode-0"].peers == []
         # prefill-0 answers again but its call fails this time (slow or down): still unpaired.
-        await _bring_up("decode-0", None, workers, roles, metas, {"prefill-0"}, unpaired)
+        await _bring_up("decode-0", None, workers, roster, metas, {"prefill-0"}, unpaired)
         assert unpaired["decode-0"] == {"prefill-0"}
         workers["prefill-0"].up = True
-        await _bring_up("decode-0", None, workers, roles, metas, {"prefill-0"}, unpaired)
+        await _bring_up("decode-0", None, workers, roster, metas, {"prefill-0"}, unpaired)
         assert unpaired["decode-0"] == set()
         assert workers["decode-0"].peers == [b"prefill-0"] and workers["prefill-0"].peers == [b"decode-0"]
         assert workers["decode-1"].peers == []        # same role: never paired

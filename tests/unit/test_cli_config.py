@@ -10,6 +10,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.launch import app, cli
+from router.workers import WorkerRoster
 from cluster.launch.cli import load, main
 from cluster.launch.cli_parser import build_parser
 from cluster.launch.cluster_config import ClusterConfig
@@ -228,7 +229,7 @@ def _yaml_file(text: str) -> str:
 def test_the_frontend_and_workers_are_told_the_trees_settings():
     cfg = load(["serve", "--model", MODEL, "--unavailable-wait", "7", "--block-size", "32", "--colocated",
                 "--transport", "tcp", "--stream-interval", "3"], check_machine=False).config
-    fcfg = app._frontend_config(cfg, limits=None, info={}, roles={}, stream_host="127.0.0.1")
+    fcfg = app._frontend_config(cfg, limits=None, info=None, roster=WorkerRoster(), stream_host="127.0.0.1")
     assert (fcfg.router.unavailable_wait_s, fcfg.router.block_size, fcfg.router.colocated) == (7.0, 32, True)
     assert fcfg.transport == "tcp" and cfg.data_plane.stream_interval == 3
 

@@ -183,7 +183,8 @@ def test_the_token_listener_drops_bad_peers_and_keeps_serving():
     """A frontend's token listener (deltas from workers): random bytes, a huge length, a wrong
     hello secret and a bad record each close that connection; a real worker's frames still arrive."""
     import asyncio
-    from cluster.token_stream import STREAM_VERSION, StreamBroken, TokenReceiver, TokenSender, encode_step
+    from cluster.token_stream import STREAM_VERSION, KeyedDelta, StreamBroken, TokenReceiver, TokenSender, \
+        encode_step
     from cluster.types import TokenDelta
 
     async def go():
@@ -200,7 +201,7 @@ def test_the_token_listener_drops_bad_peers_and_keeps_serving():
             w.close()
         key, queue = receiver.open("req")
         sender = TokenSender("worker")
-        await asyncio.to_thread(sender.send, address, encode_step([(key, TokenDelta("req", (5,), "x"))]))
+        await asyncio.to_thread(sender.send, address, encode_step([KeyedDelta(key, TokenDelta("req", (5,), "x"))]))
         items = await asyncio.wait_for(queue.take(), 5)
         assert items[0].token_ids == (5,)
         sender.send(address, _frame([STREAM_VERSION, "step", [[key, "not-a-list", 3, "bogus", None, 0, 0, 0, None]]]))

@@ -10,8 +10,8 @@ import struct
 import msgpack
 import pytest
 
-from cluster.token_stream import STREAM_VERSION, ErrorFrame, FrameError, Hello, SinkAddress, StepFrame, \
-    StreamBroken, TokenReceiver, TokenSender, decode_frame, encode_errors, encode_hello, encode_step
+from cluster.token_stream import STREAM_VERSION, ErrorFrame, FrameError, Hello, KeyedDelta, SinkAddress, StepFrame, \
+    StreamBroken, StreamError, TokenReceiver, TokenSender, decode_frame, encode_errors, encode_hello, encode_step
 from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta, TokenLogprob
 from cluster.worker_messages import DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
     WorkerStats, expect
@@ -41,14 +41,14 @@ def test_a_step_frame_round_trips_every_field():
     lp = (TokenLogprob(5, -0.5, ((5, -0.5), (7, -1.25))), TokenLogprob(6, -0.25))
     deltas = [TokenDelta("a", (5, 6), "ab", None, lp, 4, 2, 1, (TokenLogprob(9, -2.0, ((9, -2.0),)),)),
               TokenDelta("b", (), "", FinishReason.ABORT, (), 4, 0, 0)]
-    frame = decode_frame(_body(encode_step([(1, deltas[0]), (2, deltas[1])])))
+    frame = decode_frame(_body(encode_step([KeyedDelta(1, deltas[0]), KeyedDelta(2, deltas[1])])))
     assert type(frame) is StepFrame and [r.key for r in frame.records] == [1, 2]
     assert [r.delta(d.request_id) for r, d in zip(frame.records, deltas)] == deltas
 
 
 def test_hello_and_error_frames_round_trip():
     assert decode_frame(_body(encode_hello("w", b"secret"))) == Hello("w", b"secret")
-    frame = decode_frame(_body(encode_errors([(4, "engine step failed")])))
+    frame = decode_frame(_body(encode_errors([StreamError(4, "engine step failed")])))
     assert type(frame) is ErrorFrame and [(e.key, e.message) for e in frame.errors] == [(4, "engine step failed")]
 
 
@@ -106,7 +106,7 @@ def test_the_receiver_counts_a_refused_frame_fails_its_streams_and_keeps_serving
         assert receiver.refused == 2
         key2, queue2 = receiver.open("next")
         good = TokenSender("w")
-        assert await asyncio.to_thread(good.send, address, encode_step([(key2, TokenDelta("next", (9,), "z"))]))
+        assert await asyncio.to_thread(good.send, address, encode_step([KeyedDelta(key2, TokenDelta("next", (9,), "z"))]))
         assert (await asyncio.wait_for(queue2.take(), 5))[0].token_ids == (9,)
         good.close()
         raw_sender.close()
@@ -238,7 +238,7 @@ def test_mutated_frames_get_only_the_decoders_own_error():
     import random
     rng = random.Random(2)
     lp = (TokenLogprob(5, -0.5, ((5, -0.5),)),)
-    valid = _body(encode_step([(1, TokenDelta("a", (5, 6), "ab", FinishReason.STOP, lp, 4, 2, 1, lp))]))
+    valid = _body(encode_step([KeyedDelta(1, TokenDelta("a", (5, 6), "ab", FinishReason.STOP, lp, 4, 2, 1, lp))]))
     junk = [None, -1, 2**64 - 1, "x", b"\x00", [1, "a"], {"a": 1}, 1.5, True, [], "stop"]
     candidates = [rng.randbytes(rng.randrange(0, 200)) for _ in range(100)]
     candidates += [valid[:rng.randrange(len(valid))] for _ in range(100)]
@@ -258,6 +258,6 @@ def test_mutated_frames_get_only_the_decoders_own_error():
             continue
         accepted += 1
         if type(frame) is StepFrame:
-            again = encode_step([(r.key, r.delta("a")) for r in frame.records])
+            again = encode_step([KeyedDelta(r.key, r.delta("a")) for r in frame.records])
             assert decode_frame(_body(again)) == frame
     assert accepted < 200
