@@ -15,9 +15,9 @@ from cluster.metrics import ClusterMetrics
 from cluster.model.kernel_choice import engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
-from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
+from decode.spec.compat import check_speculative_models
 from router.health import is_actor_death
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     _check(cfg)
     ray_environment(joining=bool(cfg.ray_address), token_file=cfg.ray_token_file)
     import ray  # noqa: PLC0415
+    from decode.spec.speculator import make_kv_only_speculator, make_speculator  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
     from router.frontend import Frontend  # noqa: PLC0415
@@ -284,7 +285,9 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
     prefill, decode = {}, {}
     for i, share in enumerate(shares):
-        role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
+        # Every worker's speculation comes from decode.spec; a prefill worker's never proposes.
+        role, cls, speculation = (("prefill", PrefillWorker, make_kv_only_speculator) if i < num_prefill
+                                  else ("decode", DecodeWorker, make_speculator))
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
@@ -293,7 +296,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
+                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}})
+        h = h.remote(name, wcfg, speculation)
         (prefill if role == "prefill" else decode)[name] = WorkerClient(name, h)
     roles = {n: "prefill" for n in prefill} | {n: "decode" for n in decode}
     workers = {**prefill, **decode}
