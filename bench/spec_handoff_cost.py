@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_EAGLE_DIR, EngineConfig, SpeculativeConfig
+from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
