@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_EAGLE_DIR, EngineConfig, SpeculativeConfig
+from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
-from decode.spec.draft_model import DraftModelProposer
+from decode.spec.speculator import make_kv_only_speculator, make_speculator
 
 
 def prefill_seconds(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
@@ -33,7 +33,7 @@ def prefill_seconds(engine: LLMEngine, prompt: list[int], repeats: int) -> float
 
 
 def draft_catch_up_seconds(engine: LLMEngine, prompt: list[int], repeats: int) -> float:
-    proposer = DraftModelProposer(engine, engine.config.speculative)
+    proposer = engine.speculator.proposers["draft"]
     best = float("inf")
     for _ in range(repeats):
         seq = Sequence("x", tuple(prompt), SamplingParams(), token_ids=[*prompt, 1], num_computed_tokens=len(prompt))
@@ -52,10 +52,14 @@ def main() -> None:
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     plain = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads))
-    drafted = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method="draft")))
+    drafted = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method="draft")),
+                        speculator_factory=make_speculator)
     eagle = None
     if DEFAULT_EAGLE_DIR.is_dir():
-        eagle = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method="eagle")))
+        # A prefill worker's engine: the head runs over the prompt, nothing is proposed.
+        eagle = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads,
+                                       speculative=SpeculativeConfig(method="eagle")),
+                          speculator_factory=make_kv_only_speculator)
         extra = eagle.layout.bytes_per_block() / plain.layout.bytes_per_block() - 1
         print(f"eagle: KV bytes per block {plain.layout.bytes_per_block()} -> {eagle.layout.bytes_per_block()} "
               f"(+{extra:.1%} per handoff), plus {eagle.model_config.hidden_size * eagle.dtype.itemsize} bytes "

@@ -15,6 +15,7 @@ import uuid
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop, Poller
+from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
 from cluster.token_stream import TokenSender
 from cluster.transfer.auth import Sealer
@@ -35,7 +36,8 @@ def _node_address() -> str:
 class EngineWorker:
     role = "worker"
 
-    def __init__(self, name: str, config: WorkerConfig, speculator_factory=None):
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
+        """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py)."""
         self.name = name
         self.config = config
         self.engine = LLMEngine(config.engine, speculator_factory=speculator_factory)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError, WorkerBusy
 from cluster.kv.block_pool import NoFreeBlocks
 from cluster.transfer.consumer import KVConsumer, KVPull, PullState
@@ -72,8 +73,8 @@ class HandoffTiming:
 class DecodeWorker(EngineWorker):
     role = "decode"
 
-    def __init__(self, name: str, config: WorkerConfig):
-        super().__init__(name, config, speculator_factory=make_speculator)
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory = make_speculator):
+        super().__init__(name, config, speculator_factory=speculator_factory)
         self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    timeout_s=config.transfer_timeout_s, verify=config.checksums,
                                    mailbox=self.mailbox)

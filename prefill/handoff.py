@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sequence import Sequence
 from cluster.errors import WorkerBusy
@@ -25,7 +23,7 @@ class HeldKV:
     """A finished `hold_kv` request's prompt KV, kept for its consumer."""
     block_ids: list[int]
     num_tokens: int
-    seq: Sequence        # its EAGLE feature (`spec_feature`) is set by the end of its last step
+    seq: Sequence        # what the speculator exports for it (`spec_state`) is set by the end of its last step
     fork_firsts: list[TokenDelta] = field(default_factory=list)
 
 
@@ -61,13 +59,12 @@ class KVHold:
         self.engine.pool.free(reversed(held.block_ids))
 
     def take_feature(self, request_id: str) -> bytes:
-        """With an EAGLE head: the target's hidden state at the prompt's last position, the one
-        piece of proposer state the blocks do not carry (raw bytes in the KV layout's dtype)."""
-        held = self.held.get(request_id)
-        feature = None if held is None else held.seq.spec_feature
-        if feature is None:
+        """The proposer state the blocks do not carry, as the engine's speculator exports it (with
+        an EAGLE head: the target's hidden state at the prompt's last position); b"" when none."""
+        held, speculator = self.held.get(request_id), self.engine.speculator
+        if held is None or speculator is None:
             return b""
-        return feature.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        return speculator.export_state(held.seq)
 
     def take_fork_firsts(self, request_id: str) -> list[TokenDelta]:
         """A `hold_kv` request's forks, each ended with its first token (drawn from the prompt's

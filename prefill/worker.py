@@ -1,7 +1,10 @@
 """The prefill worker: computes a prompt's KV (chunked, prefix cache first), samples the first
 token and publishes the blocks under a lease for a decode worker to pull.
 
-A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process.
+A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process, with a
+speculator factory that never proposes (`decode.spec.speculator.make_kv_only_speculator`: with an
+EAGLE head it computes the head's KV and the hidden state the handle carries). The factory comes
+as an argument: this role does not import the decode role.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import replace
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.speculation import SpeculatorFactory
 from cluster.transfer.producer import KVProducer
 from cluster.types import Fork, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
@@ -22,8 +26,8 @@ log = logging.getLogger(__name__)
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
-    def __init__(self, name: str, config: WorkerConfig):
-        super().__init__(name, config)
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
+        super().__init__(name, config, speculator_factory=speculator_factory)
         self.hold = KVHold(self.engine)
         self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                                    self.hold.release, lease_seconds=config.lease_seconds,

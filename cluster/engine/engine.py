@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence as Seq
 
 import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import builder, offline
-from cluster.engine.forks import share_features, spawn_forks
+from cluster.engine.forks import spawn_forks
 from cluster.engine.graphs import DecodeGraphs
 from cluster.engine.hooks import HoldHook
 from cluster.engine.outputs import Requests
 from cluster.engine.sampler import record_prompt_logprobs
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import Draft, Speculator, attach_drafts, choose_tokens
+from cluster.engine.speculation import Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -32,19 +32,22 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, speculator_factory: Callable[["LLMEngine"], Speculator] | None = None):
-        """`speculator_factory(engine) -> Speculator` turns on speculative decoding (decode workers
-        and the single-engine CLI pass `decode.spec.speculator.make_speculator`)."""
+    def __init__(self, config: EngineConfig, speculator_factory: SpeculatorFactory | None = None):
+        """`speculator_factory(config) -> Speculator` turns on speculative decoding (decode workers
+        and the single-engine CLI pass `decode.spec.speculator.make_speculator`; prefill workers
+        one that only computes what a handoff carries, `decode.spec.speculator.make_kv_only_speculator`)."""
         self.config = config
         self.device = builder.setup_threads(config)
-        models = builder.load_models(config, self.device, with_draft=speculator_factory is not None)
+        self.speculator: Speculator | None = speculator_factory(config) if speculator_factory else None
+        models = builder.load_models(config, self.device)
+        footprint = builder.load_speculation(config, models, self.speculator, self.device)
         self.model_config, self.model, self.dtype = models.config, models.model, models.dtype
         self.kernel_plan, self.max_model_len, self.layout = models.kernel_plan, models.max_model_len, models.layout
-        self.eagle, self.draft_model, self.draft_model_config = models.eagle, models.draft_model, models.draft_config
         self._models = models
         self.tokenizer, self.generation = builder.tokenizer_and_defaults(config)
-        self.memory_plan = builder.plan_for(config, models, self.device)
-        core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids)
+        self.memory_plan = builder.plan_for(config, models, footprint, self.device)
+        core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
+                                  self.speculator, footprint)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.requests = Requests(self.tokenizer, self.scheduler)
@@ -52,13 +55,13 @@ class LLMEngine:
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
-        self.speculator: Speculator | None = speculator_factory(self) if speculator_factory else None
         if self.speculator is not None:
+            self.speculator.attach(self)
             self.requests.on_finish = self.speculator.release
-        if self.graph_replay is not None and self.eagle is None:   # the EAGLE head runs over every token: eager
-            width = 1 + config.speculative.max_speculative_tokens if self.speculator is not None else 1
+        if self.graph_replay is not None and not footprint.hidden_states:   # a pass over every token: eager
             self.runner.graphs = self.decode_graphs(self.model, self.kv_cache.arena, self.backend,
-                                                    self.memory_plan.num_blocks, rows_per_seq=width)
+                                                    self.memory_plan.num_blocks,
+                                                    rows_per_seq=1 + footprint.max_draft_tokens)
         if self.backend.name == "triton" and self.device.type == "cuda":
             offline.warm_up(self)
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
@@ -218,8 +221,8 @@ class LLMEngine:
         parents = {seq: list(seq.forks) for seq in tokens if seq.forks}
         spawned = spawn_forks(self, list(parents), forked)
         self.scheduler.update(plan, tokens)
-        self.runner.keep_features()
-        share_features(parents)
+        if self.speculator is not None:
+            self.speculator.after_update(parents)
         return [self.requests.delta(seq, seq.token_ids[n:]) for seq, n in before.items()] + spawned
 
     # --- helpers on top (cluster/engine/offline.py) ------------------------------------

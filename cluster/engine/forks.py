@@ -26,13 +26,6 @@ def spawn_forks(engine, parents: list[Sequence], forked: dict[Sequence, int]) ->
     return out
 
 
-def share_features(parents: dict[Sequence, list[Sequence]]) -> None:
-    """After the update: with an EAGLE head the prompt's last hidden state is the forks' too."""
-    for parent, forks in parents.items():
-        for fork in forks:
-            fork.spec_feature, fork.spec_feature_pos = parent.spec_feature, parent.spec_feature_pos
-
-
 def _spawn(engine, parent: Sequence, fork: Sequence, token: int) -> TokenDelta | None:
     scheduler = engine.scheduler
     fork.token_ids.append(token)

@@ -1,8 +1,9 @@
 """What the engine tells the roles: the hooks a worker installs on its engine.
 
 The engine is role-neutral: a prefill worker's side of the P/D handoff (prefill/handoff.py) is a
-`HoldHook`; speculation (decode/spec/) is a `Speculator` (cluster/engine/speculation.py); the
-decode side of the handoff (decode/handoff.py) adds sequences through `LLMEngine.join_prefilled`.
+`HoldHook`; speculation (decode/spec/) is a `Speculator` (cluster/engine/speculation.py), given
+to the engine by its factory (`LLMEngine(config, speculator_factory=...)`); the
+decode side of the handoff (decode/handoff.py) adds sequences through `LLMEngine.new_sequence`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ class HoldHook(Protocol):
     def hold(self, seq: Sequence) -> None:
         """`seq`, a `hold_kv` request, finished with its KV in `seq.block_ids` (its first
         `seq.num_computed_tokens` tokens): the hook takes the blocks (the engine forgets them) and
-        frees them into the pool once the consumer is done. The sequence's EAGLE feature, if any,
-        is set by the end of the step."""
+        frees them into the pool once the consumer is done. What the engine's speculator keeps on
+        the sequence for a handoff (`Speculator.export_state`) is set by the end of the step."""
 
     def fork_first(self, parent_id: str, delta: TokenDelta) -> None:
         """A fork of `hold_kv` request `parent_id` drew its first token and ended here (`delta`):

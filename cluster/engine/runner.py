@@ -1,5 +1,10 @@
-"""Turns a step plan into tensors, runs the model over the paged cache, returns logits."""
+"""Turns a step plan into tensors, runs the model over the paged cache, returns logits.
+
+A speculator that reads the target's hidden states (decode/spec/: the EAGLE head) is the
+runner's `hidden_hook`, called after the target's forward with the step's inputs."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -58,27 +63,19 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.eagle = None        # an EagleHead: run over every computed token, its KV in the arena's last layer
-        self.block_features = None   # [num_blocks, H]: hidden state at each block's last slot (prefix hits)
-        self.feature_valid: list[bool] = []   # per block: written by this engine since the block was allocated
-        self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
-        self.last_hidden: torch.Tensor | None = None
+        # hidden_hook(plan, input_ids, positions, hidden, meta): the target's pre-norm hidden states
+        # of every token of the step (a speculator's pass over them); None: the model returns none.
+        self.hidden_hook: Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None] | None = None
         self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
         # Prompt logprobs of the last step: (seq, first position, fp32 logits of positions from there).
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
-
-    def attach_eagle(self, head, num_blocks: int, hidden_size: int, dtype: torch.dtype) -> None:
-        """Run `head` over every computed token from now on (its KV in the arena's last layer)."""
-        self.eagle = head
-        self.block_features = torch.zeros((num_blocks, hidden_size), dtype=dtype, device=self.device)
-        self.feature_valid = [False] * num_blocks
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
         """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
         whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
         self.prompt_logits = []
         prompt_rows = [c for c in plan.chunks if c.seq.wants_prompt_logprobs and not c.draft]
-        if self.graphs is not None and self.eagle is None and not prompt_rows:
+        if self.graphs is not None and self.hidden_hook is None and not prompt_rows:
             bucket = self.graphs.bucket_for(plan)
             if bucket is not None:
                 return self.graphs.run(plan, bucket)
@@ -114,79 +111,14 @@ class ModelRunner:
         meta = self.backend.prepare(batch)
         out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                         return_hidden=self.eagle is not None)
-        logits, hidden = out if self.eagle is not None else (out, None)
+                         return_hidden=self.hidden_hook is not None)
+        logits, hidden = out if self.hidden_hook is not None else (out, None)
         if spans:
             self.prompt_logits = [(seq, first, logits[row:row + n]) for seq, first, row, n in spans]
             logits = logits[:num_sampled]
-        if self.eagle is None:
-            return logits, sampled
-        self._run_eagle(plan, ids_t, pos_t, hidden, meta)
+        if self.hidden_hook is not None:
+            self.hidden_hook(plan, ids_t, pos_t, hidden, meta)
         return logits, sampled
-
-    def _run_eagle(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
-        """The head over the step's tokens with the true features: input j pairs x_j with f_{j-1}."""
-        bs = self.block_size
-        total = hidden.shape[0]
-        carry, src, ends_rows, ends_blocks = [], [], [], []
-        self.last_rows = {}
-        offset = 0
-        for chunk in plan.chunks:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            self.last_rows[seq] = (offset, start)
-            if start == 0:
-                src.append(-1)                          # f_{-1} = 0
-            else:
-                src.append(total + len(carry))
-                carry.append(self._feature_before(seq, start))
-            src.extend(range(offset, offset + n - 1))
-            for p in range(start, start + n):
-                if p % bs == bs - 1:
-                    ends_rows.append(offset + p - start)
-                    ends_blocks.append(seq.block_ids[p // bs])
-            offset += n
-        zero = hidden.new_zeros((1, hidden.shape[1]))
-        table = torch.cat([hidden, *([torch.stack(carry)] if carry else []), zero])
-        index = torch.tensor([len(table) - 1 if i < 0 else i for i in src], dtype=torch.long, device=self.device)
-        self.eagle(ids_t, table.index_select(0, index), pos_t, self.kv_arena[-1], self.backend, meta)
-        for b in ends_blocks:
-            self.feature_valid[b] = True
-        if ends_rows:
-            self.block_features.index_copy_(0, torch.tensor(ends_blocks, device=self.device),
-                                            hidden.index_select(0, torch.tensor(ends_rows, device=self.device)))
-        self.last_hidden = hidden
-
-    def _feature_before(self, seq: Sequence, start: int) -> torch.Tensor:
-        if seq.spec_feature is not None and seq.spec_feature_pos == start - 1:
-            return seq.spec_feature
-        # A chunk that starts after a prefix-cache hit: the feature kept for the hit's last block.
-        block = seq.block_ids[start // self.block_size - 1]
-        assert start % self.block_size == 0 and self.feature_valid[block], (seq.request_id, start)
-        return self.block_features[block]
-
-    def invalidate_features(self, blocks: list[int]) -> None:
-        for b in blocks:
-            self.feature_valid[b] = False
-
-    def usable_hits(self, hits: list[int]) -> list[int]:
-        """The longest prefix of a cache hit whose last block has a feature (blocks filled by a KV
-        transfer were computed elsewhere and have none)."""
-        n = len(hits)
-        while n and not self.feature_valid[hits[n - 1]]:
-            n -= 1
-        return hits[:n]
-
-    def keep_features(self) -> None:
-        """After the scheduler's update: remember each sequence's feature at its last computed position."""
-        if self.last_hidden is None:
-            return
-        for seq, (row, start) in self.last_rows.items():
-            computed = seq.num_computed_tokens - start
-            if computed > 0:
-                seq.spec_feature = self.last_hidden[row + computed - 1].clone()
-                seq.spec_feature_pos = start + computed - 1
-        self.last_hidden = None
-        self.last_rows = {}
 
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is

@@ -7,14 +7,8 @@ cached full block of its prompt and computes only the rest. When a running reque
 and none is free, the most recently admitted request is preempted (its blocks freed, its tokens
 recomputed later), so the oldest request always progresses and the engine cannot deadlock.
 
-A handed-off (P/D) request waits holding the blocks its KV was pulled into; it keeps them while it
-cannot get its next block, since blocks that running requests or pulls in flight hold come back.
-Transferred KV is thrown away (the waiter is recomputed from its prompt and first token; counted
-in `kv_discarded`) only when waiting could deadlock: a running request alone in the batch that
-needs a block takes them from the youngest waiters holding blocks, and so does the head of the
-queue when nothing runs. No request is cut short or stalled by blocks other requests hold; one
-waits (`StepPlan.stalled`) for blocks held outside the scheduler (pulls in flight, KV held for a
-consumer), and is ended with LENGTH, holding nothing, only when it alone outgrows the pool.
+When the pool is full, room is made in `room.py`: preemption, and the rules for handed-off (P/D)
+requests that wait holding the blocks their KV was pulled into.
 
 Speculative decoding turns a decode into a verification of k+1 positions (`attach_draft`); its
 blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
@@ -22,20 +16,17 @@ advance over the accepted tokens only and blocks reserved past them go back to t
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
+from cluster.engine import room
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.types import FinishReason
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class ScheduledChunk:
@@ -116,7 +107,7 @@ class Scheduler:
             self.on_hold(seq)      # its blocks and computed count are the hook's now
             seq.block_ids = []
         else:
-            self._release(seq)
+            self.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -152,7 +143,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + n, plan):
+            if not room.reserve(self, seq, seq.num_computed_tokens + n, plan):
                 continue
             self._add_chunk(plan, seq, n)
             budget -= n
@@ -184,7 +175,7 @@ class Scheduler:
         k = min(k, room)
         if k <= 0:
             return 0
-        need = self._blocks_for(seq.num_tokens + k) - len(seq.block_ids)
+        need = self.blocks_for(seq.num_tokens + k) - len(seq.block_ids)
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
         plan.budget_left -= k
@@ -199,7 +190,7 @@ class Scheduler:
 
     def trim_blocks(self, seq: Sequence) -> None:
         """Give back blocks reserved past what the sequence's tokens need (unused lookahead)."""
-        keep = self._blocks_for(seq.num_tokens)
+        keep = self.blocks_for(seq.num_tokens)
         if len(seq.block_ids) > keep and not seq.is_finished:
             extra = seq.block_ids[keep:]
             del seq.block_ids[keep:]
@@ -209,62 +200,8 @@ class Scheduler:
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
         (plan.decodes if n == 1 else plan.prefills).append(chunk)
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
-        """Make `seq` hold blocks for `num_tokens`: preempt younger requests, and once alone take
-        the blocks of handed-off waiters. False when `seq` gave way, waits or was ended."""
-        need = self._blocks_for(num_tokens) - len(seq.block_ids)
-        while need > self.pool.num_free:
-            if len(self.running) > 1:
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is seq:
-                    return False
-            elif not self._discard_waiter(None, f"{seq.request_id}, alone in the batch, needs a block"):
-                if self.pool.num_used > len(seq.block_ids):
-                    plan.stalled.append(seq)   # blocks held outside come back: wait for them
-                else:
-                    self._end_out_of_blocks(seq)
-                return False
-        if need > 0:
-            seq.block_ids.extend(self.pool.allocate(need))
-        return True
-
-    def _end_out_of_blocks(self, seq: Sequence) -> None:
-        """The pool cannot hold `seq` even alone: end it with LENGTH. Its blocks go back to the
-        pool, never to `on_hold` (a partial prefill has no token to hand off)."""
-        self._release(seq)
-        self.finish(seq, FinishReason.LENGTH)
-        self.ended.append(seq)
-
-    def _discard_waiter(self, keep: Sequence | None, why: str) -> bool:
-        """Release the youngest waiter holding blocks (not `keep`): its transferred KV is thrown
-        away and it is recomputed from its tokens later. False when no waiter holds any."""
-        for w in reversed(self.waiting):
-            if w.block_ids and w is not keep:
-                log.warning("discarding the transferred KV of %s (%d blocks): %s", w.request_id,
-                            len(w.block_ids), why)
-                self._release(w)
-                self.kv_discarded += 1
-                return True
-        return False
-
-    def _make_room(self, head: Sequence, need: int) -> bool:
-        """With nothing running, the head of the queue would wait forever on blocks that waiters
-        behind it hold: take them, youngest first. Only when that is enough for the head;
-        otherwise it waits for blocks held outside (pulls in flight, KV held for a consumer)."""
-        if self.running:
-            return False   # running requests give their blocks back: wait for them
-        # A waiter's blocks are its own (pulled into fresh blocks, never published to the cache).
-        behind = sum(len(w.block_ids) for w in self.waiting if w is not head)
-        if self.pool.num_free + behind < need:
-            return False
-        why = f"{head.request_id}, at the head of the queue with nothing running, needs {need} blocks"
-        while need > self.pool.num_free and self._discard_waiter(head, why):
-            pass
-        return need <= self.pool.num_free
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
@@ -284,11 +221,11 @@ class Scheduler:
             seq.num_computed_tokens = len(hits) * bs
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
-        need = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
         if (n < remaining and not self.config.enable_chunked_prefill) or (
-                need > self.pool.num_free and not self._make_room(seq, need)):
+                need > self.pool.num_free and not room.make_room(self, seq, need)):
             if not handed_off:   # a handoff keeps its transferred KV while it waits
-                self._release(seq)
+                self.release(seq)
             return 0
         seq.block_ids.extend(self.pool.allocate(need))
         if seq.num_preemptions == 0:
@@ -300,15 +237,17 @@ class Scheduler:
             self.pool.hits += seq.num_computed_tokens // bs
         return n
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Free `seq`'s blocks and queue it first, to be recomputed."""
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Give back `seq`'s blocks; what they held is to be recomputed."""
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_computed_tokens = 0

@@ -39,9 +39,9 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     # n > 1: the other samples of this prompt, waiting for its first sampling to share its KV.
     forks: list["Sequence"] = field(default_factory=list)
-    # EAGLE: the target's pre-norm hidden state at position `spec_feature_pos` (the last computed one).
-    spec_feature: torch.Tensor | None = None
-    spec_feature_pos: int = -1
+    # What the engine's speculator keeps on the request (decode/spec/: the EAGLE head's feature);
+    # it outlives the request's end, since a P/D producer exports it after the last step.
+    spec_state: object | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,4 +1,4 @@
-"""The engine's side of speculative decoding: what a speculator must provide, and what a draft is.
+"""The engine's side of speculative decoding: the one interface it calls, and what a draft is.
 
 The engine owns the mechanics: it asks the speculator how many tokens each running decode should
 propose (`lookahead`), reserves KV blocks for them (never preempting anyone for a guess), asks
@@ -8,24 +8,33 @@ which returns the tokens to append: the accepted prefix plus one token of the ta
 Rejected positions roll back in the scheduler (their KV slots are overwritten later and blocks
 reserved past the kept tokens go back to the pool).
 
-The policy lives with the decode workers (`decode/spec/`): proposers, acceptance rules, dynamic
-lookahead. Prefill workers run no speculator; with an EAGLE head configured they still compute
-the head's KV (`cluster/model/eagle.py`) so a handed-off request can speculate at once.
+Everything else lives with the decode role (`decode/spec/`): what loads beside the target and
+what it adds to the KV layout and the memory plan (`load`, a `SpecFootprint`), a pass over the
+target's hidden states after each forward (`after_forward`, `after_update`), per-block state that
+filters prefix hits (`usable_hits`, `invalidate`), the proposer state that crosses a P/D handoff
+beside the blocks (`export_state`, `import_state`), proposers, acceptance rules and dynamic
+lookahead. A prefill worker runs one that never proposes but still computes what a handed-off
+request needs to speculate at once.
 
 `attach_drafts` and `choose_tokens` are the engine's two moments of a speculative step: before
 the pass (drafts become verifications) and after it (rows become tokens).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from cluster.config import EngineConfig
 from cluster.engine.sampler import logprob_entry, sample
 from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.engine.builder import Models
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,49 @@ class Draft:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class SpecFootprint:
+    """What speculation adds to the target, known once its models are loaded (builder.py plans with it)."""
+    extra_kv_layers: int = 0     # layers of its own at the end of the target's arena (same blocks and slots)
+    model_id_suffix: str = ""    # appended to the layout's model id: a P/D peer's blocks must carry those layers too
+    bytes_per_block: int = 0     # memory kept beside every target block (another cache's KV)
+    extra_bytes: int = 0         # memory besides (its weights, its spare blocks)
+    # It runs over the target's hidden states after every pass (`after_forward`; decode graphs
+    # off) and keeps state per block (prefix hits go through `usable_hits`, allocations reset it).
+    hidden_states: bool = False
+    max_draft_tokens: int = 0    # the widest draft a verification checks (0: it never proposes)
+
+
 class Speculator(Protocol):
+    # --- building (builder.py), in this order ---------------------------------------------
+    def load(self, target: "Models", device: torch.device) -> SpecFootprint:
+        """Load what runs beside the target (before the memory plan) and say what it adds."""
+
+    def attach(self, engine) -> None:
+        """The engine is built (cache, pool, backend): make what runs over them."""
+
+    # --- around the forward pass -------------------------------------------------------------
+    def after_forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+                      hidden: torch.Tensor, meta) -> None:
+        """The target's pre-norm hidden states of the step's tokens (only with `hidden_states`)."""
+
+    def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        """After the scheduler's update: computed counts are final; `forks` spawned from their parents."""
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        """The longest prefix of a prefix-cache hit this engine can continue from."""
+
+    def invalidate(self, blocks: list[int]) -> None:
+        """`blocks` were just allocated: what was kept for them is gone."""
+
+    # --- the P/D handoff ---------------------------------------------------------------------
+    def export_state(self, seq: Sequence) -> bytes:
+        """What a decode worker needs beside `seq`'s blocks to speculate at once (b"": nothing)."""
+
+    def import_state(self, data: bytes, num_prompt_tokens: int) -> object:
+        """The `Sequence.spec_state` a handed-off sequence starts with; ValueError if `data` cannot be it."""
+
+    # --- per request and per step ------------------------------------------------------------
     def check_request(self, sampling: SamplingParams) -> None:
         """Raise ValueError when this speculator cannot serve what `sampling` asks for."""
 
@@ -56,6 +107,10 @@ class Speculator(Protocol):
 
     def stats(self) -> dict:
         """Counters by method: drafted, accepted, verify steps."""
+
+
+# What an engine is given to speculate: `LLMEngine(config, speculator_factory=...)` calls it with its config.
+SpeculatorFactory = Callable[[EngineConfig], Speculator]
 
 
 def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) -> dict[Sequence, Draft]:

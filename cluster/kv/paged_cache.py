@@ -53,24 +53,12 @@ def resident_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def draft_footprint(draft_model: torch.nn.Module, draft_config: ModelConfig, engine_config,
-                    dtype: str) -> tuple[int, int]:
-    """What a draft model takes beside the target (decode/spec/draft_model.py runs it): bytes per
-    draft KV block (one for every target block), and its weights as laid out for the kernel plan
-    plus lookahead room for every sequence. Planned with the target so the draft is inside the budget."""
-    spec, bs = engine_config.speculative, engine_config.cache.block_size
-    per_block = KVLayout(model_id=draft_config.model_id, num_layers=draft_config.num_layers,
-                         num_kv_heads=draft_config.num_kv_heads, head_dim=draft_config.head_dim, block_size=bs,
-                         dtype=dtype).bytes_per_block()
-    lookahead_blocks = engine_config.scheduler.max_num_seqs * -(-(spec.max_speculative_tokens + 1) // bs)
-    return per_block, resident_bytes(draft_model) + lookahead_blocks * per_block
-
-
 def plan_memory(model_cfg: ModelConfig, layout: KVLayout, cache: CacheConfig, sched: SchedulerConfig,
                 dtype: torch.dtype, weight_bytes: int, max_model_len: int, device: torch.device,
                 companion_per_block: int = 0, companion_bytes: int = 0) -> MemoryPlan:
-    """`companion_per_block`: bytes another cache keeps for every block of this one (a draft
-    model's KV); `companion_bytes`: memory it needs besides (its weights, its own spare blocks).
+    """`companion_per_block`: bytes another cache keeps for every block of this one (a
+    speculator's own KV, `SpecFootprint`); `companion_bytes`: memory it needs besides (its weights,
+    its own spare blocks).
     Both come out of the same budget, so the pool is sized for everything the engine allocates."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = (4 * model_cfg.hidden_size + model_cfg.q_size + 2 * model_cfg.kv_size

@@ -15,9 +15,9 @@ from cluster.metrics import ClusterMetrics
 from cluster.model.kernel_choice import engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
-from cluster.model.spec_compat import check_speculative_models
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
+from decode.spec.compat import check_speculative_models
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
 from router.server import ServerInfo
@@ -297,6 +297,7 @@ def _start_ray(cfg: ClusterConfig) -> bool:
 async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster]:
     """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
     the cluster's kernel plan; their clients, prefill workers first, and who plays which role."""
+    from decode.spec.speculator import make_kv_only_speculator, make_speculator  # noqa: PLC0415
     from decode.worker import DecodeWorker  # noqa: PLC0415
     from prefill.worker import PrefillWorker  # noqa: PLC0415
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
@@ -308,7 +309,9 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
     data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
     workers, prefill, decode = {}, [], []
     for i, share in enumerate(shares):
-        role, cls = ("prefill", PrefillWorker) if i < num_prefill else ("decode", DecodeWorker)
+        # Every worker's speculation comes from decode.spec; a prefill worker's never proposes.
+        role, cls, speculation = (("prefill", PrefillWorker, make_kv_only_speculator) if i < num_prefill
+                                  else ("decode", DecodeWorker, make_speculator))
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
@@ -317,7 +320,7 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg)
+                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg, speculation)
         workers[name] = WorkerClient(name, h)
         (prefill if role == "prefill" else decode).append(name)
     return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode))

@@ -118,7 +118,7 @@ def _check_machine(cfg) -> None:
     """Before Ray: the model is there, the device exists, the speculative setup can work, and
     every port can be bound on its host."""
     from cluster.launch.app import gpus_per_worker  # noqa: PLC0415
-    from cluster.model.spec_compat import check_speculative_models  # noqa: PLC0415
+    from decode.spec.compat import check_speculative_models  # noqa: PLC0415
     check_model(cfg.engine.model)
     check_device(cfg.engine.device)
     gpus_per_worker(cfg)

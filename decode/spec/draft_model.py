@@ -20,8 +20,9 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
-from cluster.types import KVLayout
+from cluster.model.model_config import ModelConfig
 from decode.spec.lookahead import DraftBatch, StopRule
+from decode.spec.memory import draft_layout, lookahead_blocks
 
 
 @dataclass
@@ -33,20 +34,18 @@ class _DraftState:
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, engine, config: SpeculativeConfig):
+    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module):
         self.engine = engine
         self.config = config
-        # Loaded by the engine with the target, before its memory plan, on the target's kernel plan.
-        self.model_config, self.model = engine.draft_model_config, engine.draft_model
+        # Loaded with the target, before its memory plan, on the target's kernel plan (loading.py).
+        self.model_config, self.model = model_config, model
         mc = self.model_config
         bs = engine.layout.block_size
         self.block_size = bs
-        self.layout = KVLayout(model_id=mc.model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                               head_dim=mc.head_dim, block_size=bs, dtype=engine.layout.dtype)
+        self.layout = draft_layout(mc, bs, engine.layout.dtype)
         # As many blocks as the target's pool plus room for every sequence's lookahead: the draft
-        # never runs out before the target does.
-        sched = engine.config.scheduler
-        num_blocks = engine.pool.num_blocks + sched.max_num_seqs * (-(-(config.max_speculative_tokens + 1) // bs))
+        # never runs out before the target does (memory.py planned them).
+        num_blocks = engine.pool.num_blocks + lookahead_blocks(engine.config)
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                          mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
                                          scale=mc.attention_scale)

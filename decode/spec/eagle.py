@@ -1,6 +1,7 @@
 """EAGLE proposer: drafts with the head over the target's own last hidden states.
 
-Position n (the pending token x_n) pairs x_n with the true feature f_{n-1} the engine kept; each
+Position n (the pending token x_n) pairs x_n with the true feature f_{n-1} kept by the pass over
+the target's tokens (eagle_head.py `EagleFeatures`, the sequence's `spec_state`); each
 later draft position pairs the previous draft token with the head's own output g. The head's KV
 sits in the target's blocks (the arena's last layer), in the slots the engine reserved for the
 lookahead; the verification pass rewrites them with true features, so nothing needs undoing.
@@ -13,29 +14,29 @@ from cluster.config import SpeculativeConfig
 from cluster.engine.runner import BatchLayout
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
+from decode.spec.eagle_head import EagleHead, feature_of
 from decode.spec.lookahead import DraftBatch, StopRule
 
 
 class EagleProposer:
     method = "eagle"
 
-    def __init__(self, engine, config: SpeculativeConfig):
-        if engine.eagle is None:
-            raise ValueError("the EAGLE proposer needs an engine built with speculative method 'eagle'")
+    def __init__(self, engine, config: SpeculativeConfig, head: EagleHead):
         self.engine = engine
-        self.head = engine.eagle
+        self.head = head
         self.config = config
 
     def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None]) -> list[Draft]:
         eng = self.engine
         bs = eng.layout.block_size
-        ready = [i for i, s in enumerate(seqs) if s.spec_feature is not None
-                 and s.spec_feature_pos == s.num_computed_tokens - 1]
+        features = [feature_of(s) for s in seqs]
+        ready = [i for i, (s, f) in enumerate(zip(seqs, features)) if f is not None
+                 and f.pos == s.num_computed_tokens - 1]
         if not ready:
             return [Draft(()) for _ in seqs]
         drafting = DraftBatch(seqs, ks, stop_rules)
         active = ready
-        feats = torch.stack([seqs[i].spec_feature for i in active])
+        feats = torch.stack([features[i].hidden for i in active])
         last = [seqs[i].token_ids[-1] for i in active]
         for step in range(max(ks[i] for i in active)):
             layout = BatchLayout(bs, eng.device)

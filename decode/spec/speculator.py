@@ -1,12 +1,19 @@
-"""The decode worker's speculator: picks the proposer per request, sizes each draft, verifies.
+"""The engine's speculator: loads what runs beside the target, picks the proposer per request,
+sizes each draft, verifies.
 
-It implements the engine's `Speculator` protocol (cluster/engine/speculation.py). Proposers:
+It implements the engine's `Speculator` protocol (cluster/engine/speculation.py): what loads
+beside the target (loading.py), the EAGLE head's pass over the target's hidden states and its
+features (eagle_head.py), and the per-step policy below. Proposers:
  - `ngram`: prompt lookup, model-free, always available;
  - `draft`: a small model of the same tokenizer with its own paged KV (draft_model.py);
  - `eagle`: a head over the target's last hidden states whose KV shares the target's blocks
    (eagle.py).
 Verification keeps the target's output distribution: greedy requests accept the longest prefix
 equal to the target's argmax; sampled requests use the p/q rejection rule (acceptance.py).
+
+`make_speculator` is the factory decode workers and `splitserve generate` give their engine;
+`make_kv_only_speculator` the prefill workers': it never proposes, but with an EAGLE head it
+still computes the head's KV and the prompt's last hidden state that a handoff carries.
 """
 from __future__ import annotations
 
@@ -15,15 +22,17 @@ from collections import defaultdict
 
 import torch
 
-from cluster.config import AUTO, SpeculativeConfig
+from cluster.config import AUTO, EngineConfig, SpeculativeConfig
+from cluster.engine.builder import Models
 from cluster.engine.sampler import apply_repetition_penalty, warp_probs
+from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import Draft
+from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
 from decode.spec.acceptance import accept_greedy, accept_sampled
+from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
-
 
 
 class NgramDrafts:
@@ -41,16 +50,14 @@ class NgramDrafts:
 
 
 class SpecDecoder:
-    def __init__(self, engine, config: SpeculativeConfig):
-        self.config = config
+    def __init__(self, engine_config: EngineConfig, proposing: bool = True):
+        self.engine_config = engine_config
+        self.config = config = engine_config.speculative
+        self.proposing = proposing      # False: a prefill worker's, which only computes what a handoff carries
         self.default_method = config.method
-        self.proposers = {"ngram": NgramDrafts(config)}
-        if config.method == "draft":
-            from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
-            self.proposers["draft"] = DraftModelProposer(engine, config)
-        elif config.method == "eagle":
-            from decode.spec.eagle import EagleProposer  # noqa: PLC0415
-            self.proposers["eagle"] = EagleProposer(engine, config)
+        self.proposers: dict = {}
+        self.models: SpecModels | None = None
+        self.features = None            # an EagleFeatures, with an EAGLE head
         self._lookahead: dict[Sequence, Lookahead] = {}
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
@@ -61,9 +68,55 @@ class SpecDecoder:
         self._proposed_at: float | None = None
         self.calibration = defaultdict(Calibration)
 
+    # --- building ---------------------------------------------------------------------------
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
+        self.models = load_spec_models(self.engine_config, target, device, self.proposing)
+        return self.models.footprint
+
+    def attach(self, engine) -> None:
+        loaded = self.models
+        if loaded.eagle is not None:
+            from decode.spec.eagle_head import EagleFeatures  # noqa: PLC0415
+            self.features = EagleFeatures(loaded.eagle, engine)
+        if not self.proposing:
+            return
+        self.proposers["ngram"] = NgramDrafts(self.config)
+        if loaded.draft_model is not None:
+            from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
+            self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
+        elif loaded.eagle is not None:
+            from decode.spec.eagle import EagleProposer  # noqa: PLC0415
+            self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle)
+
+    # --- around the forward pass, and the handoff (the EAGLE head's features) ----------------
+    def after_forward(self, plan: StepPlan, input_ids, positions, hidden: torch.Tensor, meta) -> None:
+        self.features.after_forward(plan, input_ids, positions, hidden, meta)
+
+    def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        if self.features is not None:
+            self.features.keep(forks)
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        return hits if self.features is None else self.features.usable_hits(hits)
+
+    def invalidate(self, blocks: list[int]) -> None:
+        if self.features is not None:
+            self.features.invalidate(blocks)
+
+    def export_state(self, seq: Sequence) -> bytes:
+        return b"" if self.features is None else self.features.export(seq)
+
+    def import_state(self, data: bytes, num_prompt_tokens: int) -> object:
+        return None if self.features is None else self.features.adopt(data, num_prompt_tokens)
+
     # --- per request ----------------------------------------------------------------------
     def check_request(self, sp: SamplingParams) -> None:
         method = sp.speculative
+        if not self.proposing:
+            if method not in (None, "off"):
+                raise ValueError(f"speculative={method!r} was asked for, but this engine does not propose "
+                                 "(a prefill worker's): speculation is the decode worker's")
+            return
         if method not in (None, "off") and method not in self.proposers:
             raise ValueError(f"speculative={method!r} is not loaded on this engine (it serves "
                              f"{', '.join(sorted(self.proposers))}); set it in the cluster config")
@@ -86,6 +139,8 @@ class SpecDecoder:
 
     # --- the engine's protocol --------------------------------------------------------------
     def lookahead(self, seq: Sequence) -> int:
+        if not self.proposing:
+            return 0
         method, look = self._state(seq)
         return 0 if method == "off" else look.next_k(self.tau[method])
 
@@ -164,7 +219,12 @@ def _one_hot(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch
     return q
 
 
-def make_speculator(engine) -> SpecDecoder:
+def make_speculator(config: EngineConfig) -> SpecDecoder:
     """The factory `LLMEngine(config, speculator_factory=...)` takes. With the method "off" the
     engine still serves requests that ask for n-gram speculation themselves."""
-    return SpecDecoder(engine, engine.config.speculative)
+    return SpecDecoder(config)
+
+
+def make_kv_only_speculator(config: EngineConfig) -> SpecDecoder:
+    """A prefill worker's: no proposing, no draft model; an EAGLE head's KV and features still."""
+    return SpecDecoder(config, proposing=False)

@@ -83,12 +83,12 @@ def test_preemption_under_tiny_block_budget(kind, tiny_model_dir, hf_greedy):
     # they cannot all run at once, so the scheduler must preempt and recompute.
     engine = _engine(tiny_model_dir(kind), block_size=4, num_blocks=30, budget=64)
     preempted = []
-    original = engine.scheduler._preempt
+    original = engine.scheduler.preempt
 
     def spy(seq, plan):
         preempted.append(seq.request_id)
         original(seq, plan)
-    engine.scheduler._preempt = spy
+    engine.scheduler.preempt = spy
     _check(engine, kind, _prompts(shared_prefix=20), hf_greedy)
     assert preempted, "the block budget was meant to force preemption"
 

@@ -1,0 +1,183 @@
+"""The EAGLE head at serving time, over the paged KV cache, and the features it reads.
+
+Contract (the training side is bench/spec_training/eagle.py): for position j the head reads
+u_j = fc(cat(E(x_j), f_{j-1})), where f is the target's last decoder layer output before the final
+norm (f_{-1} = 0) and E the target's embedding; one Llama decoder layer turns u into g_j, the
+head's estimate of f_j, and the target's own norm and lm_head turn g_j into next-token logits.
+
+The head's KV is one more layer of the target's KV arena (same blocks, same slots). The engine
+runs the head over every token the target computes, with the true features, so the head's KV
+is right wherever the target's is: in prefix-cached blocks and in blocks handed off from a
+prefill worker. Drafting then only adds positions past the verified ones (eagle.py).
+
+`EagleFeatures` is that pass (the speculator's `after_forward`) and what it keeps: each
+sequence's feature at its last computed position (`Sequence.spec_state`, a `Feature`) and the
+feature at every block's last slot, for prefix-cache hits (valid only for blocks this engine
+computed since the block was allocated: blocks filled by a KV transfer have none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cluster.engine.scheduler import StepPlan
+from cluster.engine.sequence import Sequence
+from cluster.model.llama import CausalLM, DecoderLayer
+from cluster.model.loader import LazyCheckpoint, TensorTaker, layer_state_dict
+from cluster.model.model_config import ModelConfig
+from decode.spec.compat import read_eagle_config
+
+
+class EagleHead(nn.Module):
+    def __init__(self, layer_cfg: ModelConfig, target: CausalLM):
+        super().__init__()
+        h = layer_cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(layer_cfg, None)
+        self.target = [target]   # not a submodule: its weights are the target's, not the head's
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,
+                kv_layer: torch.Tensor, backend, meta, logits_indices: torch.Tensor | None = None):
+        """Returns (g [T, H], fp32 logits of `logits_indices` rows or None); stores the head's KV."""
+        target = self.target[0]
+        u = self.fc.forward(torch.cat((target.embed(input_ids), prev_features), dim=-1))
+        fp = target.new_pass(positions, u.dtype, backend, meta)
+        g = self.layer.forward(u, fp, kv_layer[0], kv_layer[1])
+        if logits_indices is None:
+            return g, None
+        return g, target.logits(g.index_select(0, logits_indices), fp)
+
+
+def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,
+                    device: torch.device) -> EagleHead:
+    raw = read_eagle_config(head_dir)
+    if target_cfg.attention_scale != target_cfg.head_dim ** -0.5:
+        # The head attends through the target's backend, whose softmax scale is the target's.
+        raise ValueError("an EAGLE head over a target with query_pre_attn_scalar (a softmax scale other "
+                         "than head_dim ** -0.5) is not supported")
+    # The head's layer is a plain Llama layer, whatever the target's family.
+    layer_cfg = replace(target_cfg, architecture="LlamaForCausalLM", num_layers=1,
+                        intermediate_size=int(raw["intermediate_size"]), qkv_bias=False, o_bias=False,
+                        mlp_bias=False, layer_windows=(None,), hidden_act="silu", qk_norm=False, norm_offset=0.0,
+                        sandwich_norm=False, local_rope=None, local_layers=())
+    take = TensorTaker(LazyCheckpoint(Path(head_dir)))
+    state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
+    if take.missing:
+        raise ValueError(f"EAGLE head {head_dir} is missing tensors: {', '.join(take.missing)}")
+    head = EagleHead(layer_cfg, target)
+    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+@dataclass(frozen=True)
+class Feature:
+    """The target's pre-norm hidden state at position `pos` (a sequence's last computed one)."""
+    hidden: torch.Tensor
+    pos: int
+
+
+def feature_of(seq: Sequence) -> Feature | None:
+    state = seq.spec_state
+    return state if isinstance(state, Feature) else None
+
+
+class EagleFeatures:
+    """The head's pass over every token the target computes, and the features it keeps."""
+
+    def __init__(self, head: EagleHead, engine):
+        self.head = head
+        self.kv_layer = engine.kv_cache.arena[-1]      # the head's KV: the arena's last layer
+        self.backend = engine.backend
+        self.block_size = engine.layout.block_size
+        self.device = engine.device
+        self.hidden_size, self.dtype = engine.model_config.hidden_size, engine.dtype
+        num_blocks = engine.pool.num_blocks
+        self.block_features = torch.zeros((num_blocks, self.hidden_size), dtype=self.dtype, device=self.device)
+        self.feature_valid = [False] * num_blocks   # per block: written here since the block was allocated
+        self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
+        self.last_hidden: torch.Tensor | None = None
+
+    def after_forward(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
+        """The head over the step's tokens with the true features: input j pairs x_j with f_{j-1}."""
+        bs = self.block_size
+        total = hidden.shape[0]
+        carry, src, ends_rows, ends_blocks = [], [], [], []
+        self.last_rows = {}
+        offset = 0
+        for chunk in plan.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            self.last_rows[seq] = (offset, start)
+            if start == 0:
+                src.append(-1)                          # f_{-1} = 0
+            else:
+                src.append(total + len(carry))
+                carry.append(self._feature_before(seq, start))
+            src.extend(range(offset, offset + n - 1))
+            for p in range(start, start + n):
+                if p % bs == bs - 1:
+                    ends_rows.append(offset + p - start)
+                    ends_blocks.append(seq.block_ids[p // bs])
+            offset += n
+        zero = hidden.new_zeros((1, hidden.shape[1]))
+        table = torch.cat([hidden, *([torch.stack(carry)] if carry else []), zero])
+        index = torch.tensor([len(table) - 1 if i < 0 else i for i in src], dtype=torch.long, device=self.device)
+        self.head(ids_t, table.index_select(0, index), pos_t, self.kv_layer, self.backend, meta)
+        for b in ends_blocks:
+            self.feature_valid[b] = True
+        if ends_rows:
+            self.block_features.index_copy_(0, torch.tensor(ends_blocks, device=self.device),
+                                            hidden.index_select(0, torch.tensor(ends_rows, device=self.device)))
+        self.last_hidden = hidden
+
+    def _feature_before(self, seq: Sequence, start: int) -> torch.Tensor:
+        feature = feature_of(seq)
+        if feature is not None and feature.pos == start - 1:
+            return feature.hidden
+        # A chunk that starts after a prefix-cache hit: the feature kept for the hit's last block.
+        block = seq.block_ids[start // self.block_size - 1]
+        assert start % self.block_size == 0 and self.feature_valid[block], (seq.request_id, start)
+        return self.block_features[block]
+
+    def keep(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        """After the scheduler's update: each sequence's feature at its last computed position;
+        a prompt's last feature is its forks' too."""
+        if self.last_hidden is not None:
+            for seq, (row, start) in self.last_rows.items():
+                computed = seq.num_computed_tokens - start
+                if computed > 0:
+                    seq.spec_state = Feature(self.last_hidden[row + computed - 1].clone(), start + computed - 1)
+            self.last_hidden = None
+            self.last_rows = {}
+        for parent, children in forks.items():
+            for child in children:
+                child.spec_state = parent.spec_state
+
+    def invalidate(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.feature_valid[b] = False
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        """The longest prefix of a cache hit whose last block has a feature."""
+        n = len(hits)
+        while n and not self.feature_valid[hits[n - 1]]:
+            n -= 1
+        return hits[:n]
+
+    def export(self, seq: Sequence) -> bytes:
+        """The prompt's last hidden state, the one piece of the head's state the blocks do not
+        carry (raw bytes in the KV layout's dtype)."""
+        feature = feature_of(seq)
+        if feature is None:
+            return b""
+        return feature.hidden.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def adopt(self, data: bytes, num_prompt_tokens: int) -> Feature:
+        if len(data) != self.hidden_size * self.dtype.itemsize:
+            raise ValueError(f"a handoff to an EAGLE decode worker must carry the prompt's last hidden state "
+                             f"({self.hidden_size} values); got {len(data)} bytes")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return Feature(raw.view(self.dtype).to(self.device), num_prompt_tokens - 1)
