@@ -76,14 +76,7 @@ class TritonAttentionBackend:
         if self.invariant:
             return self._prepare_every_row(batch)
         bs = batch.block_size
-        # Every sequence as (query start, query len, context len, block table), sections in flat order.
-        groups = []
-        if batch.num_decode:
-            groups.append(("decode", [(i, 1, n, t) for i, (n, t) in
-                                      enumerate(zip(batch.decode_context_lens, batch.decode_block_tables))]))
-        for kind, spans in (("verify", batch.verifies), ("prefill", batch.prefills)):
-            if spans:
-                groups.append((kind, [(s.query_start, s.query_len, s.context_len, s.block_table) for s in spans]))
+        groups = _span_groups(batch)
         seqs = [s for _, spans in groups for s in spans]
         if not seqs:
             return TritonMeta(batch.slot_mapping, [])
@@ -194,3 +187,16 @@ class TritonAttentionBackend:
                 prefill_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
                                   s.max_query_len, self.scale, window, s.tiles, out[rows], s.block_m)
         return out.view(num_tokens, -1)
+
+
+def _span_groups(batch) -> list[tuple[str, list[tuple]]]:
+    """Every sequence of the batch as (query start, query len, context len, block table), grouped
+    by kind (decode, verify, prefill) in the batch's flat order."""
+    groups = []
+    if batch.num_decode:
+        groups.append(("decode", [(i, 1, n, t) for i, (n, t) in
+                                  enumerate(zip(batch.decode_context_lens, batch.decode_block_tables))]))
+    for kind, spans in (("verify", batch.verifies), ("prefill", batch.prefills)):
+        if spans:
+            groups.append((kind, [(s.query_start, s.query_len, s.context_len, s.block_table) for s in spans]))
+    return groups
