@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from cluster.config import require, setting
 
 
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     max_in_flight: int = setting(256, "in-flight slots of one frontend, one per sample of a request (vLLM: "
@@ -96,13 +99,13 @@ class Admission:
         """The one admission check of both APIs: refused while the router is `closing` (shutting
         down), else `acquire`. Raises `Refused`; each API answers it by `why`."""
         if closing:
-            raise Refused(RefusedWhy.SHUTTING_DOWN, "the server is shutting down; retry on another replica")
+            raise self._refuse(tenant, RefusedWhy.SHUTTING_DOWN, SHUTTING_DOWN)
         return await self.acquire(tenant, slots)
 
     async def acquire(self, tenant: str, slots: int) -> Ticket:
         """Slots for one request, now or after a wait in the fair queue; raises `Refused`."""
         if self.closed:
-            raise self._refuse(tenant, RefusedWhy.SHUTTING_DOWN, "the server is shutting down; retry on another replica")
+            raise self._refuse(tenant, RefusedWhy.SHUTTING_DOWN, SHUTTING_DOWN)
         if slots > self.tenant_cap:
             raise self._refuse(tenant, RefusedWhy.TOO_LARGE,
                                f"this request needs {slots} in-flight slots (one per prompt and sample) but the server "

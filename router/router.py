@@ -23,6 +23,7 @@ from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
 from cluster.worker_messages import WorkerStats
+from router.admission import SHUTTING_DOWN
 from router.attempts import Attempts
 from router.health import WorkerHealth
 from router.policy import WorkerView
@@ -116,7 +117,7 @@ class Router:
             if m.request_id in self.active:
                 raise ValueError(f"request_id {m.request_id!r} is already running")
         if self.closing:
-            raise ShuttingDown("the server is shutting down; retry on another replica")
+            raise ShuttingDown(SHUTTING_DOWN)
         self.in_flight += len(members)
         self.activity.set()
         streamed: dict[str, list[int]] = {}
@@ -181,4 +182,4 @@ class Router:
         abort them as their attempts end; new requests are refused."""
         self.workers.close()
         for q in list(self.receiver.queues.values()):
-            q.push(ShuttingDown("the server is shutting down; retry on another replica"))
+            q.push(ShuttingDown(SHUTTING_DOWN))
