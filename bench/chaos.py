@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     mc = load_model_config(engine.model)
     workload = make_workload(args, mc.vocab_size, engine.max_model_len or mc.max_position_embeddings)
     num_prefill, num_decode = TOPOLOGIES[args.topology]
-    cfg = ClusterConfig(engine=engine, num_prefill=num_prefill, num_decode=num_decode,
+    cfg = ClusterConfig(http_port=None, engine=engine, num_prefill=num_prefill, num_decode=num_decode,
                         data_plane=DataPlaneConfig(transport="nixl"), port=0,
                         max_tokens_limit=args.max_tokens_limit)
     report = {"command": " ".join([sys.executable, *sys.argv]), "cpu_model": cpu_model(), "cpus": os.cpu_count(),

@@ -151,7 +151,7 @@ def _cluster_matrix(threads) -> None:
             shape = ({"colocated": True} if topology == "colocated" else
                      {"num_prefill": int(topology[0]), "num_decode": int(topology[2]), "transport": "nixl",
                       "local_prefill_max_tokens": 4})
-            cluster = ClusterThread(ClusterConfig(engine=engine, port=0, **shape))
+            cluster = ClusterThread(ClusterConfig(http_port=None, engine=engine, port=0, **shape))
 
             async def go(target=cluster.target, spec=spec):
                 client = AsyncClient(target)

@@ -31,7 +31,7 @@ def run(transport: str, args, prompts) -> list:
     from cluster_harness import ClusterThread
     from router.client import Client
     engine = EngineConfig(model=args.model) if args.model else EngineConfig()
-    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport=transport), port=0,
+    c = ClusterThread(ClusterConfig(http_port=None, engine=engine, data_plane=DataPlaneConfig(transport=transport), port=0,
                                     router=RouterConfig(local_prefill_max_tokens=0)))
     try:
         client = Client(c.target)

@@ -251,7 +251,8 @@ def run_mode(mode: str, args) -> dict:
     target = f"127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.update(dict(kv.split("=", 1) for kv in args.env))
-    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *MODES[mode], "--port", str(port), *args.serve_arg]
+    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *MODES[mode], "--port", str(port), "--http-port", "0",
+           *args.serve_arg]
     log_path = Path(args.out).with_name(f"idle_cpu_{mode}.log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"\n== {mode}: {' '.join(cmd[1:])}" + (f"  env: {' '.join(args.env)}" if args.env else ""), flush=True)

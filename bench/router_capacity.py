@@ -107,7 +107,7 @@ def main() -> None:
         prompts.append(pool[s:s + args.prompt_tokens])
     from cluster.config import SpeculativeConfig
     engine = EngineConfig(model=model, dtype=args.dtype, speculative=SpeculativeConfig(method=args.speculative))
-    cfg = ClusterConfig(engine=engine, colocated=args.colocated,
+    cfg = ClusterConfig(http_port=None, engine=engine, colocated=args.colocated,
                         num_prefill=args.prefill, num_decode=args.decode,
                         data_plane=DataPlaneConfig(transport=args.transport, stream_interval=args.stream_interval),
                         port=0,

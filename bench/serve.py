@@ -143,7 +143,7 @@ def main() -> None:
     all_results, summary = {}, {}
 
     async def run_mode(mode: str):
-        cfg = ClusterConfig(engine=engine, colocated=mode == "colocated",
+        cfg = ClusterConfig(http_port=None, engine=engine, colocated=mode == "colocated",
                             data_plane=DataPlaneConfig(transport=args.transport), port=0,
                             max_tokens_limit=4096)
         cluster = await start_cluster(cfg)

@@ -185,6 +185,8 @@ def start_splitserve(mode: str, model: Path, log: Path, threads: int, transport:
         while http_port == port:
             http_port = free_port()
         cmd += ["--http-port", str(http_port), "--served-model-name", SERVED_NAME]
+    else:
+        cmd += ["--http-port", "none"]       # the gRPC modes measure the gRPC frontend alone
     cmd += list(extra_args)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     target = f"http://127.0.0.1:{http_port}" if http else f"127.0.0.1:{port}"

@@ -51,13 +51,14 @@ class ConfigError(ValueError):
 
 
 def setting(default=MISSING, help: str = "", *, factory=MISSING, flag: str | None = None, choices=None,  # noqa: A002
-            parse=None, default_text: str | None = None, metavar: str | None = None):
+            parse=None, default_text: str | None = None, metavar: str | None = None, aliases: tuple[str, ...] = ()):
     """A field a user sets (a flag and a YAML key). `flag` overrides the spelling derived from the
-    field's name; `choices` is a tuple, or a function returning one (a registry imported late);
-    `parse` turns text (and YAML's values) into the field's value; `default_text` describes a
-    default computed at run time."""
+    field's name; `aliases` are other flags for it (each also a YAML key), such as an old name kept
+    working; `choices` is a tuple, or a function returning one (a registry imported late); `parse`
+    turns text (and YAML's values) into the field's value; `default_text` describes a default
+    computed at run time."""
     meta = {"help": help, "flag": flag, "choices": choices, "parse": parse, "default_text": default_text,
-            "metavar": metavar}
+            "metavar": metavar, "aliases": tuple(aliases)}
     return field(default=default, default_factory=factory, metadata=meta)
 
 

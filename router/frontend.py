@@ -42,7 +42,7 @@ class FrontendConfig:
     router: RouterConfig
     transport: str                  # the KV transport (a metrics label)
     host: str
-    port: int
+    port: int | None                # gRPC (None: only the HTTP API)
     stream_host: str                # where workers send token frames: this node's address
     policy: str
     admission: AdmissionConfig
@@ -66,10 +66,11 @@ class Frontend:
         self.metrics = metrics
         self.siblings: list = []
         self.router = self.service = self.server = self.http = None
-        self.port = 0
+        self.port: int | None = None     # gRPC's, once bound (None: no gRPC server)
         self._poll_task = self._ready_task = None
 
-    async def start(self) -> int:
+    async def start(self) -> int | None:
+        """Bind the servers (health NOT_SERVING until every worker is ready); the gRPC port."""
         from cluster.metrics import ClusterMetrics  # noqa: PLC0415
         from cluster.model.loader import load_tokenizer  # noqa: PLC0415
         from cluster.token_stream import TokenReceiver  # noqa: PLC0415
@@ -90,8 +91,9 @@ class Frontend:
         self.service = InferenceService(self.router, cfg.limits, batch_tokenize(tokenizer, add_special_tokens=True),
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,
                                         admission=cfg.admission)
-        self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
-                                                         client_ca=cfg.tls_client_ca, connections=cfg.connections)
+        if cfg.port is not None:
+            self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
+                                                             client_ca=cfg.tls_client_ca, connections=cfg.connections)
         if cfg.http_port is not None:
             from router.chat_template import ChatTemplate  # noqa: PLC0415
             from router.http_server import OpenAIServer  # noqa: PLC0415
@@ -163,6 +165,7 @@ class Frontend:
         await self.router.shutdown()
         if self.http is not None:
             await self.http.stop()
-        await self.server.stop(grace=1.0)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
         await self.router.receiver.stop()
         self.service.offload.close()

@@ -90,6 +90,8 @@ class InferenceService:
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
 
     async def set_serving(self, serving: bool) -> None:
+        if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
+            return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in (SERVICE_NAME, ""):
             await self.health.set(name, status)

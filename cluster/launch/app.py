@@ -124,13 +124,14 @@ class RunningCluster:
     config: ClusterConfig
     frontend: Frontend | None   # the in-process frontend; None with --frontends N > 1
     frontends: list             # actor frontends' handles (with --frontends N > 1)
-    port: int
+    port: int | None            # the gRPC API's, as bound (None: not served)
     workers: dict[str, WorkerClient]
     started_ray: bool
     supervisor: object
     metrics: object = None
     metrics_server: object = None
     http_port: int | None = None    # the OpenAI HTTP API's port, when served
+    model_name: str = ""            # the served model's name in both APIs (--served-model-name, else its id)
 
     @property
     def router(self):
@@ -276,7 +277,8 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                       if cfg.metrics_port is not None else None)
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
-    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port)
+    return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port,
+                          fcfg.limits.model_id)
 
 
 def _start_ray(cfg: ClusterConfig) -> bool:

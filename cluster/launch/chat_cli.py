@@ -60,29 +60,40 @@ def chat_loop(reply, out=sys.stdout, read=input) -> int:
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-def http_reply(base_url: str, model: str | None, api_key: str | None, max_tokens: int, temperature: float):
-    """A `reply` over a server's OpenAI API (/v1/chat/completions, streamed): its template applies."""
+def _sse_post(base_url: str, path: str, body: dict, api_key: str | None, piece):
+    """POST a streamed request to a server's OpenAI API; yields `piece(choice)` of every event."""
     import http.client  # noqa: PLC0415
     from urllib.parse import urlsplit  # noqa: PLC0415
     url = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
+    conn = (http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection)(
+        url.hostname, url.port, timeout=600)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers=headers)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"the server answered {resp.status}: {resp.read().decode(errors='replace')[:300]}")
+    for line in resp:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices", []):
+                yield piece(choice)
+    conn.close()
 
+
+def http_reply(base_url: str, model: str | None, api_key: str | None, max_tokens: int, temperature: float):
+    """A `reply` over a server's OpenAI API (/v1/chat/completions, streamed): its template applies."""
     def reply(messages):
-        conn = (http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection)(
-            url.hostname, url.port, timeout=600)
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
-        if model:
-            body["model"] = model
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"the server answered {resp.status}: {resp.read().decode(errors='replace')[:300]}")
-        for line in resp:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices", []):
-                    yield choice.get("delta", {}).get("content") or ""
-        conn.close()
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+                **({"model": model} if model else {})}
+        yield from _sse_post(base_url, "/v1/chat/completions", body, api_key,
+                             lambda choice: choice.get("delta", {}).get("content") or "")
     return reply
+
+
+def http_completion(base_url: str, api_key: str | None, prompt: str | list[int], max_tokens: int,
+                    temperature: float = 0.0):
+    """One prompt (text, or token ids rendered here) through /v1/completions, streamed: its text pieces."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    yield from _sse_post(base_url, "/v1/completions", body, api_key, lambda choice: choice.get("text") or "")
 
 
 def grpc_reply(client, builder: PromptBuilder, max_tokens: int, temperature: float):

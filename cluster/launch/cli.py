@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig, default_model_dir
-from cluster.launch.cli_parser import build_parser
+from cluster.launch.cli_parser import build_parser, version
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
 from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
 
@@ -79,7 +79,7 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
         return None
     config = build(ClusterConfig, sub.settings, values, _file_settings(args))
     if check_machine:
-        _check_machine(config)
+        _check_machine(config, {path: values.source[path] for path in values.given})
     return config
 
 
@@ -114,16 +114,23 @@ def _api_keys(args) -> tuple:
     return keys
 
 
-def _check_machine(cfg) -> None:
+def _check_machine(cfg, given: dict) -> None:
     """Before Ray: the model is there, the device exists, the speculative setup can work, and
-    every port can be bound on its host."""
+    every port can be bound on its host. `given`: the path of each setting given -> the flag (or
+    YAML key) it came from, so that an error names what the user wrote."""
     from cluster.launch.app import gpus_per_worker  # noqa: PLC0415
     from decode.spec.compat import check_speculative_models  # noqa: PLC0415
     check_model(cfg.engine.model)
     check_device(cfg.engine.device)
     gpus_per_worker(cfg)
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
-    check_ports_free([("--port", cfg.host, cfg.port), ("--http-port", cfg.host, cfg.http_port),
+    grpc_flag, http_flag = given.get(("port",), "--grpc-port"), given.get(("http_port",), "--http-port")
+    if cfg.port and cfg.port == cfg.http_port and ("http_port",) not in given:
+        raise SettingError(grpc_flag, f"{cfg.port} is the gRPC API's port, and {cfg.http_port} is also the OpenAI HTTP "
+                                      f"API's default (--http-port): for the OpenAI API on {cfg.port}, as vLLM's "
+                                      f"--port, give --http-port {cfg.port} (gRPC stays on 50051) or move gRPC to "
+                                      "another port")
+    check_ports_free([(grpc_flag, cfg.host, cfg.port), (http_flag, cfg.host, cfg.http_port),
                       ("--metrics-port", cfg.metrics_host or cfg.host, cfg.metrics_port)])
 
 
@@ -222,10 +229,46 @@ def cmd_generate(inv: Invocation) -> int:
     return printer.close()
 
 
+def endpoints(cfg, cluster):
+    """Where a started cluster listens (cluster/launch/banner.py `Endpoints`), as bound."""
+    from cluster.launch.banner import Endpoints  # noqa: PLC0415
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    scheme = "https" if cfg.tls else "http"
+    metrics = None
+    if cluster.metrics_server is not None:
+        metrics_host = cfg.metrics_host or cfg.host
+        metrics = f"http://{metrics_host}:{cluster.metrics_server[0].server_port}/metrics"
+    return Endpoints(grpc=f"{host}:{cluster.port}" if cluster.port is not None else None,
+                     http=f"{scheme}://{host}:{cluster.http_port}" if cluster.http_port is not None else None,
+                     metrics=metrics)
+
+
+async def _answer(cfg, at, args, builder) -> None:
+    """`serve --request`: the prompt (through the chat template unless --raw) greedy, streamed to
+    stdout, through the gRPC API (or the HTTP API's completions route when gRPC is off)."""
+    from cluster.launch.chat_cli import http_completion  # noqa: PLC0415
+    key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
+    prompt = builder.prompt(args.request, raw=args.raw)
+    printer = StreamPrinter()
+    if at.grpc is None:
+        import asyncio  # noqa: PLC0415
+        pieces = await asyncio.to_thread(lambda: list(http_completion(at.http, key, prompt, args.max_tokens)))
+        for piece in pieces:
+            printer.add((), piece, None)
+    else:
+        from router.client import AsyncClient  # noqa: PLC0415
+        client = AsyncClient(at.grpc, api_key=key)
+        async for msg in client.stream(prompt, max_tokens=args.max_tokens):
+            printer.add(msg.token_ids, msg.text, None)
+        await client.close()
+    printer.close()
+
+
 def cmd_serve(inv: Invocation) -> int:
     import asyncio  # noqa: PLC0415
     import signal  # noqa: PLC0415
     from cluster.launch.app import start_cluster  # noqa: PLC0415
+    from cluster.launch.banner import banner  # noqa: PLC0415
     from cluster.launch.chat_cli import PromptBuilder  # noqa: PLC0415
     cfg, args = inv.config, inv.args
 
@@ -234,26 +277,12 @@ def cmd_serve(inv: Invocation) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        mode = "colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
-        print(f"splitserve: serving {cfg.engine.model.name} ({mode}, KV over {cfg.data_plane.transport}) on "
-              f"{cfg.host}:{cluster.port}", file=sys.stderr)
-        if cfg.metrics_port is not None:
-            print(f"metrics: http://{cfg.metrics_host or cfg.host}:{cluster.metrics_server[0].server_port}/metrics",
-                  file=sys.stderr)
-        print(f"try: splitserve generate --server {cfg.host}:{cluster.port} \"What is the capital of France?\"",
-              file=sys.stderr)
-        if cluster.http_port is not None:
-            print(f"OpenAI API: http://{cfg.host}:{cluster.http_port}/v1", file=sys.stderr)
+        at = endpoints(cfg, cluster)
+        builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
+        print("\n".join(banner(cfg, cluster.model_name, version(), at, builder.has_template)), file=sys.stderr,
+              flush=True)
         if args.request is not None:
-            from router.client import AsyncClient  # noqa: PLC0415
-            key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
-            client = AsyncClient(f"{cfg.host}:{cluster.port}", api_key=key)
-            prompt = PromptBuilder(cfg.engine.model, cfg.chat_template).prompt(args.request, raw=args.raw)
-            printer = StreamPrinter()
-            async for msg in client.stream(prompt, max_tokens=args.max_tokens):
-                printer.add(msg.token_ids, msg.text, None)
-            printer.close()
-            await client.close()
+            await _answer(cfg, at, args, builder)
             stop.set()
         await stop.wait()
         print("splitserve: shutting down", file=sys.stderr)
@@ -284,10 +313,12 @@ def cmd_chat(inv: Invocation) -> int:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     cluster = asyncio.run_coroutine_threadsafe(start_cluster(cfg), loop).result()
-    print(f"splitserve: chatting with {cfg.engine.model.name}; /exit to stop", file=sys.stderr)
+    print(f"splitserve: chatting with {cluster.model_name}; /exit to stop", file=sys.stderr)
+    at = endpoints(cfg, cluster)
     try:
-        return chat_loop(grpc_reply(Client(f"{cfg.host}:{cluster.port}", api_key=key), builder, args.max_tokens,
-                                    args.temperature))
+        if at.grpc is None:         # only the HTTP API is served: its chat route renders the same template
+            return chat_loop(http_reply(at.http, None, key, args.max_tokens, args.temperature))
+        return chat_loop(grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, args.temperature))
     finally:
         asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
 

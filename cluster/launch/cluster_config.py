@@ -48,11 +48,16 @@ class ClusterConfig:
     num_decode: int = setting(1, "number of decode workers", flag="--decode")
     colocated: bool = setting(False, "serve from engines that run both phases (the aggregated baseline; --prefill "
                                      "is then unused)")
-    host: str = setting("127.0.0.1", "address the gRPC server (and the HTTP API) binds to")
-    port: int = setting(50051, "the gRPC port (0 picks a free one)")
-    http_port: int | None = setting(None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                                          "/v1/chat/completions, /v1/models, /health) on this port, from the same "
-                                          "router", default_text="off")
+    host: str = setting("127.0.0.1", "address the gRPC and HTTP servers bind to")
+    # `--port` is gRPC's, as it always was here; vLLM's users know it as the HTTP port, hence the
+    # primary name `--grpc-port` and the clear refusal when `--port 8000` meets the HTTP default.
+    port: int | None = setting(50051, "the gRPC API's port (splitserve.v1, grpc.health.v1; 0 picks a free one, "
+                                      "none: no gRPC server)", flag="--grpc-port", aliases=("--port",),
+                                 metavar="PORT")
+    http_port: int | None = setting(8000, "the OpenAI-compatible HTTP API's port, as vLLM's (/v1/completions, "
+                                          "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, "
+                                          "/health, /metrics; 0 picks a free one, none: no HTTP server)",
+                                    metavar="PORT")
     metrics_port: int | None = setting(None, "serve Prometheus metrics of the whole cluster on "
                                              "http://METRICS_HOST:PORT/metrics", default_text="off")
     metrics_host: str | None = setting(None, "address the --metrics-port binds to", default_text="--host")
@@ -98,7 +103,9 @@ class ClusterConfig:
         require(self.num_prefill >= (0 if self.colocated else 1), "num_prefill",
                 f"must be >= 1 (or give --colocated), got {self.num_prefill}")
         require(self.frontends >= 1, "frontends", f"must be >= 1, got {self.frontends}")
-        check_port("port", self.port)
+        check_port("port", self.port, optional=True)
+        require(self.port is not None or self.http_port is not None, "port",
+                "is none and so is --http-port: nothing would be served (keep at least one API)")
         check_port("http_port", self.http_port, optional=True)
         check_port("metrics_port", self.metrics_port, optional=True)
         require(self.worker_cpus > 0, "worker_cpus", f"must be > 0, got {self.worker_cpus}")

@@ -46,10 +46,16 @@ class Setting:
     parse: Callable | None
     default_text: str | None
     metavar: str | None
+    aliases: tuple[str, ...] = ()      # other flags for it (an old name kept working), YAML keys too
 
     @property
     def key(self) -> str:
         return self.flag[2:]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Its YAML keys (dashed): the flag's, then each alias's."""
+        return (self.key, *(a[2:] for a in self.aliases))
 
     @property
     def dest(self) -> str:
@@ -138,7 +144,8 @@ def tree_settings(root: type, prefix: tuple[str, ...] = ()) -> Iterator[Setting]
             if default is MISSING and m["default_text"] is None:
                 default = f.default_factory()        # a plain value built fresh (a dict), not computed
             yield Setting((*prefix, f.name), str(f.type), default, m["help"], m["flag"] or default_flag(f.name),
-                          tuple(choices) if choices else None, m["parse"], m["default_text"], m["metavar"])
+                          tuple(choices) if choices else None, m["parse"], m["default_text"], m["metavar"],
+                          m.get("aliases", ()))
         elif "derived" not in f.metadata:
             raise TypeError(f"{root.__name__}.{f.name} is declared with neither setting(...) nor derived(...)")
 
@@ -155,6 +162,15 @@ class _Switch(argparse.Action):
 
     def format_usage(self) -> str:
         return " | ".join(self.option_strings)
+
+
+class _Store(argparse.Action):
+    """A setting's value, and which of its flags gave it (an alias is named back as the user typed it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given_as = getattr(namespace, "_given_as", {})
+        namespace._given_as = {**given_as, self.dest: option_string}   # noqa: SLF001
 
 
 def _argparse_type(s: Setting):
@@ -182,8 +198,8 @@ def add_setting_flags(parser: argparse.ArgumentParser, root: type, titles: dict[
             target.add_argument(s.flag, dest=s.dest, action=_Switch, default=UNSET, help=text)
         else:
             metavar = s.metavar or ("{" + ",".join(s.choices) + "}" if s.choices else _metavar(s))
-            target.add_argument(s.flag, dest=s.dest, type=_argparse_type(s), default=UNSET, metavar=metavar,
-                                help=text)
+            target.add_argument(s.flag, *s.aliases, dest=s.dest, action=_Store, type=_argparse_type(s),
+                                default=UNSET, metavar=metavar, help=text)
     return settings
 
 
@@ -207,11 +223,12 @@ class Values:
 def from_args(settings: list[Setting], args: argparse.Namespace, yaml_values: Values | None = None) -> Values:
     """The command line over the YAML file's values (which are over the fields' defaults)."""
     values = Values(dict(yaml_values.given), dict(yaml_values.source)) if yaml_values else Values({}, {})
+    given_as = getattr(args, "_given_as", {})
     for s in settings:
         value = getattr(args, s.dest, UNSET)
         if value is not UNSET:
             values.given[s.path] = value
-            values.source[s.path] = s.flag
+            values.source[s.path] = given_as.get(s.dest) or s.flag
     return values
 
 
@@ -243,10 +260,11 @@ def settings_markdown(roots: dict[str, type]) -> str:
     for title, root in roots.items():
         lines += [f"## {title}", "", "| flag | YAML key | default | field | what it sets |", "|---|---|---|---|---|"]
         for s in tree_settings(root):
-            flag = f"`{s.flag}` / `--no-{s.key}`" if s.is_switch else f"`{s.flag}`"
+            flag = f"`{s.flag}` / `--no-{s.key}`" if s.is_switch else ", ".join(f"`{f}`" for f in (s.flag, *s.aliases))
             choices = f" ({', '.join(s.choices)})" if s.choices else ""
             help_text = s.help.replace("|", "\\|")
-            lines.append(f"| {flag} | `{s.key.replace('-', '_')}` | {s.describe_default()} | "
+            keys = ", ".join(f"`{k.replace('-', '_')}`" for k in s.keys)
+            lines.append(f"| {flag} | {keys} | {s.describe_default()} | "
                          f"`{'.'.join(s.path)}` | {help_text}{choices} |")
         lines.append("")
     return "\n".join(lines)
@@ -285,7 +303,7 @@ def read_yaml(path: str) -> dict[str, tuple[object, int]]:
 def yaml_values(path: str, settings: list[Setting], other_keys: set[str]) -> tuple[Values, dict]:
     """The settings a YAML file gives (converted, each refusal at its line) and its other options
     (`other_keys`, the command's own flags, by dest: set as that parser's defaults)."""
-    by_key = {s.key: s for s in settings}
+    by_key = {key: s for s in settings for key in s.keys}
     known = sorted({*by_key, *(k.replace("_", "-") for k in other_keys)})
     values, others = Values({}, {}), {}
     for raw_key, (value, line) in read_yaml(path).items():
@@ -293,6 +311,9 @@ def yaml_values(path: str, settings: list[Setting], other_keys: set[str]) -> tup
         where = f"{path}:{line}: {raw_key}"
         if key in by_key:
             s = by_key[key]
+            if s.path in values.given:
+                raise SettingError(where, f"sets what {values.source[s.path].rsplit(': ', 1)[-1]} already set "
+                                          f"({' and '.join(s.keys)} are one setting): keep one")
             try:
                 values.given[s.path] = s.convert(value)
             except ValueError as exc:

@@ -17,22 +17,28 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": 
 
 class ServeProcess:
     def __init__(self, *args: str, timeout: float = 180.0, env: dict | None = None):
-        cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--metrics-port", "0", *args]
+        cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--http-port", "0", "--metrics-port", "0",
+               *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **RAY_ENV, **(env or {})}, start_new_session=True)
         self.lines: list[str] = []
-        self.target = self.metrics_url = None
+        self.target = self.metrics_url = self.http_url = None
         deadline = time.monotonic() + timeout
-        while self.target is None:
+        banner_done = False
+        while not banner_done:
             line = self.proc.stderr.readline()
             if not line and (self.proc.poll() is not None or time.monotonic() > deadline):
                 self.stop()
                 raise RuntimeError("serve did not start:\n" + "".join(self.lines[-40:]))
             self.lines.append(line)
-            if m := re.search(r"^metrics: (http://\S+)", line):
+            # The banner (cluster/launch/banner.py), whose last line is the gRPC command to try.
+            if m := re.search(r"^  metrics: (http://\S+)", line):
                 self.metrics_url = m.group(1)
-            if m := re.search(r"--server (\S+:\d+)", line):
+            if m := re.search(r"^  OpenAI API: (https?://\S+)/v1", line):
+                self.http_url = m.group(1)
+            if m := re.search(r"^  gRPC: (\S+:\d+)", line):
                 self.target = m.group(1)
+            banner_done = line.startswith("  try: splitserve generate --server")
         # Keep draining stderr so a chatty server never blocks on a full pipe.
         self._drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self._drain.start()

@@ -9,17 +9,19 @@ def _raylets() -> set[str]:
 
 
 def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_model_dir):
+    """With only the HTTP API (`--grpc-port none`): the request goes through its completions route."""
     model = str(tiny_model_dir("llama"))
     prompt = "def add(a, b):"
     before = _raylets()
-    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model", model, "--port", "0",
-                             "--transport", "tcp", "--request", prompt, "--max-tokens", "12"],
+    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model", model, "--grpc-port", "none",
+                             "--http-port", "0", "--transport", "tcp", "--request", prompt, "--max-tokens", "12"],
                             capture_output=True, text=True, timeout=240)
     assert served.returncode == 0, served.stderr[-2000:]
     alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens", "12",
                             prompt], capture_output=True, text=True, timeout=120, check=True)
     assert served.stdout == alone.stdout
-    assert "(1 prefill + 1 decode, KV over tcp)" in served.stderr
+    assert "on 1 prefill + 1 decode workers, KV over tcp" in served.stderr
+    assert "OpenAI API: http://127.0.0.1:" in served.stderr and "gRPC" not in served.stderr
     assert not _raylets() - before, "the Ray it started was left running"
 
 
@@ -29,9 +31,10 @@ def _workers() -> set[str]:
 
 
 def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
-    """The default model (slow enough that a long stream is still running when the signal lands):
-    the stream ends with UNAVAILABLE saying why, the server exits 0, and neither Ray nor a worker
-    process it started is left."""
+    """The default model on the default ports, as a vLLM user starts it (slow enough that a long
+    stream is still running when the signal lands): the banner's addresses answer (the OpenAI API
+    on vLLM's port 8000, with max_model_len in /v1/models), the stream ends with UNAVAILABLE
+    saying why, the server exits 0, and neither Ray nor a worker process it started is left."""
     import os
     import re
     import signal
@@ -39,21 +42,26 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
     import time
 
     import grpc
+    from openai import OpenAI
 
     from router.client import Client
     before, workers_before = _raylets(), _workers()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--transport", "tcp"],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--transport", "tcp"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        target = None
+        target, banner = None, []
         deadline = time.monotonic() + 240
         while target is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            match = re.search(r"--server (\S+:\d+)", line)
+            banner.append(proc.stderr.readline())
+            match = re.search(r"--server (\S+:\d+)", banner[-1])
             if match:
                 target = match.group(1)
-        assert target, "serve never printed where it listens"
+        assert target == "127.0.0.1:50051", "".join(banner)
         threading.Thread(target=proc.stderr.read, daemon=True).start()    # keep its pipe drained
+        assert "  OpenAI API: http://127.0.0.1:8000/v1 " in "".join(banner)
+        model = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").models.list().data[0]
+        assert model.id == "SmolLM2-135M-Instruct.Q4_1" and model.max_model_len == 8192
+        assert f"serving {model.id} on 1 prefill + 1 decode workers" in "".join(banner)
         got, error = [], None
         try:
             for msg in Client(target).stream("def fibonacci(n):", max_tokens=600, ignore_eos=True, timeout=120):
@@ -82,8 +90,8 @@ def test_the_main_job_answers_a_question_with_the_real_default_model():
     GGUF), the question sent through the chat template, a sensible answer on stdout."""
     import os
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
-    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--transport", "tcp",
-                             "--request", "What is the capital of France?", "--max-tokens", "24"],
+    served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--http-port", "0",
+                             "--transport", "tcp", "--request", "What is the capital of France?", "--max-tokens", "24"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert served.returncode == 0, served.stderr[-2000:]
     assert "Paris" in served.stdout, served.stdout
@@ -100,7 +108,7 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
     from cluster.types import SamplingParams
     model = make_chat_model(tmp_path / "chat", "llama")
     chat = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "chat", "--model", str(model), "--port", "0",
-                           "--transport", "tcp", "--max-tokens", "6", "--colocated"],
+                           "--http-port", "none", "--transport", "tcp", "--max-tokens", "6", "--colocated"],
                           input="hello there\nand again\n/exit\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
     builder = PromptBuilder(model)
@@ -119,10 +127,10 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
 
 def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path):
     """The settings the README names, from a YAML file, reach a running cluster (it answers as
-    `generate` does)."""
+    `generate` does, through the gRPC API: the HTTP API is off)."""
     model = str(tiny_model_dir("llama"))
     cfg = tmp_path / "cluster.yaml"
-    cfg.write_text(f"model: {model}\nport: 0\ntransport: tcp\nunavailable_wait: 60\nlease_seconds: 20\n"
+    cfg.write_text(f"model: {model}\nport: 0\nhttp_port: none\ntransport: tcp\nunavailable_wait: 60\nlease_seconds: 20\n"
                    "transfer_timeout: 5\nenable_chunked_prefill: true\nngram_max: 3\nstall_timeout: 30\n")
     served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--config", str(cfg),
                              "--request", "def add(a, b):", "--max-tokens", "8"],
@@ -131,7 +139,7 @@ def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path):
     alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens",
                             "8", "def add(a, b):"], capture_output=True, text=True, timeout=120, check=True)
     assert served.stdout == alone.stdout
-    assert "(1 prefill + 1 decode, KV over tcp)" in served.stderr
+    assert "on 1 prefill + 1 decode workers, KV over tcp" in served.stderr and "OpenAI API" not in served.stderr
 
 
 def test_a_port_in_use_is_refused_in_one_line_before_ray_starts(tiny_model_dir):

@@ -44,7 +44,7 @@ def reference(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")),
                                     data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                     router=RouterConfig(local_prefill_max_tokens=4), max_tokens_limit=64,
                                     metrics_port=0))
@@ -181,7 +181,7 @@ def test_health_service_reports_serving(cluster):
 
 
 def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")),
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")),
                                     data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                     num_prefill=2, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
                                     policy="least_loaded"))
@@ -238,7 +238,7 @@ def test_metrics_count_what_was_sent(cluster):
 
 
 def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0))
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0))
     try:
         client = Client(c.target)
         assert client.server_info().mode == "colocated"
@@ -257,7 +257,7 @@ def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path
                      cache=CacheConfig(block_size=4, num_blocks=1024))
     prompt = _prompts(1, seed=8)[0]
     ref = list(LLMEngine(engine).generate([prompt], SamplingParams(max_tokens=3000, ignore_eos=True))[0].token_ids)
-    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="nixl"), port=0,
+    c = ClusterThread(ClusterConfig(http_port=None, engine=engine, data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                     num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
                                     max_tokens_limit=3000))
     try:
@@ -291,7 +291,7 @@ def test_tls_serving(tiny_model_dir, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
-    c = ClusterThread(ClusterConfig(engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0,
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0,
                                     tls=(key.read_bytes(), cert.read_bytes())))
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())

@@ -75,7 +75,7 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
 
 @pytest.mark.parametrize("configured,methods", [("draft", ("draft", "ngram")), ("eagle", ("eagle",))])
 def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods):
-    pd = ClusterThread(ClusterConfig(engine=_engine_config(configured),
+    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured),
                                      data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                      router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
     try:
@@ -96,7 +96,7 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
                 assert scraped[f"splitserve_spec_{name}_total", method] == getattr(counts, key) > 0
     finally:
         pd.stop()
-    colo = ClusterThread(ClusterConfig(engine=_engine_config(configured), colocated=True, port=0))
+    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured), colocated=True, port=0))
     try:
         colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
     finally:
@@ -109,7 +109,7 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
 
 
 def test_per_request_speculation_is_validated():
-    c = ClusterThread(ClusterConfig(engine=_engine_config("ngram"), colocated=True, port=0, max_tokens_limit=64))
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config("ngram"), colocated=True, port=0, max_tokens_limit=64))
     try:
         client = Client(c.target)
         for kwargs, field in (({"speculative": "eagle"}, "sampling.speculative"),
@@ -129,6 +129,6 @@ def test_eagle_head_of_another_shape_is_refused_before_anything_starts(tmp_path)
     head.mkdir()
     (head / "config.json").write_text(json.dumps({"model_type": "splitserve_eagle", "hidden_size": 384,
                                                   "vocab_size": 8192, "num_key_value_heads": 6, "head_dim": 64}))
-    cfg = ClusterConfig(engine=EngineConfig(speculative=SpeculativeConfig(method="eagle", eagle_head=head)), port=0)
+    cfg = ClusterConfig(http_port=None, engine=EngineConfig(speculative=SpeculativeConfig(method="eagle", eagle_head=head)), port=0)
     with pytest.raises(ValueError, match="KV shape .* across the P/D handoff"):
         asyncio.run(start_cluster(cfg))

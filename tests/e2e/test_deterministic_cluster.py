@@ -77,7 +77,7 @@ def _mismatches(got, want) -> list[int]:
 
 
 def test_1p1d_concurrent_requests_equal_generate(reference):
-    pd = ClusterThread(ClusterConfig(engine=_engine_config(), data_plane=DataPlaneConfig(transport="nixl"), port=0,
+    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(), data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                      router=RouterConfig(local_prefill_max_tokens=4)))
     try:
         assert Client(pd.target).server_info().deterministic
@@ -91,7 +91,7 @@ def test_1p1d_concurrent_requests_equal_generate(reference):
 
 
 def test_colocated_ngram_concurrent_requests_equal_generate(reference):
-    colo = ClusterThread(ClusterConfig(engine=_engine_config("ngram"), colocated=True, port=0))
+    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config("ngram"), colocated=True, port=0))
     try:
         got = _concurrently(colo, speculative="ngram")
         stats = colo.wait_idle()

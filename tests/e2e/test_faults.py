@@ -63,7 +63,7 @@ class _Started:
         self.port = _free_port()
         self.health_seen: list[int] = []
         self.early: list = []
-        cfg = ClusterConfig(engine=_engine_config(model_dir), data_plane=DataPlaneConfig(transport="nixl"),
+        cfg = ClusterConfig(http_port=None, engine=_engine_config(model_dir), data_plane=DataPlaneConfig(transport="nixl"),
                             port=self.port, num_prefill=1,
                             num_decode=2, router=RouterConfig(local_prefill_max_tokens=4), max_tokens_limit=200)
         box: dict = {}

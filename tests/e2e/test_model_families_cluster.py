@@ -22,7 +22,7 @@ MAX_TOKENS = 12
 def served(request, tiny_model_dir):
     engine = EngineConfig(model=tiny_model_dir(request.param), dtype="float32", num_threads=1, kernels="torch",
                           cache=CacheConfig(block_size=4, num_blocks=128))
-    c = ClusterThread(ClusterConfig(engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
+    c = ClusterThread(ClusterConfig(http_port=None, engine=engine, data_plane=DataPlaneConfig(transport="tcp"), port=0,
                                     router=RouterConfig(local_prefill_max_tokens=4),
                                     max_tokens_limit=64))
     c.kind = request.param

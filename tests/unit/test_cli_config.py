@@ -43,7 +43,7 @@ def _refused(capsys, *argv) -> str:
     return err.strip()
 
 
-@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port", "--http-port", "--metrics-port"])
 @pytest.mark.parametrize("port", ["70000", "-1"])
 def test_ports_outside_the_range_are_refused_by_flag(capsys, flag, port):
     err = _refused(capsys, "serve", "--model", MODEL, flag, port)
@@ -170,6 +170,7 @@ NAMED = {   # the settings the issue names, with a value that differs from the d
     ("admission", "max_in_flight_per_tenant"): ("--max-in-flight-per-tenant", "3", 3),
     ("metrics_host",): ("--metrics-host", "0.0.0.0", "0.0.0.0"),
     ("http_port",): ("--http-port", "0", 0),
+    ("port",): ("--grpc-port", "none", None),
 }
 
 
@@ -319,3 +320,45 @@ def test_tree_fields_are_all_declared():
                 ConnectionLimits, RequestBounds):
         for f in fields(cls):
             assert "help" in f.metadata or "derived" in f.metadata, f"{cls.__name__}.{f.name}"
+
+
+# --- what a vLLM user expects ------------------------------------------------------------------
+
+def test_both_apis_are_served_by_default_on_the_usual_ports():
+    cfg = load(["serve", "--model", MODEL], check_machine=False).config
+    assert (cfg.port, cfg.http_port) == (50051, 8000)       # gRPC's usual port, vLLM's HTTP port
+    assert ClusterConfig(engine=EngineConfig(model=MODEL)).http_port == 8000
+
+
+@pytest.mark.parametrize("argv,path", [(("--port", "0"), ("port",)), (("--grpc-port", "0"), ("port",))])
+def test_port_is_the_grpc_port_under_either_name(argv, path, tmp_path):
+    assert _get(load(["serve", *argv], check_machine=False).config, path) == 0
+    for key in ("port", "grpc_port", "grpc-port"):
+        assert load(["serve", "--config", _yaml(tmp_path, f"{key}: 0\n")], check_machine=False).config.port == 0
+
+
+def test_either_api_turns_off_but_not_both(capsys):
+    assert load(["serve", "--http-port", "none"], check_machine=False).config.http_port is None
+    assert load(["serve", "--grpc-port", "none"], check_machine=False).config.port is None
+    err = _refused(capsys, "serve", "--model", MODEL, "--port", "none", "--http-port", "none")
+    assert "--port is none and so is --http-port: nothing would be served" in err
+
+
+def test_a_vllm_users_port_8000_is_explained(capsys):
+    """`--port 8000` as vLLM's users type it: told that --port is gRPC here and what to give."""
+    err = _refused(capsys, "serve", "--model", MODEL, "--port", "8000")
+    assert "--port 8000 is the gRPC API's port" in err and "give --http-port 8000" in err
+    assert "is in use" not in err
+
+
+def test_one_setting_twice_in_yaml_is_refused(capsys, tmp_path):
+    err = _refused(capsys, "serve", "--config", _yaml(tmp_path, "port: 0\ngrpc_port: 1\n"))
+    assert "c.yaml:2: grpc_port: sets what port already set" in err
+
+
+def test_help_names_the_grpc_port_and_its_old_name(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--grpc-port PORT, --port PORT the gRPC API's port" in out
+    assert "the OpenAI-compatible HTTP API's port, as vLLM's" in out and "(default: 8000)" in out

@@ -1,0 +1,85 @@
+"""What `splitserve serve` prints once it serves: what is served, how, and how to reach it.
+
+One block on stderr, readable by a person and parsed by nothing but the tests' harness (which
+reads the `gRPC:`, `OpenAI API:` and `metrics:` lines). Every address is the one actually bound
+(a port of 0 was picked by the server). The curl line works as printed: it names the served
+model, and carries the key header when keys are set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.launch.cluster_config import ClusterConfig
+
+QUESTION = "What is the capital of France?"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the cluster listens, as bound: gRPC's host:port, the HTTP API's and the metrics' URLs."""
+    grpc: str | None
+    http: str | None
+    metrics: str | None
+
+
+def topology(cfg: ClusterConfig) -> str:
+    if cfg.colocated:
+        return f"{cfg.num_decode} colocated worker{'s' if cfg.num_decode > 1 else ''} (both phases)"
+    return f"{cfg.num_prefill} prefill + {cfg.num_decode} decode workers, KV over {cfg.data_plane.transport}"
+
+
+def local_prefill_rule(cfg: ClusterConfig) -> str | None:
+    """When a disaggregated cluster prefills on the decode worker after all (no KV transfer): said at
+    start, so that a fresh cluster's `splitserve_kv_transfers_total 0` surprises no one."""
+    if cfg.colocated:
+        return None
+    r = cfg.router
+    cached = f"at least {r.local_prefill_cached_fraction:.0%} cached on the decode worker"
+    if r.local_prefill_max_tokens == 0:
+        return f"on a prefill worker, KV moved to the decode worker; prompts {cached} are prefilled there"
+    return (f"prompts of at most {r.local_prefill_max_tokens} tokens (or {cached}) are prefilled on the decode "
+            f"worker without a KV transfer, longer ones on a prefill worker (--local-prefill-max-tokens 0 sends "
+            f"every prompt not cached there through a prefill worker)")
+
+
+def speculation(cfg: ClusterConfig) -> str:
+    spec = cfg.engine.speculative
+    if spec.method == "off":
+        return "off (a request may ask for ngram)"
+    return f"{spec.method}, {spec.num_speculative_tokens} tokens per step"
+
+
+def curl_line(cfg: ClusterConfig, http: str, model_name: str, chat: bool) -> str:
+    """A request to paste: the chat route for a model with a chat template, completions otherwise."""
+    if chat:
+        route, prompt = "chat/completions", '"messages": [{"role": "user", "content": "%s"}]' % QUESTION
+    else:
+        route, prompt = "completions", '"prompt": "def fibonacci(n):"'
+    body = '{"model": "%s", %s, "max_tokens": 64}' % (model_name, prompt)
+    key = " -H \"Authorization: Bearer $KEY\"" if cfg.api_keys else ""
+    tls = " --cacert CA.pem" if cfg.tls else ""
+    return f"curl{tls} -s {http}/v1/{route} -H 'Content-Type: application/json'{key} -d '{body}'"
+
+
+def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, chat: bool) -> list[str]:
+    """The lines to print, in order: what, how, where, then a request to try (`chat`: the model
+    has a chat template)."""
+    source = cfg.engine.model.name
+    named = model_name if model_name == source else f"{model_name} (from {source})"
+    lines = [f"splitserve {version}: serving {named} on {topology(cfg)}"]
+    if (rule := local_prefill_rule(cfg)) is not None:
+        lines.append(f"  prefill: {rule}")
+    lines.append(f"  speculative decoding: {speculation(cfg)}; deterministic (batch-invariant): "
+                 f"{'on' if cfg.engine.deterministic else 'off'}")
+    if at.grpc:
+        lines.append(f"  gRPC: {at.grpc} (splitserve.v1; sampling greedy unless a request sets temperature)")
+    if at.http:
+        lines.append(f"  OpenAI API: {at.http}/v1 (OpenAI's defaults: temperature 1, completions' max_tokens 16)")
+    if at.metrics:
+        lines.append(f"  metrics: {at.metrics}")
+    if at.http:
+        lines.append(f"  try: {curl_line(cfg, at.http, model_name, chat)}")
+    if at.grpc:
+        question = QUESTION if chat else "def fibonacci(n):"
+        lines.append(f"  try: splitserve generate --server {at.grpc} \"{question}\"")
+    return lines
