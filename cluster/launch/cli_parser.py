@@ -115,7 +115,9 @@ def _add_chat(chat: Parser) -> None:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (the request's)")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy, the default here and in the gRPC API (the OpenAI HTTP API's default is "
+                        "OpenAI's and vLLM's, 1)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this "
                                                              "probable")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens (0: all)")

@@ -134,7 +134,7 @@ def test_services_probes_and_volumes_line_up(overlay):
     rc, cfg = one(docs, "RayCluster"), serve_config(docs)
     head = groups(rc)["head"]["template"]["spec"]
     ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
-    assert ports["grpc"] == cfg["port"] and ports["metrics"] == cfg["metrics_port"] and cfg["host"] == "0.0.0.0"
+    assert ports["grpc"] == cfg["grpc_port"] and ports["metrics"] == cfg["metrics_port"] and cfg["host"] == "0.0.0.0"
     assert ports["http"] == cfg["http_port"]
     proto = (ROOT / "proto" / "splitserve" / "v1" / "inference.proto").read_text()
     package = re.search(r"^package (\S+);", proto, re.M).group(1)
@@ -142,7 +142,7 @@ def test_services_probes_and_volumes_line_up(overlay):
     service = f"{package}.{name}"       # what the router's health service reports SERVING for
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         grpc = head["containers"][0][probe]["grpc"]
-        assert grpc["port"] == cfg["port"] and grpc.get("service", service) == service
+        assert grpc["port"] == cfg["grpc_port"] and grpc.get("service", service) == service
     for svc in (d for d in docs if d["kind"] == "Service"):
         assert svc["spec"]["selector"] == {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
         assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])

@@ -31,7 +31,7 @@ def _workers() -> set[str]:
 
 
 def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
-    """The default model on the default ports, as a vLLM user starts it (slow enough that a long
+    """The suite's model on the default ports, as a vLLM user starts it (slow enough that a long
     stream is still running when the signal lands): the banner's addresses answer (the OpenAI API
     on vLLM's port 8000, with max_model_len in /v1/models), the stream ends with UNAVAILABLE
     saying why, the server exits 0, and neither Ray nor a worker process it started is left."""
@@ -60,7 +60,9 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
         threading.Thread(target=proc.stderr.read, daemon=True).start()    # keep its pipe drained
         assert "  OpenAI API: http://127.0.0.1:8000/v1 " in "".join(banner)
         model = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").models.list().data[0]
-        assert model.id == "SmolLM2-135M-Instruct.Q4_1" and model.max_model_len == 8192
+        from proto.splitserve.v1 import inference_pb2 as pb
+        (served,) = Client(target).stub.ListModels(pb.ListModelsRequest()).models
+        assert (model.id, model.max_model_len) == (served.id, served.max_model_len) and served.max_model_len > 0
         assert f"serving {model.id} on 1 prefill + 1 decode workers" in "".join(banner)
         got, error = [], None
         try:
