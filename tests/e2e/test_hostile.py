@@ -2,8 +2,9 @@
 connection timeouts; one cluster for the module): every malformed input is a 4xx with no
 traceback in the log, every bound is refused by name, idle and trickling connections are closed,
 admission queues then refuses, request ids are per tenant, and the server is healthy and its
-pools empty afterwards. A property-based fuzz of the OpenAI bodies and the v1 messages (the tokenizer's too) runs at a
-bounded size here; `bench/hostile.py` runs the attacks against a victim and times them."""
+pools empty afterwards. A property-based fuzz of the OpenAI bodies and the v1 messages (the
+tokenizer's too) runs at a bounded size here; `bench/hostile.py` runs the attacks against a victim
+and times them."""
 from __future__ import annotations
 
 import http.client
