@@ -18,6 +18,8 @@ field 400 naming it, ids outside the vocabulary 400.
 """
 from __future__ import annotations
 
+import json
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -83,11 +85,18 @@ class TokenizationRoutes:
     async def tokenize(self, request: Request) -> Response:
         tenant = self.server._authorize(request)
         body = await self.server._body(request, tenant)
-        return JSONResponse(await self.server._offload(tenant, tokenize_body, body, self.server.limits,
-                                                       self.template, self.codec))
+        return await self._answer(tenant, tokenize_body, body, self.server.limits, self.template, self.codec)
 
     async def detokenize(self, request: Request) -> Response:
         tenant = self.server._authorize(request)
         body = await self.server._body(request, tenant)
-        return JSONResponse(await self.server._offload(tenant, detokenize_body, body, self.server.limits,
-                                                       self.codec))
+        return await self._answer(tenant, detokenize_body, body, self.server.limits, self.codec)
+
+    async def _answer(self, tenant: str, fn, *args) -> Response:
+        """`fn(*args)` as JSON, made and encoded in the pool: a prompt of megabytes is megabytes of
+        ids, too much JSON to write on the event loop."""
+        return Response(await self.server._offload(tenant, _as_json, fn, *args), media_type="application/json")
+
+
+def _as_json(fn, *args) -> bytes:
+    return json.dumps(fn(*args), ensure_ascii=False, separators=(",", ":")).encode()
