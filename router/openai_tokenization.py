@@ -14,7 +14,9 @@ The ids are the prompt the server would run: a completion's text through the tok
 /v1/completions makes, a chat rendered as /v1/chat/completions renders it (`render_chat`) and
 tokenized as it is (router/tokenization.py). The rules are every route's: the key (401), the body
 bounded and parsed off the loop, the work in the validation pool, an unknown model 404, a bad
-field 400 naming it, ids outside the vocabulary 400.
+field 400 naming it, ids outside the vocabulary 400. They take no in-flight slot (no worker runs
+them); the pool's own bounds hold them. /version is behind the key too, as the ServerInfo RPC that
+also answers it (vLLM leaves its utility routes open).
 """
 from __future__ import annotations
 
