@@ -175,9 +175,11 @@ class ChatTemplate:
         return cls(source=source, bos_token=_token(config.get("bos_token")),
                    eos_token=_token(config.get("eos_token")), origin=origin)
 
-    def render(self, messages, add_generation_prompt: bool = True, tools=None, extra: dict | None = None) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, tools=None, extra: dict | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt for `messages`; ChatTemplateError (naming the field) when it cannot be made.
-        `extra`: the request's chat_template_kwargs (template variables)."""
+        `extra`: the request's chat_template_kwargs (template variables); `continue_final_message`:
+        the prompt ends inside the last message, for the model to go on with it."""
         checked = _check_messages(messages)
         extra = extra or {}
         taken = sorted(set(extra) & _RENDER_ARGUMENTS)
@@ -190,7 +192,7 @@ class ChatTemplate:
         # Special tokens first so a caller's extra may override them, as in transformers.
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
         try:
-            return template.render(variables, messages=checked, add_generation_prompt=add_generation_prompt,
+            text = template.render(variables, messages=checked, add_generation_prompt=add_generation_prompt,
                                    tools=tools)
         except ChatTemplateError:
             raise
@@ -200,3 +202,20 @@ class ChatTemplate:
             # A template that breaks on this conversation (e.g. a shape it does not expect) is the
             # request's 400 with the reason, not a 500 without one.
             raise ChatTemplateError("messages", f"chat template {self.origin} failed: {e}") from None
+        return _open_final_message(text, checked[-1]) if continue_final_message else text
+
+
+def _open_final_message(rendered: str, final: dict) -> str:
+    """`rendered` cut just after the final message's content, as transformers'
+    `continue_final_message` cuts it: what the template closes a turn with (an end-of-turn marker, a
+    newline) is dropped, so the model continues the message instead of starting a new one."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message", "the final message has no text to continue")
+    core = content.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message", "the chat template does not render the final "
+                                                          "message's text as it is, so it cannot be continued")
+    kept = content.lstrip()       # its trailing whitespace too, where the template kept it
+    return rendered[:at + len(kept)] if rendered.startswith(kept, at) else rendered[:at + len(core)]

@@ -1,4 +1,5 @@
-"""A small Python client for the splitserve.v1 gRPC API."""
+"""A small Python client for the splitserve.v1 gRPC API: generate (streamed or collected), the
+server's info, and its tokenizer (tokenize, detokenize)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -18,6 +19,22 @@ class Completion:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What Tokenize answers: the ids Generate would run for the text."""
+    token_ids: tuple[int, ...]
+    max_model_len: int
+    token_strs: tuple[str, ...] | None = None    # with return_token_strs: each id's vocabulary entry
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenizeResponse, with_strs: bool) -> Tokens:
+        return cls(tuple(msg.token_ids), msg.max_model_len, tuple(msg.token_strs) if with_strs else None)
+
+
+def tokenize_request(text: str, add_special_tokens: bool = True, return_token_strs: bool = False) -> pb.TokenizeRequest:
+    return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs)
 
 
 def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
@@ -74,6 +91,16 @@ class Client:
     def server_info(self):
         return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=_metadata(self.api_key))
 
+    def tokenize(self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False,
+                 timeout: float | None = None) -> Tokens:
+        msg = self.stub.Tokenize(tokenize_request(text, add_special_tokens, return_token_strs), timeout=timeout,
+                                 metadata=_metadata(self.api_key))
+        return Tokens.from_proto(msg, return_token_strs)
+
+    def detokenize(self, token_ids: Sequence[int], timeout: float | None = None) -> str:
+        return self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids), timeout=timeout,
+                                    metadata=_metadata(self.api_key)).text
+
     def close(self) -> None:
         self.channel.close()
 
@@ -96,6 +123,17 @@ class AsyncClient:
         async for msg in self.stream(prompt, request_id, timeout, **sampling):
             acc.add(msg)
         return acc.result()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False,
+                       timeout: float | None = None) -> Tokens:
+        msg = await self.stub.Tokenize(tokenize_request(text, add_special_tokens, return_token_strs),
+                                       timeout=timeout, metadata=_metadata(self.api_key))
+        return Tokens.from_proto(msg, return_token_strs)
+
+    async def detokenize(self, token_ids: Sequence[int], timeout: float | None = None) -> str:
+        msg = await self.stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids), timeout=timeout,
+                                         metadata=_metadata(self.api_key))
+        return msg.text
 
     async def close(self) -> None:
         await self.channel.close()

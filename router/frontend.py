@@ -74,10 +74,10 @@ class Frontend:
         from cluster.metrics import ClusterMetrics  # noqa: PLC0415
         from cluster.model.loader import load_tokenizer  # noqa: PLC0415
         from cluster.token_stream import TokenReceiver  # noqa: PLC0415
-        from router.offload import batch_tokenize  # noqa: PLC0415
         from router.policy import make_policy  # noqa: PLC0415
         from router.router import Router  # noqa: PLC0415
         from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
+        from router.tokenization import TokenCodec  # noqa: PLC0415
         cfg = self.cfg
         if self.metrics is None:
             self.metrics = ClusterMetrics(cfg.transport, workers=False)
@@ -88,7 +88,7 @@ class Frontend:
         await receiver.start()
         self.router = Router(cfg.router, make_policy(cfg.policy), prefill, decode, receiver, metrics=self.metrics)
         tokenizer = load_tokenizer(cfg.model_dir)
-        self.service = InferenceService(self.router, cfg.limits, batch_tokenize(tokenizer, add_special_tokens=True),
+        self.service = InferenceService(self.router, cfg.limits, TokenCodec(tokenizer, cfg.limits.vocab_size),
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,
                                         admission=cfg.admission)
         if cfg.port is not None:

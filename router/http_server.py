@@ -4,6 +4,7 @@ same keys, same metrics. Starlette on uvicorn, in the frontend's own event loop.
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events, `data: [DONE]`)
   GET  /v1/models, /v1/models/{id}                  GET /health (503 until every worker is ready)
   GET  /metrics                                     (the cluster's, where this frontend holds them)
+  POST /tokenize, POST /detokenize, GET /version    (vLLM's; router/openai_tokenization.py)
 
 Statuses: 400 naming the bad field (router/openai_protocol.py runs the gRPC validation), 401
 without a valid `Authorization: Bearer` key when keys are set (hmac.compare_digest; `/metrics`
@@ -32,10 +33,11 @@ from starlette.routing import Route
 
 from router.admission import Admission, Refused, RefusedWhy, Ticket
 from router.connections import ConnectionLimits, guarded_h11
-from router.offload import Offload, batch_tokenize
+from router.offload import Offload
 from router.openai_protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
     parse_completion, samples_needed
 from router.openai_responses import JobResponse
+from router.openai_tokenization import TokenizationRoutes
 from router.validation import clip
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class OpenAIServer:
         self.admission: Admission = service.admission
         self.offload: Offload = service.offload
         self.tokenizer = tokenizer
-        self.tokenize_rendered = batch_tokenize(tokenizer, add_special_tokens=False)
+        self.tokenize_rendered = service.codec.rendered
         self.chat_template = chat_template
         self.max_body_bytes = service.limits.bounds.max_body_bytes
         self.connections = connections
@@ -76,6 +78,7 @@ class OpenAIServer:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            *TokenizationRoutes(self, service.codec, chat_template, service.info.version).routes(),
         ], exception_handlers={ApiError: self._api_error, 404: self._not_found, 405: self._not_allowed})
 
     # --- lifecycle ----------------------------------------------------------------------------

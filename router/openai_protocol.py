@@ -6,7 +6,9 @@ names of the errors are OpenAI's. `n` samples of a prompt become one group (the 
 the prompt once, `Router.generate(req, forks)`); with a `seed`, sample j gets seed + j, so the
 samples differ and the whole response is reproducible. Extensions beside OpenAI's fields, as
 vLLM's: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, return_token_ids,
-cache_salt, speculative and num_speculative_tokens (an integer or "auto").
+cache_salt, speculative and num_speculative_tokens (an integer or "auto"); for a chat,
+add_generation_prompt, continue_final_message and chat_template_kwargs (`render_chat`, which
+/tokenize shares).
 """
 from __future__ import annotations
 
@@ -305,13 +307,19 @@ def _path(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path))
 
 
-def _common(body: dict, limits: Limits) -> tuple[str, bool, bool]:
+def served_model(body, limits: Limits) -> str:
+    """The body's `model` (the served one when it names none): a JSON object's, or the 400 or 404."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = _field(body, "model", str, limits.model_id)
     if model != limits.model_id:
         raise ApiError(404, f"The model {clip(model)} does not exist; this server serves `{limits.model_id}`",
                        param="model", code="model_not_found")
+    return model
+
+
+def _common(body: dict, limits: Limits) -> tuple[str, bool, bool]:
+    model = served_model(body, limits)
     _refuse_unsupported(body)
     stream = bool(_field(body, "stream", bool, False))
     options = _field(body, "stream_options", dict, {})
@@ -330,18 +338,28 @@ def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
 
 
-def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered, tenant: str = "") -> Job:
-    model, stream, usage = _common(body, limits)
+def render_chat(body: dict, limits: Limits, template: ChatTemplate | None) -> str:
+    """A chat body's prompt text, the model's template over its messages (/v1/chat/completions and
+    /tokenize alike), or the 400 naming the field."""
     if template is None:
         raise ApiError(400, f"model `{limits.model_id}` has no chat template (none in its tokenizer_config.json "
                             "or chat_template.jinja); start the server with --chat-template FILE, or use "
                             "/v1/completions", param="messages", code="no_chat_template")
+    generation_prompt = bool(_field(body, "add_generation_prompt", bool, True))
+    continue_final = bool(_field(body, "continue_final_message", bool, False))
+    if generation_prompt and continue_final:
+        raise _err("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
     try:
-        text = template.render(body.get("messages"),
-                               add_generation_prompt=bool(_field(body, "add_generation_prompt", bool, True)),
-                               tools=body.get("tools"), extra=_field(body, "chat_template_kwargs", dict, {}))
+        return template.render(body.get("messages"), add_generation_prompt=generation_prompt, tools=body.get("tools"),
+                               extra=_field(body, "chat_template_kwargs", dict, {}),
+                               continue_final_message=continue_final)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
+
+
+def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered, tenant: str = "") -> Job:
+    model, stream, usage = _common(body, limits)
+    text = render_chat(body, limits, template)
     if limits.surely_too_long(text):
         raise _err("messages", f"the conversation has {len(text)} characters, more than the model's context of "
                                f"{limits.max_model_len} tokens can hold")

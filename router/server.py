@@ -8,6 +8,8 @@ itself (`RequestError`) keeps its own code; a server that cannot serve it (no wo
 down) answers UNAVAILABLE. Request ids are scoped per tenant: two tenants may use the same one.
 Error messages are cut to `MAX_MESSAGE_CHARS` characters (router/validation.py). gRPC health says NOT_SERVING until every worker has loaded and been
 handshaken (`set_serving`); requests that arrive before then wait for it, within their deadline.
+Tokenize and Detokenize (router/tokenization.py) take no slot: they run on no worker, only in the
+validation pool, whose own bounds (pending jobs, one job per tenant at a time) hold them.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
+from router.tokenization import TokenCodec, detokenize_message, tokenize_message
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
 log = logging.getLogger(__name__)
@@ -73,16 +76,17 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
 
 
 class InferenceService:
-    def __init__(self, router: Router, limits: Limits, tokenize, info: ServerInfo, api_keys: tuple = (),
+    def __init__(self, router: Router, limits: Limits, codec: TokenCodec, info: ServerInfo, api_keys: tuple = (),
                  metrics=None, siblings=None, admission: AdmissionConfig = AdmissionConfig(),
                  offload: Offload | None = None):
         """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
-        process does not own to the other frontends. `tokenize` runs in the `offload` pool."""
+        process does not own to the other frontends. `codec` (the tokenizer) runs in the `offload` pool."""
         self.router = router
         self.admission = Admission(admission, metrics)
         self.offload = offload or Offload()
         self.limits = limits
-        self.tokenize = tokenize
+        self.codec = codec
+        self.tokenize = codec.prompt        # a text prompt's ids, for both APIs
         self.info = info
         self.api_keys = as_api_keys(api_keys)
         self.metrics = metrics
@@ -121,13 +125,18 @@ class InferenceService:
         finally:
             self.admission.release(ticket)
 
-    async def _generate(self, request, context, tenant: str):
+    async def _validated(self, context, tenant: str, fn, *args):
+        """`fn(*args)` in the validation pool; its ValidationError is INVALID_ARGUMENT, a full pool
+        its refusal's code."""
         try:
-            req = await self.offload.run(tenant, validate, request, self.limits, self.tokenize, tenant)
+            return await self.offload.run(tenant, fn, *args)
         except ValidationError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Refused as exc:
             await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
+
+    async def _generate(self, request, context, tenant: str):
+        req = await self._validated(context, tenant, validate, request, self.limits, self.tokenize, tenant)
         if req.request_id in self.router.active:     # the same tenant's own id: ids are scoped per tenant
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
         their_id = client_id(tenant, req.request_id)
@@ -186,9 +195,18 @@ class InferenceService:
         await self._authorize(context)
         return self.info.to_proto()
 
+    async def Tokenize(self, request, context):
+        tenant = await self._authorize(context)
+        return await self._validated(context, tenant, tokenize_message, request, self.limits, self.codec)
+
+    async def Detokenize(self, request, context):
+        tenant = await self._authorize(context)
+        return await self._validated(context, tenant, detokenize_message, request, self.limits, self.codec)
+
 
 _METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),
-            "ListModels": (pb.ListModelsRequest, False), "ServerInfo": (pb.ServerInfoRequest, False)}
+            "ListModels": (pb.ListModelsRequest, False), "ServerInfo": (pb.ServerInfoRequest, False),
+            "Tokenize": (pb.TokenizeRequest, False), "Detokenize": (pb.DetokenizeRequest, False)}
 
 
 async def _decode(cls, raw: bytes, context):

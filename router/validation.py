@@ -145,13 +145,18 @@ def tenant_salt(tenant: str, salt: str) -> str | None:
     return f"tenant:{tenant}/{salt}"
 
 
+def check_model(model: str, limits: Limits) -> None:
+    """A message's `model`: empty (the served one) or the served one's name."""
+    if model and model != limits.model_id:
+        raise ValidationError("model", f"{clip(model)} is not served here; this server serves {limits.model_id!r}")
+
+
 def validate(req, limits: Limits, tokenize: Callable[[str], list[int]], tenant: str = "") -> GenerateRequest:
     """`req` is a splitserve.v1.GenerateRequest; `tenant`: the caller's (see cluster/secrets.py)."""
     rid = req.request_id or uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         raise ValidationError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} printable characters")
-    if req.model and req.model != limits.model_id:
-        raise ValidationError("model", f"{clip(req.model)} is not served here; this server serves {limits.model_id!r}")
+    check_model(req.model, limits)
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise ValidationError("prompt", "set either text or token_ids")

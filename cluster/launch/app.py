@@ -17,6 +17,7 @@ from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
+from cluster.version import splitserve_version
 from decode.spec.compat import check_speculative_models
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
@@ -344,7 +345,7 @@ def _limits(cfg: ClusterConfig) -> Limits:
 
 def _server_info(cfg: ClusterConfig, roster: WorkerRoster) -> ServerInfo:
     spec = cfg.engine.speculative
-    return ServerInfo(version="0.1.0", mode="colocated" if cfg.colocated else "disaggregated",
+    return ServerInfo(version=splitserve_version(), mode="colocated" if cfg.colocated else "disaggregated",
                       prefill_workers=len(roster.prefill), decode_workers=len(roster.decode),
                       kv_transport=cfg.data_plane.transport, max_tokens_limit=cfg.max_tokens_limit,
                       speculative=spec.method, num_speculative_tokens=str(spec.num_speculative_tokens),

@@ -12,9 +12,10 @@ import sys
 from dataclasses import dataclass
 
 from cluster.config import EngineConfig, default_model_dir
-from cluster.launch.cli_parser import build_parser, version
+from cluster.launch.cli_parser import build_parser
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
 from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
+from cluster.version import splitserve_version
 
 # With --server the server's engine answers: of the engine's settings only these mean something
 # (the chat template's model, and the speculation a request may ask for).
@@ -279,7 +280,7 @@ def cmd_serve(inv: Invocation) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         at = endpoints(cfg, cluster)
         builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
-        print("\n".join(banner(cfg, cluster.model_name, version(), at, builder.has_template)), file=sys.stderr,
+        print("\n".join(banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template)), file=sys.stderr,
               flush=True)
         if args.request is not None:
             await _answer(cfg, at, args, builder)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 
 from cluster.config import EngineConfig, secret_file_from_env
 from cluster.launch.settings import UNSET, add_setting_flags
+from cluster.version import splitserve_version
 
 # The group a setting's flag is listed under, by the first element of its path in the tree.
 ENGINE_TITLES = {"cache": "KV cache", "scheduler": "batching", "speculative": "speculative decoding"}
@@ -17,13 +17,6 @@ CLUSTER_TITLES = {"engine": "engine (model, KV cache, batching, speculative deco
                   "admission": "admission (in-flight slots, per tenant)",
                   "connections": "connections (HTTP and gRPC timeouts and limits)"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def version() -> str:
-    try:
-        return importlib.metadata.version("splitserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,7 +47,7 @@ def _log_level(text: str) -> str:
 def build_parser() -> Parser:
     parser = Parser(prog="splitserve", description="Disaggregated prefill/decode LLM serving",
                     formatter_class=HelpFormatter)
-    parser.add_argument("--version", action="version", version=f"splitserve {version()}")
+    parser.add_argument("--version", action="version", version=f"splitserve {splitserve_version()}")
     parser.add_argument("--log-level", default="INFO", type=_log_level, help="log level of splitserve's own logs "
                                                                               "(stderr)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,export-hf}")

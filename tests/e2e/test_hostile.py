@@ -2,8 +2,9 @@
 connection timeouts; one cluster for the module): every malformed input is a 4xx with no
 traceback in the log, every bound is refused by name, idle and trickling connections are closed,
 admission queues then refuses, request ids are per tenant, and the server is healthy and its
-pools empty afterwards. A property-based fuzz of the OpenAI bodies and the v1 messages runs at a
-bounded size here; `bench/hostile.py` runs the attacks against a victim and times them."""
+pools empty afterwards. A property-based fuzz of the OpenAI bodies and the v1 messages (the
+tokenizer's too) runs at a bounded size here; `bench/hostile.py` runs the attacks against a victim
+and times them."""
 from __future__ import annotations
 
 import http.client
@@ -123,6 +124,13 @@ BIG = "1" + "0" * 400      # an integer no float can hold
     ("/v1/completions", '{"prompt": "x", "stop": %s}' % json.dumps(["s"] * 33), "stop"),
     ("/v1/completions", '{"prompt": "x", "stop": %s}' % json.dumps(["s" * 257]), "stop"),
     ("/v1/completions", '{"prompt": ["a", "b", "c"], "n": 30}', "prompt"),
+    ("/tokenize", '{"prompt": "a\\ud800"}', "prompt"),
+    ("/tokenize", '{"prompt": "x", "add_special_tokens": %s}' % BIG, "add_special_tokens"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": 1}}',
+     "chat_template_kwargs"),
+    ("/detokenize", '{"tokens": [%d]}' % 2**70, "tokens"),
+    ("/detokenize", '{"tokens": [1e400]}', "tokens"),
+    ("/detokenize", '{"tokens": %s}' % ("[" * 40 + "]" * 40), "tokens" + "[0]" * 31),
 ])
 def test_malformed_input_is_a_400_naming_the_field(served, path, raw, param):
     status, body = _post(served, path, raw)
@@ -264,6 +272,24 @@ def test_fuzzed_openai_bodies_never_get_a_5xx(served, body, chat):
     assert status < 500, (status, answer, body)
 
 
+_WELL_FORMED = {"messages": st.lists(_message, max_size=3), "prompt": st.text(max_size=20)}
+_tokenizer_body = st.dictionaries(st.sampled_from(["prompt", "messages", "model", "add_special_tokens",
+                                                   "return_token_strs", "add_generation_prompt",
+                                                   "continue_final_message", "chat_template_kwargs", "tools"]),
+                                  _json, max_size=5).flatmap(
+    lambda d: st.fixed_dictionaries({**{k: st.just(v) for k, v in d.items()},
+                                     "tokens": st.one_of(st.lists(st.integers(-2**40, 2**40), max_size=5), _json)},
+                                    optional={k: v for k, v in _WELL_FORMED.items() if k not in d}))
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=FUZZ_EXAMPLES <= 120)
+@given(body=_tokenizer_body, path=st.sampled_from(["/tokenize", "/detokenize"]))
+def test_fuzzed_tokenizer_bodies_never_get_a_5xx(served, body, path):
+    status, answer = _post(served, path, json.dumps(body, allow_nan=True))
+    assert status < 500, (status, answer, body)
+
+
 _sampling = st.builds(pb.SamplingParams, max_tokens=st.integers(-2**31, 2**31 - 1), temperature=st.floats(width=32),
                       top_p=st.floats(width=32), top_k=st.integers(-2**31, 2**31 - 1),
                       stop=st.lists(st.text(max_size=5), max_size=40), stop_token_ids=st.lists(
@@ -287,6 +313,26 @@ def test_fuzzed_grpc_messages_get_a_status_of_their_own(served, request, junk, c
         except grpc.RpcError as e:
             assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 grpc.StatusCode.ALREADY_EXISTS), (e.code(), e.details(), payload)
+
+
+_tokenize_request = st.builds(pb.TokenizeRequest, text=st.text(max_size=20), model=st.text(max_size=3),
+                              add_special_tokens=st.booleans(), return_token_strs=st.booleans())
+_detokenize_request = st.builds(pb.DetokenizeRequest, token_ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=5),
+                                model=st.text(max_size=3))
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=FUZZ_EXAMPLES <= 120)
+@given(request=st.one_of(_tokenize_request, _detokenize_request), junk=st.binary(max_size=64))
+def test_fuzzed_tokenizer_messages_get_a_status_of_their_own(served, request, junk):
+    client = _fuzz_client(served)
+    raw = client.channel.unary_unary(f"/splitserve.v1.Inference/{type(request).__name__.removesuffix('Request')}")
+    for payload in (junk, request.SerializeToString()):
+        try:
+            raw(payload, metadata=_metadata(client.api_key), timeout=60)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), \
+                (e.code(), e.details(), payload)
 
 
 _CLIENTS: dict = {}

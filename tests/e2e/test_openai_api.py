@@ -4,7 +4,9 @@
 Outputs are compared with the single engine (greedy), with the gRPC API for the same prompt, with
 transformers (prompt logprobs, the chat template) and with themselves (seeds); n > 1 is checked to
 compute the prompt once through the workers' prompt-token counters; every error status is exact;
-a client that leaves mid-stream or mid-request leaves no block in use.
+a client that leaves mid-stream or mid-request leaves no block in use. vLLM's /tokenize answers
+the ids the server runs (given back as a prompt they make the same text and usage), /detokenize
+and gRPC's Tokenize/Detokenize agree with it, /version and ServerInfo say the installed version.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import socket
 import time
 
+import grpc
 import openai
 import pytest
 import torch
@@ -23,6 +26,7 @@ from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
+from cluster.version import splitserve_version
 from cluster_harness import ClusterThread
 from router.client import Client
 from tiny_models import make_chat_model
@@ -286,6 +290,109 @@ def test_a_client_that_disconnects_stops_its_request_everywhere(served):
         # Stopped, not run to the end: 250 tokens would take at least 250 engine steps.
         taken = sum(s.steps for s in stats) - steps
         assert taken < 150, taken
+
+
+def _get(served, path: str, key: str = KEY) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(served.http, timeout=60)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data) if data else {}
+
+
+def _post_json(served, path: str, body: dict, key: str = KEY) -> tuple[int, dict]:
+    return _post(served, path, json.dumps(body).encode(), headers={"Authorization": f"Bearer {key}"})
+
+
+def _model_config(chat_model) -> dict:
+    return json.loads((chat_model / "config.json").read_text())
+
+
+def test_version_and_the_models_context_length(served, chat_model):
+    status, body = _get(served, "/version")
+    assert status == 200 and body == {"version": splitserve_version()}
+    rpc = Client(served.target, api_key=KEY)
+    assert rpc.server_info().version == splitserve_version()
+    rpc.close()
+    assert _get(served, "/version", key="wrong") == (200, body)          # open, as /health and vLLM's
+    card = _client(served).models.list().data[0]          # vLLM's extension, as the openai client sees it
+    assert card.model_extra["max_model_len"] == _model_config(chat_model)["max_position_embeddings"]
+
+
+def test_tokenize_gives_the_prompt_the_server_runs(served, reference, chat_model):
+    import transformers
+    api = _client(served)
+    model = _model(served)
+    status, tok = _post_json(served, "/tokenize", {"model": model, "prompt": PROMPTS[1]})
+    assert status == 200 and tok["tokens"] == reference.engine.tokenize(PROMPTS[1])
+    assert tok["count"] == len(tok["tokens"]) and tok["token_strs"] is None
+    assert tok["max_model_len"] == _model_config(chat_model)["max_position_embeddings"]
+    by_text = api.completions.create(model=model, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    by_ids = api.completions.create(model=model, prompt=tok["tokens"], max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == tok["count"]
+    status, bare = _post_json(served, "/tokenize", {"prompt": PROMPTS[1], "add_special_tokens": False})
+    assert status == 200 and bare["tokens"] == tok["tokens"][1:]          # the llama tokenizer's BOS
+    # A chat: rendered by the model's template as transformers renders it, tokenized without specials.
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "2 + 2 ="}]
+    status, chat = _post_json(served, "/tokenize", {"model": model, "messages": messages, "return_token_strs": True})
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(chat_model)
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert status == 200 and chat["tokens"] == hf(text, add_special_tokens=False).input_ids
+    assert chat["token_strs"] == hf.convert_ids_to_tokens(chat["tokens"])
+    r = api.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    same = api.completions.create(model=model, prompt=chat["tokens"], max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert same.choices[0].token_ids == r.choices[0].token_ids and r.usage.prompt_tokens == chat["count"]
+    assert all(s.blocks_used == 0 for s in served.wait_idle())
+
+
+def test_detokenize_round_trips_and_refuses_what_is_no_token(served, chat_model):
+    model = _model(served)
+    status, tok = _post_json(served, "/tokenize", {"prompt": PROMPTS[2]})
+    status, back = _post_json(served, "/detokenize", {"model": model, "tokens": tok["tokens"]})
+    assert status == 200 and back == {"prompt": "<s>" + PROMPTS[2]}           # special tokens kept, as vLLM
+    vocab = _model_config(chat_model)["vocab_size"]
+    for tokens in ([1, vocab], [-1], "12"):
+        status, err = _post_json(served, "/detokenize", {"tokens": tokens})
+        assert status == 400 and err["error"]["param"] == "tokens", err
+        assert err["error"]["type"] == "invalid_request_error"
+    status, err = _post_json(served, "/tokenize", {"prompt": "x", "model": "gpt-4"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    status, err = _post_json(served, "/tokenize", {"prompt": "x", "add_special_tokens": "no"})
+    assert status == 400 and err["error"]["param"] == "add_special_tokens"
+    status, err = _post_json(served, "/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                                   "continue_final_message": True})
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    for path in ("/tokenize", "/detokenize"):
+        status, err = _post_json(served, path, {"prompt": "x", "tokens": [1]}, key="wrong")
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+
+
+def test_grpc_tokenize_and_detokenize_match_http(served, chat_model):
+    rpc = Client(served.target, api_key=KEY)
+    _, tok = _post_json(served, "/tokenize", {"prompt": PROMPTS[0], "return_token_strs": True})
+    ours = rpc.tokenize(PROMPTS[0], return_token_strs=True)
+    assert list(ours.token_ids) == tok["tokens"] and list(ours.token_strs) == tok["token_strs"]
+    assert ours.max_model_len == tok["max_model_len"]
+    assert rpc.tokenize(PROMPTS[0], add_special_tokens=False).token_ids == ours.token_ids[1:]
+    assert rpc.tokenize(PROMPTS[0]).token_strs is None
+    assert rpc.detokenize(ours.token_ids) == "<s>" + PROMPTS[0]
+    assert rpc.generate(list(ours.token_ids), max_tokens=8).text == rpc.generate(PROMPTS[0], max_tokens=8).text
+    vocab = _model_config(chat_model)["vocab_size"]
+    with pytest.raises(grpc.RpcError) as e:
+        rpc.detokenize([3, vocab + 1])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(vocab + 1) in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        Client(served.target).tokenize("x")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    raw = rpc.channel.unary_unary("/splitserve.v1.Inference/Tokenize")
+    with pytest.raises(grpc.RpcError) as e:                  # a malformed message is the client's fault
+        raw(b"\xff\xff\xff", metadata=(("authorization", f"Bearer {KEY}"),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    rpc.close()
 
 
 def test_models_health_and_not_serving_while_shutting_down(served):

@@ -207,3 +207,26 @@ def test_bad_tools(chat_dir):
     with pytest.raises(ChatTemplateError) as e:
         ChatTemplate.load(chat_dir).render([{"role": "user", "content": "x"}], tools={"a": 1})
     assert e.value.field == "tools"
+
+
+# --- continue_final_message -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "Grüße — ✓"])
+def test_continue_final_message_matches_transformers(chat_dir, hf_tokenizer, final):
+    messages = [*CONVERSATIONS["system+user"], {"role": "assistant", "content": final}]
+    ours = ChatTemplate.load(chat_dir).render(messages, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+    assert ours == theirs and ours.endswith("<|im_start|>assistant\n" + final)      # no end of turn after it
+
+
+def test_continue_final_message_needs_text_the_template_renders(chat_dir):
+    t = ChatTemplate.load(chat_dir)
+    for messages in ([{"role": "assistant", "content": None}], [{"role": "user", "content": "  "}]):
+        with pytest.raises(ChatTemplateError) as e:
+            t.render(messages, add_generation_prompt=False, continue_final_message=True)
+        assert e.value.field == "continue_final_message"
+    hidden = _template("{% for m in messages %}[{{ m.content | upper }}]{% endfor %}")
+    with pytest.raises(ChatTemplateError) as e:
+        hidden.render([{"role": "user", "content": "quiet"}], continue_final_message=True)
+    assert e.value.field == "continue_final_message"

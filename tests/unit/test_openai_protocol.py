@@ -112,6 +112,19 @@ def test_chat_needs_a_template_and_valid_messages():
     assert e.value.param == "top_logprobs"
 
 
+def test_chat_continues_the_final_message_only_without_a_generation_prompt():
+    from router.chat_template import ChatTemplate
+    template = ChatTemplate(source="{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}",
+                            bos_token="", eos_token="", origin="test")
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}],
+            "continue_final_message": True}
+    with pytest.raises(ApiError) as e:               # add_generation_prompt is true unless set
+        parse_chat(body, LIMITS, template, _tokenize)
+    assert (e.value.status, e.value.param) == (400, "continue_final_message")
+    job = parse_chat({**body, "add_generation_prompt": False}, LIMITS, template, _tokenize)
+    assert job.groups[0].requests[0].prompt_token_ids == tuple(_tokenize("user:hi;assistant:Sure, "))
+
+
 def test_unsupported_fields_at_neutral_values_are_accepted():
     job = _parse(prompt="a", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"},
                  tool_choice="auto", suffix="", best_of=1)

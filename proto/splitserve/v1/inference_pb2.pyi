@@ -177,3 +177,41 @@ class ServerInfoResponse(_message.Message):
     num_speculative_tokens: str
     deterministic: bool
     def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., kv_transport: _Optional[str] = ..., max_tokens_limit: _Optional[int] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "add_special_tokens", "return_token_strs", "model")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    add_special_tokens: bool
+    return_token_strs: bool
+    model: str
+    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "count", "max_model_len", "token_strs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    max_model_len: int
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "model")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

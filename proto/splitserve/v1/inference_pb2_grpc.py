@@ -54,6 +54,16 @@ class InferenceStub:
                 request_serializer=splitserve_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/splitserve.v1.Inference/Tokenize',
+                request_serializer=splitserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Inference/Detokenize',
+                request_serializer=splitserve_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -86,6 +96,19 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The served model's tokenizer: text to ids as Generate tokenizes a text prompt, and back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +131,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=splitserve_dot_v1_dot_inference__pb2.ServerInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_inference__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=splitserve_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +251,60 @@ class Inference:
             '/splitserve.v1.Inference/ServerInfo',
             splitserve_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
             splitserve_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Inference/Tokenize',
+            splitserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Inference/Detokenize',
+            splitserve_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
