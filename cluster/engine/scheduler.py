@@ -13,6 +13,9 @@ requests that wait holding the blocks their KV was pulled into.
 Speculative decoding turns a decode into a verification of k+1 positions (`attach_draft`); its
 blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
 advance over the accepted tokens only and blocks reserved past them go back to the pool.
+
+It counts what the metrics read (`WorkerStats`): each request's time from arrival to its first
+schedule, in Prometheus buckets, and preemptions.
 """
 from __future__ import annotations
 
