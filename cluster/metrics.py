@@ -1,24 +1,41 @@
-"""Every metric of the cluster, one prefix (`splitserve_`), Prometheus naming conventions.
+"""Every metric of the cluster, one prefix (`splitserve_`), Prometheus naming conventions, and
+vLLM's labels where it has them: every series carries `model_name` (the served model name).
 
 The driver process owns the registry and serves it (`--metrics-port`); with several frontend
 processes it sums their request series at scrape time. Request-level series
-(latencies, tokens, finish reasons) are recorded by the router as it streams; worker-level series
-(KV blocks, queues, prefix cache, KV transfer) come from the workers' periodic stats snapshots
-through a collector, each labelled by worker, so one scrape target covers the whole cluster.
+(latencies, lengths, tokens, finish reasons, admission) are recorded by the router as it streams;
+worker-level series (KV blocks, queues, preemptions, prefix cache, KV transfer) come from the
+workers' periodic stats snapshots through a collector, each labelled by worker, so one scrape
+target covers the whole cluster. docs/deploy.md maps vLLM's metric names to these.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from cluster.worker_messages import WorkerStats, expect
 
+# No `_created` series (a creation timestamp per counter and histogram, which no dashboard reads and
+# which doubles their series). prometheus_client's switch is process-wide: set where every metric
+# of the process is defined, so both /metrics endpoints (--metrics-port, the HTTP API) lack them.
+disable_created_metrics()
+
 PREFIX = "splitserve_"
+ANONYMOUS = "anonymous"     # the tenant of requests to a server without API keys
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Token counts per request, 1-2-5 per decade as vLLM's request_prompt_tokens / generation_tokens
+# (vLLM stops at max_model_len; a fixed ladder keeps every deployment's buckets summable).
+_LENGTH_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5)) + (1_000_000,)
+
+
+def tenant_label(tenant: str) -> str:
+    """The `tenant` label of a request's tenant ("" without API keys)."""
+    return tenant or ANONYMOUS
 
 
 SAMPLES_VERSION = 1
@@ -48,6 +65,8 @@ _ROLE_GAUGES = (
     ("kv_cache_blocks_in_use", "KV blocks held by requests (cached but unreferenced blocks count as free)",
      "blocks_used"),
     ("kv_cache_blocks", "KV blocks in the pool", "blocks_total"),
+    ("kv_cache_usage_ratio", "KV blocks held by requests over the pool, 0..1 (vLLM: kv_cache_usage_perc)",
+     "kv_usage"),
     ("num_requests_running", "requests in the running batch", "running"),
     ("num_requests_waiting", "requests queued", "waiting"),
 )
@@ -56,6 +75,8 @@ _ROLE_COUNTERS = (
     ("prefix_cache_hits", "prompt blocks found in the prefix cache", "prefix_hits"),
     ("prompt_tokens_computed", "prompt tokens run through the model (prefix-cache hits, transferred KV and the "
                                "shared prompt of n > 1 samples are not)", "prompt_tokens_computed"),
+    ("num_preemptions", "requests preempted for KV blocks (their blocks freed, their tokens recomputed)",
+     "preemptions"),
 )
 _DISCARDED = ("kv_discarded", "handed-off requests whose transferred KV was freed to be recomputed (KV pressure)",
               "kv_discarded")
@@ -81,40 +102,56 @@ def _families(kind, series, labels: list[str]) -> list[tuple]:
     return [(kind(PREFIX + name, text, labels=labels), field) for name, text, field in series]
 
 
+def queue_time_buckets(s: WorkerStats) -> list[tuple[str, float]]:
+    """A worker's queue-time histogram as Prometheus buckets (`le`, cumulative count), +Inf last.
+    The counts are read while the engine thread counts: +Inf never falls below a finite bucket."""
+    buckets = [(floatToGoString(le), count) for le, count in s.queue_time_buckets]
+    return [*buckets, ("+Inf", max([s.queue_count, *(count for _, count in buckets)]))]
+
+
 class _WorkerCollector:
-    """The workers' series, from each worker's last `WorkerStats`, labelled by worker."""
+    """The workers' series, from each worker's last `WorkerStats`, labelled by worker and model."""
 
     def __init__(self, metrics: "ClusterMetrics"):
         self.metrics = metrics
 
     def collect(self):
-        by_role = [*_families(GaugeMetricFamily, _ROLE_GAUGES, ["worker", "role"]),
-                   *_families(CounterMetricFamily, _ROLE_COUNTERS, ["worker", "role"])]
-        discarded = _families(CounterMetricFamily, (_DISCARDED,), ["worker", "role"])
-        handoff = _families(CounterMetricFamily, _HANDOFF_COUNTERS, ["worker", "transport"])
-        spec = _families(CounterMetricFamily, _SPEC_COUNTERS, ["worker", "method"])
-        queue = SummaryMetricFamily(PREFIX + "request_queue_time_seconds",
-                                    "time requests waited for their first schedule", labels=["worker", "role"])
-        transport = self.metrics.transport
+        by_role = [*_families(GaugeMetricFamily, _ROLE_GAUGES, ["worker", "role", "model_name"]),
+                   *_families(CounterMetricFamily, _ROLE_COUNTERS, ["worker", "role", "model_name"])]
+        discarded = _families(CounterMetricFamily, (_DISCARDED,), ["worker", "role", "model_name"])
+        handoff = _families(CounterMetricFamily, _HANDOFF_COUNTERS, ["worker", "transport", "model_name"])
+        spec = _families(CounterMetricFamily, _SPEC_COUNTERS, ["worker", "method", "model_name"])
+        queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
+                                      "time requests waited on a worker for their first schedule",
+                                      labels=["worker", "role", "model_name"])
+        transport, model = self.metrics.transport, self.metrics.model_name
         for s in self.metrics.worker_stats.values():
             for family, field in (*by_role, *discarded):
-                family.add_metric([s.name, s.role], getattr(s, field))
-            queue.add_metric([s.name, s.role], count_value=s.queue_count, sum_value=s.queue_seconds)
+                family.add_metric([s.name, s.role, model], getattr(s, field))
+            queue.add_metric([s.name, s.role, model], queue_time_buckets(s), s.queue_seconds)
             if s.handoff is not None:
                 for family, field in handoff:
-                    family.add_metric([s.name, transport], getattr(s.handoff, field))
+                    family.add_metric([s.name, transport, model], getattr(s.handoff, field))
             for counts in s.spec:
                 for family, field in spec:
-                    family.add_metric([s.name, counts.method], getattr(counts, field))
+                    family.add_metric([s.name, counts.method, model], getattr(counts, field))
         yield from (f for f, _ in by_role)
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec))
 
 
 class RequestTracker:
-    def __init__(self, metrics: "ClusterMetrics", tenant: str = ""):
+    """One request's series, recorded as the router streams it: latencies as tokens arrive, then
+    its lengths and finish reason once, when it ends."""
+
+    def __init__(self, metrics: "ClusterMetrics", tenant: str = "", prompt_tokens: int = 0):
+        """`prompt_tokens`: the prompt's length as the router tokenized it (a request that ends
+        before any worker reports its length still has one)."""
         self.m = metrics
-        self.tenant = tenant or "anonymous"     # a tenant's name, never its key
+        self.tenant = tenant_label(tenant)      # a tenant's name, never its key
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
+        self.output_tokens = metrics.tokens.labels(model_name=metrics.model_name, tenant=self.tenant)
         self.start = time.perf_counter()
         self.last = None
         self.first = None
@@ -133,22 +170,27 @@ class RequestTracker:
                 gaps, gap = n, (now - self.last) / n
             for _ in range(gaps):
                 self.m.itl.observe(gap)
-            self.m.tokens.labels(tenant=self.tenant).inc(n)
+            self.output_tokens.inc(n)
+            self.generated += n
             self.last = now
         if delta.finish_reason is not None:
             self.finish(delta.finish_reason.value, delta.num_prompt_tokens)
 
     def finish(self, reason: str, prompt_tokens: int = 0) -> None:
+        """`prompt_tokens`: the prompt's length as the worker counted it (0: not reported)."""
         if self.done:
             return
         self.done = True
         now = time.perf_counter()
-        self.m.e2e.observe(now - self.start)
+        m, model = self.m, self.m.model_name
+        m.e2e.observe(now - self.start)
         if self.last is not None:
-            self.m.decode_time.observe(self.last - (self.first or self.last))
-        self.m.finished.labels(reason=reason, tenant=self.tenant).inc()
+            m.decode_time.observe(self.last - (self.first or self.last))
+        m.finished.labels(model_name=model, reason=reason, tenant=self.tenant).inc()
         if prompt_tokens:
-            self.m.prompt_tokens.labels(tenant=self.tenant).inc(prompt_tokens)
+            m.prompt_tokens.labels(model_name=model, tenant=self.tenant).inc(prompt_tokens)
+        m.prompt_length.observe(prompt_tokens or self.prompt_tokens)
+        m.generation_length.observe(self.generated)
 
 
 class _FrontendCollector:
@@ -176,11 +218,14 @@ class _FrontendCollector:
 
 
 class ClusterMetrics:
-    def __init__(self, transport: str, workers: bool = True, frontends: list | None = None):
-        """`workers`: serve the workers' series (the driver). `frontends`: actor frontends whose
-        request series this registry sums instead of recording its own."""
+    def __init__(self, transport: str, model_name: str, workers: bool = True, frontends: list | None = None):
+        """`model_name`: the served model name (`--served-model-name`, else the model's id; the
+        router's `Limits.model_id`), a label of every series. `workers`: serve the workers' series
+        (the driver). `frontends`: actor frontends whose request series this registry sums instead
+        of recording its own."""
         self.registry = CollectorRegistry()
         self.transport = transport
+        self.model_name = model_name
         self.worker_stats: dict[str, WorkerStats] = {}
         self.has_workers = workers      # this registry holds the whole cluster's series
         r = self.registry
@@ -189,38 +234,52 @@ class ClusterMetrics:
         if frontends:
             r.register(_FrontendCollector(frontends))
             r = CollectorRegistry()      # this process records no request of its own
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between output tokens", registry=r,
-                             buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "request latency, first byte in to last out",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds", "prefill phase time (remote prefill)",
-                                      registry=r, buckets=_LATENCY_BUCKETS)
-        self.decode_time = Histogram(PREFIX + "request_decode_time_seconds", "decode phase: first to last token",
-                                     registry=r, buckets=_LATENCY_BUCKETS)
-        self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed, by tenant", ["tenant"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests, by tenant",
-                                     ["tenant"], registry=r)
-        self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason and tenant",
-                                ["reason", "tenant"], registry=r)
-        self.refused = Counter(PREFIX + "requests_refused", "requests refused before any work (router/admission.py), "
-                               "by reason and tenant", ["reason", "tenant"], registry=r)
-        self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot", registry=r)
         self._requests = r
+        self.ttft = self._histogram("time_to_first_token_seconds", "time to first token")
+        self.itl = self._histogram("inter_token_latency_seconds", "time between output tokens")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "request latency, first byte in to last out")
+        self.prefill_time = self._histogram("request_prefill_time_seconds", "prefill phase time (remote prefill)")
+        self.decode_time = self._histogram("request_decode_time_seconds", "decode phase: first to last token")
+        self.prompt_length = self._histogram("request_prompt_tokens", "prompt tokens per finished request",
+                                             _LENGTH_BUCKETS)
+        self.generation_length = self._histogram("request_generation_tokens",
+                                                 "output tokens per finished request (each sample of n)",
+                                                 _LENGTH_BUCKETS)
+        by_tenant = ["model_name", "tenant"]
+        self.tokens = Counter(PREFIX + "generation_tokens", "output tokens streamed, by tenant", by_tenant, registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of finished requests, by tenant",
+                                     by_tenant, registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "requests finished, by reason and tenant",
+                                ["model_name", "reason", "tenant"], registry=r)
+        self.refused = Counter(PREFIX + "requests_refused", "requests refused before any work (router/admission.py), "
+                               "by reason and tenant", ["model_name", "reason", "tenant"], registry=r)
+        self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot, by tenant",
+                            by_tenant, registry=r)
+
+    def _histogram(self, name: str, text: str, buckets: tuple = _LATENCY_BUCKETS):
+        """A request histogram of this model (its one label bound)."""
+        family = Histogram(PREFIX + name, text, ["model_name"], registry=self._requests, buckets=buckets)
+        return family.labels(model_name=self.model_name)
 
     def request_samples(self) -> tuple[SampleFamily, ...]:
         """The request series, for the driver's merged scrape."""
         return tuple(SampleFamily(f.name, f.type, f.documentation,
-                                  tuple(Sample(s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples
-                                        if not s.name.endswith("_created")))
+                                  tuple(Sample(s.name, tuple(sorted(s.labels.items())), s.value) for s in f.samples))
                      for f in self._requests.collect())
 
     def track(self, request) -> RequestTracker:
-        return RequestTracker(self, getattr(request, "tenant", ""))
+        return RequestTracker(self, getattr(request, "tenant", ""), len(getattr(request, "prompt_token_ids", ())))
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_time.observe(seconds)
+
+    def count_refused(self, reason: str, tenant: str) -> None:
+        """A request admission refused (router/admission.py)."""
+        self.refused.labels(model_name=self.model_name, reason=reason, tenant=tenant_label(tenant)).inc()
+
+    def set_admission_queue_depth(self, tenant: str, depth: int) -> None:
+        """Requests of `tenant` waiting for in-flight slots in this frontend."""
+        self.queued.labels(model_name=self.model_name, tenant=tenant_label(tenant)).set(depth)
 
     def update_worker(self, stats: WorkerStats) -> None:
         self.worker_stats[stats.name] = stats

@@ -99,7 +99,8 @@ class EngineWorker:
             prompt_tokens_computed=self.engine.prompt_tokens_computed,
             kv_refused=self.mailbox.refused + getattr(self.transport, "refused", 0),
             kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
-            queue_count=sched.queue_count, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
+            queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),
+            preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
             **self._role_stats())
 
     def _role_stats(self) -> dict:

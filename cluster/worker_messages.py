@@ -167,10 +167,20 @@ class WorkerStats:
     kv_discarded: int = 0
     queue_seconds: float = 0.0
     queue_count: int = 0
+    # The queue-time histogram: (upper bound in seconds, requests that waited at most that long),
+    # cumulative; its +Inf bucket is `queue_count`. The bounds travel with the counts: the reader
+    # needs no table that a worker of another release could disagree with.
+    queue_time_buckets: tuple[tuple[float, int], ...] = ()
+    preemptions: int = 0            # requests preempted (blocks freed, recomputed later)
     spec: tuple[SpecStats, ...] = ()
     prefill: PrefillStats | None = None
     handoff: HandoffStats | None = None
     version: int = WORKER_STATS_VERSION
+
+    @property
+    def kv_usage(self) -> float:
+        """Blocks held by requests over the pool, 0..1 (vLLM's `kv_cache_usage_perc`)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
     @property
     def leases(self) -> int:

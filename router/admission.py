@@ -79,13 +79,18 @@ class _Waiter:
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig, metrics=None):
+    def __init__(self, cfg: AdmissionConfig, metrics=None, tenants: tuple[str, ...] = ()):
+        """`metrics`: the frontend's `ClusterMetrics` (refusals, queue depth per tenant). `tenants`:
+        those known in advance (the API keys'; "" without keys), whose queue depth reads 0 from the
+        start rather than appearing with their first wait."""
         self.cfg = cfg
         self.metrics = metrics
         self.in_use = 0
         self.by_tenant: Counter[str] = Counter()
         self.waiting: list[_Waiter] = []
         self.closed = False
+        for tenant in tenants:
+            self._gauge(tenant)
 
     @property
     def tenant_cap(self) -> int:
@@ -119,7 +124,7 @@ class Admission:
                                f"{len(self.waiting)} waiting; retry later")
         waiter = _Waiter(tenant, slots, asyncio.get_running_loop().create_future())
         self.waiting.append(waiter)
-        self._gauge()
+        self._gauge(tenant)
         try:
             # shield: a timeout or a cancelled client must not cancel a grant that just happened
             async with asyncio.timeout(self.cfg.queue_timeout_s):
@@ -141,24 +146,27 @@ class Admission:
         else:
             waiter.future.cancel()
             self.waiting.remove(waiter)
-            self._gauge()
+            self._gauge(waiter.tenant)
 
     def close(self) -> None:
         """Shutting down: waiters are refused, and so is every later request."""
         self.closed = True
+        waited = {w.tenant for w in self.waiting}
         for w in list(self.waiting):
             w.future.set_exception(Refused(RefusedWhy.SHUTTING_DOWN, "the server is shutting down"))
         self.waiting.clear()
-        self._gauge()
+        for tenant in waited:
+            self._gauge(tenant)
 
     def _refuse(self, tenant: str, why: RefusedWhy, message: str) -> Refused:
         if self.metrics is not None:
-            self.metrics.refused.labels(reason=why.value, tenant=tenant).inc()
+            self.metrics.count_refused(why.value, tenant)
         return Refused(why, message)
 
-    def _gauge(self) -> None:
+    def _gauge(self, tenant: str) -> None:
+        """The queue depth of `tenant`, after its waiters changed."""
         if self.metrics is not None:
-            self.metrics.queued.set(len(self.waiting))
+            self.metrics.set_admission_queue_depth(tenant, sum(w.tenant == tenant for w in self.waiting))
 
     def _grant(self, tenant: str, slots: int) -> Ticket:
         self.in_use += slots
@@ -180,5 +188,5 @@ class Admission:
                 return
             w = min(fitting, key=lambda w: (self.by_tenant[w.tenant], w.since))
             self.waiting.remove(w)
-            self._gauge()
+            self._gauge(w.tenant)
             w.future.set_result(self._grant(w.tenant, w.slots))

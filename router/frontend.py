@@ -80,7 +80,7 @@ class Frontend:
         from router.tokenization import TokenCodec  # noqa: PLC0415
         cfg = self.cfg
         if self.metrics is None:
-            self.metrics = ClusterMetrics(cfg.transport, workers=False)
+            self.metrics = ClusterMetrics(cfg.transport, cfg.limits.model_id, workers=False)
         clients = {n: WorkerClient(n, h) for n, h in self.handles.items()}
         prefill = {n: clients[n] for n in cfg.roster.prefill}
         decode = {n: clients[n] for n in cfg.roster.decode}

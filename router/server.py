@@ -82,13 +82,15 @@ class InferenceService:
         """`siblings`: the frontend (router/frontend.py) that passes an `Abort` for a request this
         process does not own to the other frontends. `codec` (the tokenizer) runs in the `offload` pool."""
         self.router = router
-        self.admission = Admission(admission, metrics)
+        self.api_keys = as_api_keys(api_keys)
+        # Tenants known in advance: the keys' ("" without keys: every request is anonymous).
+        tenants = tuple(dict.fromkeys(k.tenant for k in self.api_keys)) or ("",)
+        self.admission = Admission(admission, metrics, tenants)
         self.offload = offload or Offload()
         self.limits = limits
         self.codec = codec
         self.tokenize = codec.prompt        # a text prompt's ids, for both APIs
         self.info = info
-        self.api_keys = as_api_keys(api_keys)
         self.metrics = metrics
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)

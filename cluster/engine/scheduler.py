@@ -13,11 +13,16 @@ requests that wait holding the blocks their KV was pulled into.
 Speculative decoding turns a decode into a verification of k+1 positions (`attach_draft`); its
 blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
 advance over the accepted tokens only and blocks reserved past them go back to the pool.
+
+It counts what the metrics read (`WorkerStats`): each request's time from arrival to its first
+schedule, in Prometheus buckets, and preemptions.
 """
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +32,12 @@ from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.types import FinishReason
+
+# Upper bounds (seconds) of the queue-time histogram a worker reports (`WorkerStats.queue_time_buckets`),
+# the same as the router's latency buckets (cluster/metrics.py): fine below a second, where queues usually are.
+QUEUE_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                      1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
 
 @dataclass
 class ScheduledChunk:
@@ -82,6 +93,8 @@ class Scheduler:
         self.hit_filter = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
+        self.queue_time_counts = [0] * len(QUEUE_TIME_BUCKETS)   # per bucket (not cumulative); +Inf: the rest
+        self.num_preemptions = 0     # requests preempted (blocks freed, to be recomputed)
         self.kv_discarded = 0        # handed-off waiters whose transferred KV was thrown away
 
     # --- queue -------------------------------------------------------------------------
@@ -229,13 +242,24 @@ class Scheduler:
             return 0
         seq.block_ids.extend(self.pool.allocate(need))
         if seq.num_preemptions == 0:
-            self.queue_seconds += time.monotonic() - seq.queued_at
-            self.queue_count += 1
+            self._count_queue_time(time.monotonic() - seq.queued_at)
         if seq.num_preemptions == 0 and not handed_off:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.pool.queries += usable
             self.pool.hits += seq.num_computed_tokens // bs
         return n
+
+    def _count_queue_time(self, seconds: float) -> None:
+        self.queue_seconds += seconds
+        self.queue_count += 1
+        i = bisect_left(QUEUE_TIME_BUCKETS, seconds)     # the first bound >= seconds (Prometheus' `le`)
+        if i < len(QUEUE_TIME_BUCKETS):
+            self.queue_time_counts[i] += 1
+
+    def queue_time_buckets(self) -> tuple[tuple[float, int], ...]:
+        """(upper bound, requests that waited at most that long) per bucket, cumulative as Prometheus
+        counts them; the +Inf bucket is `queue_count`."""
+        return tuple(zip(QUEUE_TIME_BUCKETS, accumulate(self.queue_time_counts)))
 
     def preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free `seq`'s blocks and queue it first, to be recomputed."""
@@ -243,6 +267,7 @@ class Scheduler:
         self.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 

@@ -357,12 +357,13 @@ async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, wo
     """The frontend in this process, or `--frontends N` actors; their port bound (health
     NOT_SERVING: requests wait) and the metrics registry this driver serves."""
     handles = {n: c.handle for n, c in workers.items()}
+    model_name = fcfg.limits.model_id          # the served name: a label of every series
     if cfg.frontends == 1:
-        metrics = ClusterMetrics(cfg.data_plane.transport)
+        metrics = ClusterMetrics(cfg.data_plane.transport, model_name)
         frontend = Frontend(fcfg, handles, metrics=metrics)
         return frontend, [], await frontend.start(), metrics
     actors, port = await _start_frontends(cfg, fcfg, handles)
-    return None, actors, port, ClusterMetrics(cfg.data_plane.transport, frontends=actors)
+    return None, actors, port, ClusterMetrics(cfg.data_plane.transport, model_name, frontends=actors)
 
 
 async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,

@@ -2,7 +2,10 @@
 .ci/run): it scrapes a served cluster's metrics endpoint on 127.0.0.1 while requests flow, then every
 PromQL expression of deploy/monitoring is evaluated through Prometheus's HTTP API and must return
 series with values. Alerting conditions are empty while healthy, so for them the quantity left of the
-comparison must have values (and the whole condition must evaluate without error)."""
+comparison must have values (and the whole condition must evaluate without error). The same
+Prometheus then proves what a vLLM user expects of the series: `model_name` on every one, the KV
+usage ratio per worker, length histograms that count the requests sent, preemptions and queue-time
+buckets per worker, admission by tenant, and no `_created` series."""
 from __future__ import annotations
 
 import json
@@ -14,6 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -25,6 +29,8 @@ MONITORING = DEPLOY / "monitoring"
 RATE_INTERVAL = "1m"       # what Grafana's $__rate_interval stands for in these queries
 # Repetitive code, so that the n-gram proposer finds matches and drafts; longer than the
 # local-prefill threshold, so that every prompt's KV crosses from prefill to decode.
+SERVED_NAME = "prom-coder"     # --served-model-name: every series' model_name
+PER_TENANT = 4                 # --max-in-flight-per-tenant: a request of more samples is refused (too_large)
 PROMPTS = ["x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n", "def f(a):\n    return a\n\ndef g(a):\n    return a\n\ndef h(a):\n",
            "for i in range(3):\n    print(i)\nfor i in range(3):\n    print(i)\n", "import os\nimport sys\nimport os\n"]
 
@@ -99,13 +105,34 @@ def _values(answer: dict) -> list[float]:
     return [float(s["value"][1]) for s in data["result"]]
 
 
+@dataclass(frozen=True)
+class Scraped:
+    """The module's one served cluster, scraped by a real Prometheus after its requests."""
+    base: str                       # Prometheus's HTTP API
+    speculative: bool
+    outs: tuple                     # the gRPC requests' completions
+    metrics_texts: dict             # endpoint -> its exposition text (--metrics-port, the HTTP API's /metrics)
+
+
+def _refused_too_large(http_url: str) -> int:
+    """One completion asking for more samples than a tenant may hold: refused by admission."""
+    body = json.dumps({"model": SERVED_NAME, "prompt": "x", "n": PER_TENANT + 1, "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{http_url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    try:
+        return urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 @pytest.fixture(scope="module")
 def prometheus_over_cluster(tmp_path_factory):
     binary = require("prometheus", "prometheus")
     help_text = subprocess.run(["splitserve", "serve", "--help"], capture_output=True, text=True, check=True).stdout
     speculative = "--speculative" in help_text
     spec_args = ["--speculative", "ngram"] if speculative else []
-    serve = ServeProcess("--dtype", "float32", "--transport", "nixl", "--local-prefill-max-tokens", "4", *spec_args)
+    serve = ServeProcess("--dtype", "float32", "--transport", "nixl", "--local-prefill-max-tokens", "4",
+                         "--served-model-name", SERVED_NAME, "--http-port", "0",
+                         "--max-in-flight-per-tenant", str(PER_TENANT), *spec_args)
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())   # the shipped config, sped up
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
@@ -117,6 +144,7 @@ def prometheus_over_cluster(tmp_path_factory):
                              f"--web.listen-address={base[7:]}"], stdout=subprocess.DEVNULL,
                             stderr=(tmp / "prometheus.log").open("w"))
     try:
+        http_url = serve.logged(r"^OpenAI API: (http://\S+)/v1").group(1)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -133,13 +161,17 @@ def prometheus_over_cluster(tmp_path_factory):
             time.sleep(0.5)
         from router.client import Client
         client = Client(serve.target)
-        with ThreadPoolExecutor(4) as pool:
+        outs = []
+        with ThreadPoolExecutor(PER_TENANT) as pool:
             for _ in range(2):           # the same prompts twice: the second wave hits the prefix cache
-                outs = list(pool.map(lambda p: client.generate(p, max_tokens=24), PROMPTS * 2))
+                outs += pool.map(lambda p: client.generate(p, max_tokens=24), PROMPTS * 2)
                 assert all(o.finish_reason in ("length", "stop") for o in outs)
                 time.sleep(1.5)
+        assert _refused_too_large(http_url) == 400
         time.sleep(3)                    # scrapes and rule evaluations after the last request
-        yield base, speculative
+        texts = {"--metrics-port": serve.metrics(),
+                 "HTTP /metrics": urllib.request.urlopen(f"{http_url}/metrics", timeout=10).read().decode()}
+        yield Scraped(base, speculative, tuple(outs), texts)
     finally:
         prom.terminate()
         prom.wait(30)
@@ -147,7 +179,7 @@ def prometheus_over_cluster(tmp_path_factory):
 
 
 def test_every_dashboard_and_rule_expression_has_data(prometheus_over_cluster):
-    base, speculative = prometheus_over_cluster
+    base, speculative = prometheus_over_cluster.base, prometheus_over_cluster.speculative
     targets = json.loads(urllib.request.urlopen(f"{base}/api/v1/targets", timeout=10).read())["data"]
     assert [t["health"] for t in targets["activeTargets"]] == ["up"], targets
     exprs = [(w, e.replace("$__rate_interval", RATE_INTERVAL)) for w, e in dashboard_exprs()]
@@ -172,3 +204,88 @@ def test_every_dashboard_and_rule_expression_has_data(prometheus_over_cluster):
               f"--speculative, so no spec_* series exist: {skipped}")
     assert not failures, "\n".join(failures)
     assert len(exprs) - len(skipped) >= 30
+
+
+# --- what a vLLM user expects of the series, read back from Prometheus ----------------------------
+JOB = 'job="splitserve"'
+# The router's series (cluster/metrics.py), each carrying model_name (histograms by their _count).
+REQUEST_SERIES = ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                  "e2e_request_latency_seconds_count", "request_prefill_time_seconds_count",
+                  "request_decode_time_seconds_count", "request_prompt_tokens_count",
+                  "request_generation_tokens_count", "generation_tokens_total", "prompt_tokens_total",
+                  "requests_finished_total", "requests_refused_total", "admission_queue_depth")
+WORKERS = {"prefill-0", "decode-0"}
+
+
+def _series(base: str, expr: str) -> list[tuple[dict, float]]:
+    answer = _query(base, expr)
+    assert answer["status"] == "success", f"{expr}: {answer.get('error')}"
+    return [(s["metric"], float(s["value"][1])) for s in answer["data"]["result"]]
+
+
+def test_every_series_carries_the_served_model_name(prometheus_over_cluster):
+    base = prometheus_over_cluster.base
+    names = {m["__name__"] for m, _ in _series(base, f'count by (__name__) ({{{JOB}, model_name="{SERVED_NAME}"}})')}
+    assert {f"splitserve_{n}" for n in REQUEST_SERIES} <= names, sorted(names)
+    assert {"splitserve_kv_cache_usage_ratio", "splitserve_kv_transfers_total"} <= names    # workers' too
+    others = _series(base, f'{{{JOB}, __name__=~"splitserve_.+", model_name!="{SERVED_NAME}"}}')
+    assert not others, f"series without model_name={SERVED_NAME!r}: {others[:5]}"
+
+
+def test_kv_usage_ratio_is_a_share_of_the_pool_per_worker(prometheus_over_cluster):
+    base = prometheus_over_cluster.base
+    ratios = _series(base, f"splitserve_kv_cache_usage_ratio{{{JOB}}}")
+    assert sorted(m["worker"] for m, _ in ratios) == sorted(WORKERS)              # one series per worker
+    assert all(0 <= v <= 1 for _, v in ratios), ratios
+    # Over the run, within [0, 1], and the blocks held over the pool, scrape by scrape.
+    peaks = _series(base, f"max_over_time(splitserve_kv_cache_usage_ratio{{{JOB}}}[5m])")
+    assert all(0 <= v <= 1 for _, v in peaks) and any(v > 0 for _, v in peaks), peaks
+    apart = _series(base, f"max_over_time((abs(splitserve_kv_cache_usage_ratio{{{JOB}}} - on (worker, role) "
+                          f"(splitserve_kv_cache_blocks_in_use / splitserve_kv_cache_blocks)))[5m:1s])")
+    assert len(apart) == len(WORKERS) and all(v < 1e-9 for _, v in apart), apart
+
+
+def test_length_histograms_count_the_requests_sent(prometheus_over_cluster):
+    base, outs = prometheus_over_cluster.base, prometheus_over_cluster.outs
+
+    def one(expr: str) -> float:
+        (_, value), = _series(base, expr)
+        return value
+    sent = len(outs)                    # the refused request never started: not counted
+    assert one(f"splitserve_request_prompt_tokens_count{{{JOB}}}") == sent
+    assert one(f'splitserve_request_prompt_tokens_bucket{{{JOB}, le="+Inf"}}') == sent
+    assert one(f'splitserve_request_prompt_tokens_bucket{{{JOB}, le="5.0"}}') == 0     # every prompt is longer
+    assert one(f"splitserve_request_generation_tokens_count{{{JOB}}}") == sent
+    assert one(f"splitserve_request_generation_tokens_sum{{{JOB}}}") == sum(len(o.token_ids) for o in outs)
+
+
+def test_preemptions_and_queue_time_buckets_per_worker(prometheus_over_cluster):
+    base = prometheus_over_cluster.base
+    preemptions = _series(base, f"splitserve_num_preemptions_total{{{JOB}}}")
+    assert sorted(m["worker"] for m, _ in preemptions) == sorted(WORKERS) and all(v >= 0 for _, v in preemptions)
+    buckets = _series(base, f"splitserve_request_queue_time_seconds_bucket{{{JOB}}}")
+    for worker in WORKERS:
+        mine = sorted(((float(m["le"]), v) for m, v in buckets if m["worker"] == worker))
+        assert len(mine) > 10 and mine[-1][0] == math.inf, mine
+        assert all(a[1] <= b[1] for a, b in zip(mine, mine[1:])), f"{worker}: buckets must not decrease: {mine}"
+        (_, count), = _series(base, f'splitserve_request_queue_time_seconds_count{{{JOB}, worker="{worker}"}}')
+        assert count == mine[-1][1], (count, mine)
+    assert sum(v for m, v in buckets if m["le"] == "+Inf") > 0                  # requests were scheduled
+
+
+def test_admission_is_counted_by_tenant(prometheus_over_cluster):
+    base = prometheus_over_cluster.base
+    depth = _series(base, f"splitserve_admission_queue_depth{{{JOB}}}")
+    assert [m["tenant"] for m, _ in depth] == ["anonymous"], depth                  # no API keys
+    refused = _series(base, f"splitserve_requests_refused_total{{{JOB}}}")
+    assert [(m["reason"], m["tenant"], v) for m, v in refused] == [("too_large", "anonymous", 1.0)], refused
+
+
+def test_no_created_series(prometheus_over_cluster):
+    scraped = prometheus_over_cluster
+    assert _series(scraped.base, f"count({{{JOB}}})")[0][1] > 50
+    assert not _series(scraped.base, f'{{{JOB}, __name__=~".+_created"}}')
+    for where, text in scraped.metrics_texts.items():
+        assert "splitserve_kv_cache_usage_ratio" in text and "splitserve_request_prompt_tokens_count" in text, where
+        created = re.findall(r"^\w+_created\b.*$", text, re.MULTILINE)
+        assert not created, f"{where}: {created[:3]}"

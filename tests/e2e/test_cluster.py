@@ -199,14 +199,18 @@ def test_two_prefill_two_decode_workers(tiny_model_dir, reference):
 
 
 def _scrape(cluster) -> dict[str, float]:
+    """Every sample but buckets, by `name{label=value,...}`; each must carry the served model's name
+    (`model_name`, left out of the key)."""
     import urllib.request
     from prometheus_client.parser import text_string_to_metric_families
     port = cluster.cluster.metrics_server[0].server_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    model = cluster.cluster.frontend.service.limits.model_id
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            assert sample.labels.get("model_name") == model, sample
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("le", "model_name"))
             if "le" in sample.labels:
                 continue
             out[f"{sample.name}{{{labels}}}"] = sample.value
@@ -235,6 +239,11 @@ def test_metrics_count_what_was_sent(cluster):
     assert "splitserve_prefix_cache_hits_total{role=prefill,worker=prefill-0}" in after
     assert delta("splitserve_request_decode_time_seconds_count{}") == 6
     assert delta("splitserve_request_queue_time_seconds_count{role=prefill,worker=prefill-0}") == 5
+    assert delta("splitserve_request_prompt_tokens_count{}") == 6
+    assert delta("splitserve_request_generation_tokens_count{}") == 6
+    assert delta("splitserve_request_generation_tokens_sum{}") == 30
+    assert after["splitserve_kv_cache_usage_ratio{role=decode,worker=decode-0}"] == 0
+    assert "splitserve_num_preemptions_total{role=decode,worker=decode-0}" in after
 
 
 def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):

@@ -218,7 +218,9 @@ def test_admission_queues_then_refuses_and_metrics_need_a_key(served):
     conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEYS['beta']}"})
     r = conn.getresponse()
     text = r.read().decode()
-    assert r.status == 200 and 'splitserve_requests_refused_total{reason="queue_timeout",tenant="alpha"} 1.0' in text
+    refused = (f'splitserve_requests_refused_total{{model_name="{service.limits.model_id}",reason="queue_timeout",'
+               f'tenant="alpha"}} 1.0')
+    assert r.status == 200 and refused in text
     _healthy_and_idle(served)
 
 

@@ -31,6 +31,8 @@ RAY_ENV = {**RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):\n    print(", "def read_lines(path):\n    with open(path) as f:"]
 MAX_TOKENS = 12
+SERVED_NAME = "multinode"     # --served-model-name: the model_name of every series
+DECODE_NIXL = {"worker": "decode-0", "transport": "nixl", "model_name": SERVED_NAME}   # the handoff series' labels
 
 
 def _free_port(host: str) -> int:
@@ -143,6 +145,7 @@ def test_prefill_and_decode_on_their_own_nodes_router_on_head(ray_nodes, referen
     serve = ServeProcess("--ray-address", address, "--ray-token-file", str(token_file), "--dtype", "float32",
                          "--transport", "nixl", "--prefill-resources", '{"prefill": 1}',
                          "--decode-resources", '{"decode": 1}', "--local-prefill-max-tokens", "4",
+                         "--served-model-name", SERVED_NAME,
                          env={"RAY_AUTH_TOKEN": "not-the-token"})   # the file wins over an inherited token
     try:
         # Placement, seen from the operating system: each actor's process belongs to its node's session.
@@ -161,13 +164,13 @@ def test_prefill_and_decode_on_their_own_nodes_router_on_head(ray_nodes, referen
         deadline = time.monotonic() + 10
         while True:
             text = serve.metrics()
-            done = sample(text, "splitserve_kv_transfers_total", worker="decode-0", transport="nixl")
+            done = sample(text, "splitserve_kv_transfers_total", **DECODE_NIXL)
             if done == len(PROMPTS) or time.monotonic() > deadline:
                 break
             time.sleep(0.3)                               # the router polls worker stats every 0.25 s
         assert done == len(PROMPTS), text
-        assert sample(text, "splitserve_kv_transfer_bytes_total", worker="decode-0", transport="nixl") > 0
-        assert sample(text, "splitserve_kv_transfer_failures_total", worker="decode-0", transport="nixl") == 0
+        assert sample(text, "splitserve_kv_transfer_bytes_total", **DECODE_NIXL) > 0
+        assert sample(text, "splitserve_kv_transfer_failures_total", **DECODE_NIXL) == 0
     finally:
         assert serve.stop() == 0, serve.log[-3000:]
     # Stopping the server ends its actors but leaves the user's Ray cluster running.

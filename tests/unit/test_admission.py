@@ -106,6 +106,35 @@ def test_a_cancelled_waiter_leaves_nothing_behind_even_if_granted_meanwhile():
     _run(go())
 
 
+def test_queue_depth_and_refusals_are_counted_per_tenant():
+    from cluster.metrics import ClusterMetrics
+
+    def depth(m, tenant):
+        return m.queued.labels(model_name="m", tenant=tenant)._value.get()
+
+    async def go():
+        m = ClusterMetrics("tcp", "m", workers=False)
+        a = Admission(AdmissionConfig(max_in_flight=2, max_queued=3, queue_timeout_s=5), m, tenants=("", "quiet"))
+        assert depth(m, "anonymous") == depth(m, "quiet") == 0          # known tenants read 0 from the start
+        held, flooding = await a.acquire("", 1), await a.acquire("flood", 1)
+        flood = [asyncio.ensure_future(a.acquire("flood", 1)) for _ in range(2)]
+        quiet = asyncio.ensure_future(a.acquire("quiet", 1))
+        await asyncio.sleep(0)
+        assert (depth(m, "flood"), depth(m, "quiet"), depth(m, "anonymous")) == (2, 1, 0)
+        await _refused(a.acquire("", 1), RefusedWhy.QUEUE_FULL)
+        assert m.refused.labels(model_name="m", reason="queue_full", tenant="anonymous")._value.get() == 1
+        a.release(held)
+        t = await quiet                                  # holds none, the flooder one: quiet first
+        assert (depth(m, "flood"), depth(m, "quiet")) == (2, 0)
+        a.close()
+        for f in flood:
+            await _refused(f, RefusedWhy.SHUTTING_DOWN)
+        assert depth(m, "flood") == 0
+        a.release(t)
+        a.release(flooding)
+    _run(go())
+
+
 def test_validation_pool_runs_a_tenant_one_job_at_a_time_below_serving_priority():
     async def go():
         pool = Offload(threads=2, max_pending=3)
