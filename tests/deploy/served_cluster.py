@@ -47,16 +47,6 @@ class ServeProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def logged(self, pattern: str, timeout: float = 10.0) -> re.Match:
-        """The first match of `pattern` in the log, waiting for lines printed after start-up
-        (e.g. `OpenAI API: (http://\\S+)/v1` with --http-port)."""
-        deadline = time.monotonic() + timeout
-        while not (m := re.search(pattern, self.log, re.MULTILINE)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{pattern!r} never logged:\n{self.log[-3000:]}")
-            time.sleep(0.1)
-        return m
-
     def metrics(self) -> str:
         return urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
 

@@ -131,7 +131,7 @@ def prometheus_over_cluster(tmp_path_factory):
     speculative = "--speculative" in help_text
     spec_args = ["--speculative", "ngram"] if speculative else []
     serve = ServeProcess("--dtype", "float32", "--transport", "nixl", "--local-prefill-max-tokens", "4",
-                         "--served-model-name", SERVED_NAME, "--http-port", "0",
+                         "--served-model-name", SERVED_NAME,
                          "--max-in-flight-per-tenant", str(PER_TENANT), *spec_args)
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())   # the shipped config, sped up
@@ -144,7 +144,7 @@ def prometheus_over_cluster(tmp_path_factory):
                              f"--web.listen-address={base[7:]}"], stdout=subprocess.DEVNULL,
                             stderr=(tmp / "prometheus.log").open("w"))
     try:
-        http_url = serve.logged(r"^OpenAI API: (http://\S+)/v1").group(1)
+        http_url = serve.http_url
         deadline = time.monotonic() + 30
         while True:
             try:
