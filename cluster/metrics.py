@@ -255,6 +255,9 @@ class ClusterMetrics:
                                "by reason and tenant", ["model_name", "reason", "tenant"], registry=r)
         self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot, by tenant",
                             by_tenant, registry=r)
+        self.prefills = Counter(PREFIX + "prefills", "prompts prefilled, by where and why (handoff: on a prefill "
+                                "worker, KV moved; short, cached, colocated, no_prefill_worker: on the decode "
+                                "worker)", ["model_name", "place"], registry=r)
 
     def _histogram(self, name: str, text: str, buckets: tuple = _LATENCY_BUCKETS):
         """A request histogram of this model (its one label bound)."""
@@ -272,6 +275,10 @@ class ClusterMetrics:
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill_time.observe(seconds)
+
+    def count_prefill(self, place: str) -> None:
+        """One prompt's prefill placed (router/router.py `PrefillPlace`); n samples count once."""
+        self.prefills.labels(model_name=self.model_name, place=place).inc()
 
     def count_refused(self, reason: str, tenant: str) -> None:
         """A request admission refused (router/admission.py)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
+from enum import Enum
 
 from cluster.errors import RequestError
 from cluster.kv.hashing import hash_prefix_blocks
@@ -31,7 +32,17 @@ from router.router_config import RouterConfig
 from router.worker_pool import NoWorker, ShuttingDown, WorkerPool
 from router.workers import WorkerClient
 
-__all__ = ["NoWorker", "Router", "RouterConfig", "ShuttingDown"]   # RouterConfig: where the wiring reads it
+__all__ = ["NoWorker", "PrefillPlace", "Router", "RouterConfig", "ShuttingDown"]   # RouterConfig: the wiring's
+
+
+class PrefillPlace(Enum):
+    """Where a prompt is prefilled, and why (`splitserve_prefills_total{place}`): a disaggregated
+    cluster that moved no KV says which rule kept its prompts on the decode worker."""
+    HANDOFF = "handoff"                      # on a prefill worker; its KV moved to the decode worker
+    SHORT = "short"                          # within --local-prefill-max-tokens: on the decode worker
+    CACHED = "cached"                        # mostly cached on the decode worker already
+    COLOCATED = "colocated"                  # every worker runs both phases
+    NO_PREFILL_WORKER = "no_prefill_worker"  # none routable, or none could take it: the decode worker
 
 
 class Router:
@@ -154,28 +165,39 @@ class Router:
         dec = self.workers.policy.choose_decode(hashes, await self.workers.routable("decode"))
         prefilled = None
         members = [req, *forks]
-        if not self._prefill_locally(req, hashes, dec):
+        place = self._prefill_place(req, hashes, dec)
+        if place is PrefillPlace.HANDOFF:
             dec.in_flight += 1          # counted from the choice on, so requests arriving together spread
             try:
                 prefilled = await self.attempts.prefill(req, hashes, forks)
             finally:
                 dec.in_flight -= 1
-            if prefilled is not None:   # None: no prefill worker could take it; the decode worker prefills
-                for first in prefilled.firsts.values():
-                    yield first
-                members = [m for m in members if not prefilled.firsts[m.request_id].finished]
-                if not members:
-                    return
+            if prefilled is None:       # no prefill worker could take it; the decode worker prefills
+                place = PrefillPlace.NO_PREFILL_WORKER
+        if self.metrics is not None:
+            self.metrics.count_prefill(place.value)
+        if prefilled is not None:
+            for first in prefilled.firsts.values():
+                yield first
+            members = [m for m in members if not prefilled.firsts[m.request_id].finished]
+            if not members:
+                return
         async for d in self.attempts.decode(members, dec, hashes, prefilled, streamed):
             yield d
 
-    def _prefill_locally(self, req: GenerateRequest, hashes, dec: WorkerView) -> bool:
-        """Conditional disaggregation: colocated, a short prompt, one mostly cached on the decode
-        worker already, or no prefill worker to route to."""
+    def _prefill_place(self, req: GenerateRequest, hashes, dec: WorkerView) -> PrefillPlace:
+        """Conditional disaggregation: on the decode worker when colocated, for a short prompt, one
+        mostly cached there already, or with no prefill worker to route to; else a handoff."""
         cfg = self.config
-        return bool(cfg.colocated or len(req.prompt_token_ids) <= cfg.local_prefill_max_tokens
-                    or (hashes and dec.cached_prefix(hashes) >= cfg.local_prefill_cached_fraction * len(hashes))
-                    or not self.workers.healthy("prefill"))
+        if cfg.colocated:
+            return PrefillPlace.COLOCATED
+        if len(req.prompt_token_ids) <= cfg.local_prefill_max_tokens:
+            return PrefillPlace.SHORT
+        if hashes and dec.cached_prefix(hashes) >= cfg.local_prefill_cached_fraction * len(hashes):
+            return PrefillPlace.CACHED
+        if not self.workers.healthy("prefill"):
+            return PrefillPlace.NO_PREFILL_WORKER
+        return PrefillPlace.HANDOFF
 
     async def shutdown(self) -> None:
         """End every stream now with `ShuttingDown` (the server answers UNAVAILABLE): the workers

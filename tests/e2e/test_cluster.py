@@ -218,6 +218,10 @@ def _scrape(cluster) -> dict[str, float]:
 
 
 def test_metrics_count_what_was_sent(cluster):
+    # The baseline after a stats poll of the idle cluster (polls come at most 2 s apart when idle):
+    # a scrape right after an earlier test's requests can miss its last handoff, counted in `after`.
+    cluster.wait_idle()
+    time.sleep(2.5)
     before = _scrape(cluster)
     client = Client(cluster.target)
     prompts = _prompts(6, seed=99)                    # unseen prompts: no local prefill for cache hits
@@ -232,7 +236,10 @@ def test_metrics_count_what_was_sent(cluster):
     assert delta("splitserve_time_to_first_token_seconds_count{}") == 6
     assert delta("splitserve_generation_tokens_total{tenant=anonymous}") == sum(len(o.token_ids) for o in outs) == 30
     assert delta("splitserve_inter_token_latency_seconds_count{}") == 24
-    assert delta("splitserve_kv_transfers_total{transport=nixl,worker=decode-0}") == 5   # one prompt is short
+    # The first prompt has 3 tokens (<= --local-prefill-max-tokens 4): prefilled on the decode worker.
+    assert delta("splitserve_prefills_total{place=short}") == 1
+    assert delta("splitserve_prefills_total{place=handoff}") == 5
+    assert delta("splitserve_kv_transfers_total{transport=nixl,worker=decode-0}") == 5
     assert delta("splitserve_kv_transfer_bytes_total{transport=nixl,worker=decode-0}") > 0
     assert after["splitserve_kv_cache_blocks_in_use{role=decode,worker=decode-0}"] == 0
     assert after["splitserve_kv_cache_blocks_in_use{role=prefill,worker=prefill-0}"] == 0
