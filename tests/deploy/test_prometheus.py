@@ -124,6 +124,19 @@ def _refused_too_large(http_url: str) -> int:
         return exc.code
 
 
+def _held_until_scraped(base: str, client):
+    """One long stream, in flight until Prometheus has scraped the decode worker's KV in use: the
+    short waves can start and end between two scrapes (1 s apart), and the KV-usage checks need a
+    scrape that saw blocks held. Its completion."""
+    seen = 'max_over_time(splitserve_kv_cache_usage_ratio{role="decode"}[1m]) > 0'
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(client.generate, PROMPTS[1], max_tokens=1500, ignore_eos=True)
+        while not _values(_query(base, seen)):
+            assert not stream.done(), "the long stream ended before any scrape saw its KV blocks"
+            time.sleep(0.2)
+        return stream.result()
+
+
 @pytest.fixture(scope="module")
 def prometheus_over_cluster(tmp_path_factory):
     binary = require("prometheus", "prometheus")
@@ -167,6 +180,7 @@ def prometheus_over_cluster(tmp_path_factory):
                 outs += pool.map(lambda p: client.generate(p, max_tokens=24), PROMPTS * 2)
                 assert all(o.finish_reason in ("length", "stop") for o in outs)
                 time.sleep(1.5)
+        outs.append(_held_until_scraped(base, client))
         assert _refused_too_large(http_url) == 400
         time.sleep(3)                    # scrapes and rule evaluations after the last request
         texts = {"--metrics-port": serve.metrics(),
