@@ -10,7 +10,9 @@ command line reports under the flag or YAML key the value came from.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import MISSING, dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,16 +160,57 @@ def default_num_threads() -> int | None:
     return int(value) if value else None
 
 
+# The KV pool of an engine on CPU when --kv-cache-memory is not given: the host's memory is shared
+# with the other workers and everything else on the node, so a share of what is free would take
+# GBs per worker for nothing (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE, 4 GiB when unset).
+CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_SIZE_HELP = "a byte count or a size such as 4GiB, 512MiB or 2GB (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+def parse_memory_size(value) -> int | None:
+    """Bytes from a command-line string or a YAML value: an integer, or a number with a unit
+    (`4GiB`, `512MiB`, `1.5GB`: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024); none: unset."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.fullmatch(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS or ("." in match.group(1) and not unit):
+        raise ValueError(f"expected {_SIZE_HELP}, got {value!r}")
+    return int(Decimal(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """`4 GiB`, `1.5 GiB`, `512 MiB`: the binary unit that keeps the number above 1."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{nbytes} B"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. `num_blocks` fixes the pool size; otherwise it is planned from
-    `memory_budget_bytes` (weights, activations and headroom subtracted first)."""
+    `memory_budget_bytes` (weights, activations and headroom subtracted first), or from
+    `memory_fraction` of the free memory, and kept within `kv_cache_memory_bytes` (on CPU 4 GiB
+    unless given). `cluster/kv/paged_cache.py` `plan_memory` says which limit set it."""
 
     block_size: int = setting(16, "tokens per KV block (a power of two)")
     num_blocks: int | None = setting(None, "a fixed number of KV blocks per engine instead of planning them from memory",
                                      flag="--num-kv-blocks", default_text="planned from memory")
     memory_budget_bytes: int | None = setting(None, "bytes the engine's activations and KV blocks may take",
                                               default_text="a share of the free memory (--memory-fraction)")
+    kv_cache_memory_bytes: int | None = setting(
+        None, f"bytes of the KV pool per engine (its blocks only, not weights or activations): {_SIZE_HELP}; the pool "
+              "also stays within --memory-fraction of the free memory (or --memory-budget-bytes)",
+        flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), parse=parse_memory_size, metavar="SIZE",
+        default_text=f"{format_size(CPU_KV_CACHE_DEFAULT_BYTES)} on CPU (none with --memory-budget-bytes); with "
+                     f"--device cuda none: --memory-fraction of the GPU's free memory")
     memory_fraction: float = setting(0.4, "share of the memory still free once the weights are loaded (the GPU's "
                                           "with --device cuda, the host's on CPU) that activations and KV blocks may take")
     headroom_fraction: float = setting(0.05, "share of the budget kept free for allocations outside the plan")
@@ -180,6 +223,9 @@ class CacheConfig:
         require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
         require(self.memory_budget_bytes is None or self.memory_budget_bytes > 0, "memory_budget_bytes",
                 f"must be > 0, got {self.memory_budget_bytes}")
+        require(self.kv_cache_memory_bytes is None or (isinstance(self.kv_cache_memory_bytes, int)
+                                                       and self.kv_cache_memory_bytes > 0), "kv_cache_memory_bytes",
+                f"must be a positive number of bytes, got {self.kv_cache_memory_bytes!r}")
         require(0 < self.memory_fraction <= 1, "memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
         require(0 <= self.headroom_fraction < 1, "headroom_fraction",
                 f"must be in [0, 1), got {self.headroom_fraction}")

@@ -10,13 +10,19 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import CacheConfig, SchedulerConfig
+from cluster.config import CPU_KV_CACHE_DEFAULT_BYTES, CacheConfig, SchedulerConfig, format_size
 from cluster.model.model_config import ModelConfig
 from cluster.types import KVLayout
 
 log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
+
+# What can set the pool's size, each named by the flag that raises it (the plan's `limit`).
+FIXED = "--num-kv-blocks"
+BUDGET = "--memory-budget-bytes"
+KV_CACHE_MEMORY = "--kv-cache-memory"
+BATCH_LIMITS = "--max-num-seqs x --max-model-len (all the batch can ever hold)"
 
 
 @dataclass(frozen=True)
@@ -27,14 +33,24 @@ class MemoryPlan:
     headroom_bytes: int
     bytes_per_block: int
     num_blocks: int
-    capped: bool   # True when the pool was cut to what the batch limits can ever use
+    limit: str     # what set num_blocks, as the flag that raises it: said in the log and the serve banner
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV pool's bytes (a speculator's KV per block included)."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def capped(self) -> bool:
+        """The pool was cut to what the batch limits can ever use."""
+        return self.limit == BATCH_LIMITS
 
     def describe(self) -> str:
-        return (f"memory plan: budget {self.budget_bytes / _MIB:.0f} MiB = weights {self.weight_bytes / _MIB:.0f}"
-                f" + activations {self.activation_bytes / _MIB:.0f} + headroom {self.headroom_bytes / _MIB:.0f}"
-                f" + KV {self.num_blocks * self.bytes_per_block / _MIB:.0f} MiB"
-                f" ({self.num_blocks} blocks of {self.bytes_per_block / 1024:.0f} KiB"
-                f"{', capped by max_num_seqs x max_model_len' if self.capped else ''})")
+        room = self.budget_bytes - self.weight_bytes - self.activation_bytes - self.headroom_bytes
+        return (f"memory plan: KV {format_size(self.kv_bytes)} = {self.num_blocks} blocks of "
+                f"{self.bytes_per_block / 1024:.0f} KiB, set by {self.limit}; budget {self.budget_bytes / _MIB:.0f} MiB"
+                f" = weights {self.weight_bytes / _MIB:.0f} + activations {self.activation_bytes / _MIB:.0f}"
+                f" + headroom {self.headroom_bytes / _MIB:.0f} + room for KV {room / _MIB:.0f} MiB")
 
 
 def available_memory(device: torch.device) -> int:
@@ -71,24 +87,57 @@ def plan_memory(model_cfg: ModelConfig, layout: KVLayout, cache: CacheConfig, sc
     ceiling = sched.max_num_seqs * blocks_per_seq + 1
     if cache.num_blocks is not None:
         budget = weight_bytes + activation + cache.num_blocks * per_block
-        return MemoryPlan(budget, weight_bytes, activation, 0, per_block, cache.num_blocks, False)
-    if cache.memory_budget_bytes is not None:
-        budget = cache.memory_budget_bytes
-        kv_bytes = budget - weight_bytes - activation
-    else:
-        # Weights are already resident, so a share of what is still available goes to KV.
-        budget = int(available_memory(device) * cache.memory_fraction) + weight_bytes
-        kv_bytes = budget - weight_bytes - activation
+        return MemoryPlan(budget, weight_bytes, activation, 0, per_block, cache.num_blocks, FIXED)
+    budget, budget_limit = _budget(cache, device, weight_bytes)
     headroom = int(budget * cache.headroom_fraction)
-    kv_bytes -= headroom
-    num_blocks = kv_bytes // per_block
-    if num_blocks < 1:
+    room = budget - weight_bytes - activation - headroom      # what the budget leaves for KV
+    if room < per_block:
         raise ValueError(
-            f"memory budget of {budget / _MIB:.0f} MiB leaves no room for the KV cache "
+            f"memory budget of {budget / _MIB:.0f} MiB ({budget_limit}) leaves no room for the KV cache "
             f"(weights {weight_bytes / _MIB:.0f} MiB, activations {activation / _MIB:.0f} MiB); "
-            "raise the budget or lower max_num_batched_tokens")
-    capped = num_blocks > ceiling
-    return MemoryPlan(budget, weight_bytes, activation, headroom, per_block, min(num_blocks, ceiling), capped)
+            "raise it or lower --max-num-batched-tokens")
+    num_blocks, limit = _smallest_limit(room // per_block, budget_limit, kv_cache_cap(cache, device), per_block,
+                                        ceiling)
+    return MemoryPlan(budget, weight_bytes, activation, headroom, per_block, num_blocks, limit)
+
+
+def _smallest_limit(budget_blocks: int, budget_limit: str, cap: tuple[int, str] | None, per_block: int,
+                    ceiling: int) -> tuple[int, str]:
+    """The blocks the smallest limit allows, and its name: the budget's room, the KV cap (if any),
+    the batch limits' ceiling. On a tie the first named wins."""
+    limits = [(budget_blocks, budget_limit)]
+    if cap is not None:
+        cap_bytes, cap_limit = cap
+        if cap_bytes < per_block:
+            raise ValueError(f"{cap_limit} is smaller than one KV block ({format_size(per_block)}); raise it")
+        if cap_bytes // per_block > budget_blocks:    # a small node: the share of free memory undercuts the cap
+            limits[0] = (budget_blocks, f"{budget_limit}, less than {cap_limit}")
+        limits.append((cap_bytes // per_block, cap_limit))
+    limits.append((ceiling, BATCH_LIMITS))
+    return min(limits, key=lambda pair: pair[0])
+
+
+def _budget(cache: CacheConfig, device: torch.device, weight_bytes: int) -> tuple[int, str]:
+    """The engine's budget (weights, activations, headroom and KV) and the flag that sets it."""
+    if cache.memory_budget_bytes is not None:
+        return cache.memory_budget_bytes, BUDGET
+    # Weights are already resident, so a share of what is still available goes to the rest.
+    where = "the GPU's free memory" if device.type == "cuda" else "the memory free at start"
+    return (int(available_memory(device) * cache.memory_fraction) + weight_bytes,
+            f"--memory-fraction ({cache.memory_fraction:g} of {where})")
+
+
+def kv_cache_cap(cache: CacheConfig, device: torch.device) -> tuple[int, str] | None:
+    """The KV pool's own limit in bytes, and how it is named: `--kv-cache-memory` when given; else
+    on CPU a fixed default (a share of a shared host's free memory is GBs per worker for nothing),
+    unless an explicit `--memory-budget-bytes` sizes the engine; on CUDA none (the GPU is the
+    engine's own)."""
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes, f"{KV_CACHE_MEMORY} ({format_size(cache.kv_cache_memory_bytes)})"
+    if device.type == "cuda" or cache.memory_budget_bytes is not None:
+        return None
+    return (CPU_KV_CACHE_DEFAULT_BYTES,
+            f"{KV_CACHE_MEMORY} (default {format_size(CPU_KV_CACHE_DEFAULT_BYTES)} on CPU)")
 
 
 class PagedKVCache:

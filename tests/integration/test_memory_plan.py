@@ -1,5 +1,6 @@
 """The memory plan covers everything the engine allocates: with a draft model its weights and its
-KV (a block per target block, plus lookahead room) come out of the same budget as the target's."""
+KV (a block per target block, plus lookahead room) come out of the same budget as the target's.
+`--kv-cache-memory` is what the KV arena really takes."""
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from decode.spec.speculator import make_speculator
@@ -22,3 +23,10 @@ def test_a_draft_model_is_planned_inside_the_budget():
     assert allocated + plan.activation_bytes + plan.headroom_bytes <= BUDGET
     assert drafted.pool.num_blocks < plain.pool.num_blocks
     assert plain.memory_plan.weight_bytes == _weights(plain.model)   # no draft: nothing extra planned
+
+
+def test_kv_cache_memory_is_the_arenas_size():
+    per_block = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=1))).layout.bytes_per_block()
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=40 * per_block + per_block // 2)))
+    assert engine.pool.num_blocks == 40 and engine.memory_plan.limit.startswith("--kv-cache-memory (")
+    assert engine.kv_cache.nbytes() == engine.memory_plan.kv_bytes == 40 * per_block

@@ -171,6 +171,7 @@ NAMED = {   # the settings the issue names, with a value that differs from the d
     ("metrics_host",): ("--metrics-host", "0.0.0.0", "0.0.0.0"),
     ("http_port",): ("--http-port", "0", 0),
     ("port",): ("--grpc-port", "none", None),
+    ("engine", "cache", "kv_cache_memory_bytes"): ("--kv-cache-memory", "8GiB", 8 << 30),
 }
 
 
@@ -189,6 +190,26 @@ def test_named_settings_reach_the_tree_from_flags_and_yaml(tmp_path, path):
     value = "false" if text is None else text
     assert _get(load(["serve", "--config", _yaml(tmp_path, f"{key}: {value}\n")], check_machine=False).config,
                 path) == want
+
+
+def test_kv_cache_memory_takes_sizes_and_byte_counts_from_flags_and_yaml(tmp_path):
+    def kv(argv):
+        return load(["serve", *argv], check_machine=False).config.engine.cache.kv_cache_memory_bytes
+    assert kv([]) is None                       # the plan's default: 4 GiB on CPU, a share of the GPU on CUDA
+    assert kv(["--kv-cache-memory", "1.5GB"]) == 1_500_000_000
+    assert kv(["--kv-cache-memory-bytes", "2147483648"]) == 2 << 30        # vLLM's spelling, a byte count
+    assert kv(["--config", _yaml(tmp_path, "kv-cache-memory: 512MiB\n")]) == 512 << 20
+    assert kv(["--config", _yaml(tmp_path, "kv_cache_memory: 1073741824\n")]) == 1 << 30  # YAML's integer
+
+
+def test_a_bad_kv_cache_memory_is_refused_by_flag_and_yaml_key(capsys, tmp_path):
+    err = _refused(capsys, "serve", "--model", MODEL, "--kv-cache-memory", "4G")
+    assert "argument --kv-cache-memory/--kv-cache-memory-bytes: expected a byte count or a size such as 4GiB, 512MiB or 2GB" in err
+    assert "got '4G'" in err
+    err = _refused(capsys, "serve", "--model", MODEL, "--kv-cache-memory", "0")
+    assert "--kv-cache-memory must be a positive number of bytes, got 0" in err
+    err = _refused(capsys, "serve", "--model", MODEL, "--config", _yaml(tmp_path, "port: 0\nkv-cache-memory: lots\n"))
+    assert "c.yaml:2: kv-cache-memory: expected a byte count or a size such as 4GiB" in err
 
 
 def test_the_command_line_wins_over_yaml(tmp_path):
