@@ -95,6 +95,7 @@ class EngineWorker:
             name=self.name, role=self.role, incarnation=self.incarnation, ready=self.ready, pid=os.getpid(),
             steps=self.loop.steps, has_work=bool(waiting or running), blocks_used=pool.num_used,
             blocks_free=pool.num_free, blocks_total=pool.num_blocks, block_size=self.engine.layout.block_size,
+            kv_bytes=self.engine.memory_plan.kv_bytes, kv_limit=self.engine.memory_plan.limit,
             waiting=waiting, running=running, prefix_queries=pool.queries, prefix_hits=pool.hits,
             prompt_tokens_computed=self.engine.prompt_tokens_computed,
             kv_refused=self.mailbox.refused + getattr(self.transport, "refused", 0),

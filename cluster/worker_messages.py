@@ -158,6 +158,8 @@ class WorkerStats:
     blocks_free: int = 0
     blocks_total: int = 0
     block_size: int = 0
+    kv_bytes: int = 0               # the KV pool's bytes as planned (MemoryPlan.kv_bytes)
+    kv_limit: str = ""              # what set the pool's size, as the flag that raises it (MemoryPlan.limit)
     waiting: int = 0
     running: int = 0
     prefix_queries: int = 0

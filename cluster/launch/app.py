@@ -18,6 +18,7 @@ from cluster.model.model_config import load_model_config
 from cluster.placement import CpuShare, local_worker_shares
 from cluster.secrets import Secret, as_api_keys
 from cluster.version import splitserve_version
+from cluster.worker_messages import WorkerStats
 from decode.spec.compat import check_speculative_models
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
@@ -133,6 +134,8 @@ class RunningCluster:
     metrics_server: object = None
     http_port: int | None = None    # the OpenAI HTTP API's port, when served
     model_name: str = ""            # the served model's name in both APIs (--served-model-name, else its id)
+    first_stats: tuple[WorkerStats, ...] = ()   # every worker's first WorkerStats, once loaded (its KV pool as planned)
+    max_model_len: int = 0          # the longest prompt plus completion a request may have
 
     @property
     def router(self):
@@ -271,7 +274,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                             stream_host=ray.util.get_node_ip_address())
     frontend, actors, port, metrics = await _start_frontend_processes(cfg, fcfg, workers)
     metas: dict[str, bytes] = {}
-    await _first_bring_up(workers, roster, metas, frontend, actors)
+    first_stats = await _first_bring_up(workers, roster, metas, frontend, actors)
     supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roster, metas,
                                                   metrics, fcfg.poll_timeout_s))
     metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
@@ -279,7 +282,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port,
-                          fcfg.limits.model_id)
+                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len)
 
 
 def _start_ray(cfg: ClusterConfig) -> bool:
@@ -367,9 +370,10 @@ async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, wo
 
 
 async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
-                          frontend: Frontend | None, actors: list) -> None:
+                          frontend: Frontend | None, actors: list) -> tuple[WorkerStats, ...]:
     """Every worker loads (its first stats answer), every prefill worker is handshaken with every
-    decode worker, all are marked ready, and the frontends see them routable."""
+    decode worker, all are marked ready, and the frontends see them routable. Returns those first
+    stats (each worker's KV pool as planned, for the banner)."""
     first = await asyncio.gather(*(c.stats() for c in workers.values()))
     for p in roster.prefill:
         await _handshake(p, workers, roster, metas)
@@ -379,6 +383,7 @@ async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster
         await frontend.wait_ready()
     else:
         await asyncio.gather(*(f.wait_ready.remote() for f in actors))
+    return tuple(first)
 
 
 def _frontend_config(cfg: ClusterConfig, limits: Limits, info: ServerInfo, roster: WorkerRoster,

@@ -1,15 +1,19 @@
 """What `splitserve serve` prints once it serves: what is served, how, and how to reach it.
 
 One block on stderr, readable by a person and parsed by nothing but the tests' harness (which
-reads the `gRPC:`, `OpenAI API:` and `metrics:` lines). Every address is the one actually bound
+reads the `gRPC:`, `OpenAI API:` and `metrics:` lines) and bench/worker_memory.py (the `KV cache:`
+lines, each worker's pool as its first stats gave it). Every address is the one actually bound
 (a port of 0 was picked by the server). The curl line works as printed: it names the served
 model, and carries the key header when keys are set.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.config import format_size
 from cluster.launch.cluster_config import ClusterConfig
+from cluster.worker_messages import WorkerStats
 
 QUESTION = "What is the capital of France?"
 
@@ -49,6 +53,30 @@ def speculation(cfg: ClusterConfig) -> str:
     return f"{spec.method}, {spec.num_speculative_tokens} tokens per step"
 
 
+def kv_pool(stats: WorkerStats, max_model_len: int | None) -> str:
+    """One worker's KV pool as planned: its size, what it holds, and what set it (the flag that
+    raises it), so a pool smaller than a user expects explains itself."""
+    tokens = stats.blocks_total * stats.block_size
+    fits = f", {tokens // max_model_len:,} sequences of {max_model_len:,}" if max_model_len else ""
+    return (f"{format_size(stats.kv_bytes)} = {stats.blocks_total:,} blocks of {stats.block_size} tokens "
+            f"({tokens:,} tokens{fits}); set by {stats.kv_limit or 'the memory plan'}")
+
+
+def kv_lines(workers: Sequence[WorkerStats], max_model_len: int | None) -> list[str]:
+    """A line per role (per distinct pool within a role: workers on different nodes may differ),
+    naming its workers."""
+    groups: dict[tuple, list[WorkerStats]] = {}
+    for s in workers:
+        if s.blocks_total:
+            groups.setdefault((s.role, s.blocks_total, s.block_size, s.kv_bytes, s.kv_limit), []).append(s)
+    lines = []
+    for alike in groups.values():
+        names = [s.name for s in alike]
+        who = ", ".join(names) if len(names) <= 3 else f"{names[0]} and {len(names) - 1} more"
+        lines.append(f"  KV cache: {who} {kv_pool(alike[0], max_model_len)}")
+    return lines
+
+
 def curl_line(cfg: ClusterConfig, http: str, model_name: str, chat: bool) -> str:
     """A request to paste: the chat route for a model with a chat template, completions otherwise."""
     if chat:
@@ -61,9 +89,11 @@ def curl_line(cfg: ClusterConfig, http: str, model_name: str, chat: bool) -> str
     return f"curl{tls} -s {http}/v1/{route} -H 'Content-Type: application/json'{key} -d '{body}'"
 
 
-def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, chat: bool) -> list[str]:
+def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, chat: bool,
+           workers: Sequence[WorkerStats] = (), max_model_len: int | None = None) -> list[str]:
     """The lines to print, in order: what, how, where, then a request to try (`chat`: the model
-    has a chat template)."""
+    has a chat template). `workers`: their first stats (the KV pools as planned); `max_model_len`:
+    the served one (default: the configured one, when set)."""
     source = cfg.engine.model.name
     named = model_name if model_name == source else f"{model_name} (from {source})"
     lines = [f"splitserve {version}: serving {named} on {topology(cfg)}"]
@@ -71,6 +101,7 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
         lines.append(f"  prefill: {rule}")
     lines.append(f"  speculative decoding: {speculation(cfg)}; deterministic (batch-invariant): "
                  f"{'on' if cfg.engine.deterministic else 'off'}")
+    lines += kv_lines(workers, max_model_len or cfg.engine.max_model_len)
     if at.grpc:
         lines.append(f"  gRPC: {at.grpc} (splitserve.v1; sampling greedy unless a request sets temperature)")
     if at.http:

@@ -280,8 +280,9 @@ def cmd_serve(inv: Invocation) -> int:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         at = endpoints(cfg, cluster)
         builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
-        print("\n".join(banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template)), file=sys.stderr,
-              flush=True)
+        lines = banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template, cluster.first_stats,
+                       cluster.max_model_len)
+        print("\n".join(lines), file=sys.stderr, flush=True)
         if args.request is not None:
             await _answer(cfg, at, args, builder)
             stop.set()

@@ -5,13 +5,14 @@ import shlex
 
 from cluster.launch.banner import Endpoints, banner
 from cluster.launch.cli import load
+from cluster.worker_messages import WorkerStats
 
 ALL = Endpoints(grpc="127.0.0.1:50051", http="http://127.0.0.1:8000", metrics="http://127.0.0.1:9400/metrics")
 
 
-def _banner(*argv, at=ALL, name="coder", chat=True) -> list[str]:
+def _banner(*argv, at=ALL, name="coder", chat=True, workers=(), max_model_len=None) -> list[str]:
     cfg = load(["serve", "--model", "stdlib-coder", *argv], check_machine=False).config
-    return banner(cfg, name, "9.9.9", at, chat)
+    return banner(cfg, name, "9.9.9", at, chat, workers, max_model_len)
 
 
 def _curl_body(lines: list[str]) -> tuple[str, dict]:
@@ -60,3 +61,38 @@ def test_only_the_apis_served_are_named():
     assert "try: curl" in text
     lines = _banner(at=Endpoints(grpc="127.0.0.1:1", http=None, metrics=None))
     assert not any(re.search("OpenAI|curl", line) for line in lines)
+
+
+# SmolLM2-135M's pool under the CPU default: 4 GiB of 360 KiB blocks.
+DEFAULT_LIMIT = "--kv-cache-memory (default 4 GiB on CPU)"
+
+
+def _stats(name: str, blocks: int = 11650, limit: str = DEFAULT_LIMIT) -> WorkerStats:
+    return WorkerStats(name=name, role=name.split("-")[0], incarnation="i", ready=True, blocks_total=blocks,
+                       blocks_free=blocks, block_size=16, kv_bytes=blocks * 368640, kv_limit=limit)
+
+
+def test_the_kv_pool_as_planned_is_said_per_role_with_what_set_it():
+    lines = _banner(workers=[_stats("prefill-0"), _stats("decode-0")], max_model_len=8192)
+    kv = [line for line in lines if "KV cache:" in line]
+    assert kv == [f"  KV cache: {w} 4 GiB = 11,650 blocks of 16 tokens (186,400 tokens, 22 sequences of 8,192); "
+                  f"set by {DEFAULT_LIMIT}" for w in ("prefill-0", "decode-0")]
+    assert lines.index(kv[-1]) < next(i for i, line in enumerate(lines) if "gRPC:" in line)
+
+
+def test_workers_alike_share_a_line_and_a_pool_that_differs_gets_its_own():
+    small = "--memory-fraction (0.4 of the memory free at start), less than " + DEFAULT_LIMIT
+    workers = [_stats("decode-0"), _stats("decode-1"), _stats("decode-2", 2000, small)]
+    kv = [line for line in _banner("--decode", "3", workers=workers, max_model_len=8192) if "KV cache:" in line]
+    assert kv[0].startswith("  KV cache: decode-0, decode-1 4 GiB = 11,650 blocks")
+    assert kv[1] == (f"  KV cache: decode-2 703.12 MiB = 2,000 blocks of 16 tokens (32,000 tokens, 3 sequences of "
+                     f"8,192); set by {small}")
+    many = [_stats(f"decode-{i}") for i in range(5)]
+    (line,) = [line for line in _banner("--decode", "5", workers=many) if "KV cache:" in line]
+    assert line.startswith("  KV cache: decode-0 and 4 more 4 GiB = ")
+
+
+def test_the_configured_max_model_len_counts_sequences_when_none_is_given():
+    (line,) = [line for line in _banner("--max-model-len", "512", workers=[_stats("decode-0")]) if "KV cache" in line]
+    assert "(186,400 tokens, 364 sequences of 512)" in line
+    assert not [line for line in _banner() if "KV cache" in line]      # no stats: nothing claimed
