@@ -253,9 +253,11 @@ async def _answer(cfg, at, args, builder) -> None:
     printer = StreamPrinter()
     if at.grpc is None:
         import asyncio  # noqa: PLC0415
-        pieces = await asyncio.to_thread(lambda: list(http_completion(at.http, key, prompt, args.max_tokens)))
-        for piece in pieces:
-            printer.add((), piece, None)
+
+        def relay() -> None:          # printed as the events arrive, off the event loop
+            for piece in http_completion(at.http, key, prompt, args.max_tokens):
+                printer.add((), piece, None)
+        await asyncio.to_thread(relay)
     else:
         from router.client import AsyncClient  # noqa: PLC0415
         client = AsyncClient(at.grpc, api_key=key)
