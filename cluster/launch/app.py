@@ -15,7 +15,7 @@ from cluster.metrics import ClusterMetrics
 from cluster.model.kernel_choice import engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
-from cluster.placement import CpuShare, local_worker_shares
+from cluster.placement import CpuShare, local_worker_shares, worker_env
 from cluster.secrets import Secret, as_api_keys
 from cluster.version import splitserve_version
 from cluster.worker_messages import WorkerStats
@@ -326,7 +326,7 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                     runtime_env={"env_vars": {"OMP_NUM_THREADS": str(share.threads)}}).remote(name, wcfg, speculation)
+                                     runtime_env={"env_vars": worker_env(share)}).remote(name, wcfg, speculation)
         workers[name] = WorkerClient(name, h)
         (prefill if role == "prefill" else decode).append(name)
     return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode))

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from cluster.config import cache_dir
 from cluster.model.attention import AttentionBatch, TorchAttentionBackend
-from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
+from cluster.model.kernel_plan import (C_ROWS_ALL, ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath,
+                                       RopePath)
 from cluster.model.linear import linear_module, packing_available
 from cluster.model.model_config import ModelConfig
 from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
@@ -50,6 +51,7 @@ def _linear_candidates(dtype: torch.dtype, c_ops) -> dict[str, tuple[LinearPath,
     cands = {"plain": (LinearPath.PLAIN, 0)}
     if c_ops is not None:
         cands["plain+fused_c"] = (LinearPath.PLAIN, c_ops.LINEAR_MAX_ROWS)
+        cands["plain+fused_c_all"] = (LinearPath.PLAIN, C_ROWS_ALL)
     if packing_available(dtype, torch.device("cpu")):
         cands["packed"] = (LinearPath.PACKED, 0)
     if dtype in (torch.bfloat16, torch.float16):
@@ -57,6 +59,21 @@ def _linear_candidates(dtype: torch.dtype, c_ops) -> dict[str, tuple[LinearPath,
         if c_ops is not None:
             cands["fp32_upcast+fused_c"] = (LinearPath.FP32_UPCAST, c_ops.LINEAR_MAX_ROWS)
     return cands
+
+
+_DROPPED = float("inf")
+_DROP_RATIO = 4.0   # a candidate this much slower than the best at one size is not timed at larger ones
+_DROP_FROM_ROWS = 32   # ... judged from a size this large on (small passes favour other kernels than prefill's)
+
+
+def _drop_far_behind(times: dict[str, list[float]]) -> None:
+    """Mark candidates far behind the best at the size just timed: where BLAS has no fast 16-bit
+    GEMM (AVX2), a bf16 pass of 512 rows takes seconds, and timing it again would make the first
+    start minutes long for a candidate that cannot win."""
+    best = min(ts[-1] for ts in times.values())
+    for ts in times.values():
+        if ts[-1] > _DROP_RATIO * best:
+            ts[-1] = _DROPPED
 
 
 def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -> tuple[tuple[LinearPath, int], dict]:
@@ -78,12 +95,18 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -
                 m.forward(inputs[m.in_features])
         with torch.inference_mode():
             for name in candidates:
+                if times[name] and times[name][-1] == _DROPPED:
+                    times[name].append(_DROPPED)
+                    continue
                 times[name].append(_best_time(lambda: run(modules[name]), budget_s=0.05, repeats=3))
+        if rows >= _DROP_FROM_ROWS:
+            _drop_far_behind(times)
     best_per_size = [min(ts[j] for ts in times.values()) for j in range(len(times["plain"]))]
     # One layout for every size: the least total slowdown against the best candidate at each size.
     score = {name: sum(t / b for t, b in zip(ts, best_per_size)) for name, ts in times.items()}
     best = min(candidates, key=score.__getitem__)
-    return candidates[best], {name: [round(t * 1e6, 1) for t in ts] for name, ts in times.items()}
+    return candidates[best], {name: [round(t * 1e6, 1) if t != _DROPPED else None for t in ts]
+                              for name, ts in times.items()}
 
 
 def _measure_norm(rows: int, hidden: int, dtype: torch.dtype, c_ops) -> NormPath:

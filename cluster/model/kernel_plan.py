@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan and stays light
     import torch
 
-PLAN_VERSION = 4   # bump when a path's meaning changes: cached plans of older versions are ignored
+PLAN_VERSION = 5   # bump when a path's meaning changes: cached plans of older versions are ignored
+# linear_c_rows meaning "every pass": on a CPU whose BLAS has no fast 16-bit GEMM (AVX2 without
+# AVX-512 bf16), the C kernel on bf16 weights beats BLAS at prefill sizes too (docs/kernels.md).
+C_ROWS_ALL = 1 << 30
 
 
 class LinearPath(str, enum.Enum):
@@ -86,6 +89,7 @@ class KernelPlan:
     decode_attention: AttentionPath
     buckets: BatchBuckets = BatchBuckets()
     linear_c_rows: int = 0                     # plain or fp32_upcast: passes of up to this many rows use the C kernel
+                                               # (C_ROWS_ALL: every pass)
     origin: str = "reference"                  # "reference", "measured" or "cached": for the log
     # Batch-invariant mode: every row's result is bitwise independent of the rest of the pass.
     # Attention then computes every token (decode, verification, prefill chunk) as a decode row
@@ -140,7 +144,8 @@ class KernelPlan:
                     continue
                 out.append(f"{c.value}<={sizes[i]}" if i + 1 < len(choices) else c.value)
             return ", ".join(out)
-        c = f" (fused_c<={self.linear_c_rows} rows)" if self.linear_c_rows else ""
+        c = (" (fused_c, all rows)" if self.linear_c_rows >= C_ROWS_ALL
+             else f" (fused_c<={self.linear_c_rows} rows)" if self.linear_c_rows else "")
         return (f"linear {self.linear.value}{c}; norm {runs(self.norm)}; rope {runs(self.rope)}; act {runs(self.act)}; "
                 f"decode attention {self.decode_attention.value} ({self.origin})")
 

@@ -335,8 +335,9 @@ void ss_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, in
  * each weight row once per block of LIN_ROWS rows, the regime where decode is bound by reading
  * weights. w: [N, K] in the model's dtype, row-major (torch's own layout); x and out row-strided;
  * fp32 accumulation over K in one fixed order, one rounding at the end. AVX-512 where K is a
- * multiple of 16. Any number of rows: a row's result is the same whatever the rows beside it
- * (no shape-dependent choice of algorithm), which the batch-invariant mode relies on. */
+ * multiple of 16, AVX2 with FMA where it is a multiple of 8. Any number of rows: a row's result
+ * is the same whatever the rows beside it (no shape-dependent choice of algorithm), which the
+ * batch-invariant mode relies on. */
 #define LIN_ROWS 8
 #ifdef __AVX512F__
 /* total[r * 8 + c] = dot(x row r, w row n + c) for r < NR, c < NB, as a register tile: each
@@ -383,6 +384,54 @@ static inline __attribute__((always_inline)) void lin_tile_any(const float *xf, 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The same register tile on AVX2 (8 lanes, 16 registers): 1 x 8 for a single row, 2 x 4
+ * otherwise, NR x 1 for the last columns. Each (row, column) keeps one accumulator over K in
+ * order, so a row's result does not depend on the tile it was computed in. */
+#include <immintrin.h>
+static inline __m256 load8(const void *p, int64_t i, int bf) {
+    if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void lin_tile8(const float *xf, int64_t k_dim, const void *w, int64_t n,
+                                                            const int NR, const int NB, int bf, float *total) {
+    __m256 acc[2][8];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_dim; k += 8) {
+        __m256 xv[2];
+        for (int r = 0; r < NR; r++) xv[r] = _mm256_loadu_ps(xf + r * k_dim + k);
+        for (int c = 0; c < NB; c++) {
+            const __m256 wv = load8(w, (n + c) * k_dim + k, bf);
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) total[r * 8 + c] = hsum8(acc[r][c]);
+}
+
+static inline __attribute__((always_inline)) void lin_tile8_any(const float *xf, int64_t k_dim, const void *w,
+                                                                int64_t n, int64_t nr, int nb, int bf, float *total) {
+    if (nb == 8) { lin_tile8(xf, k_dim, w, n, 1, 8, bf, total); return; }
+    if (nb == 4) {
+        if (nr == 1) lin_tile8(xf, k_dim, w, n, 1, 4, bf, total);
+        else lin_tile8(xf, k_dim, w, n, 2, 4, bf, total);
+        return;
+    }
+    if (nr == 1) lin_tile8(xf, k_dim, w, n, 1, 1, bf, total);
+    else lin_tile8(xf, k_dim, w, n, 2, 1, bf, total);
+}
+#endif
+
 static inline __attribute__((always_inline)) FAST void linear_block(
         const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1, int64_t k_dim,
         int64_t rows, void *out, int64_t out_stride, int bf) {
@@ -399,6 +448,24 @@ static inline __attribute__((always_inline)) FAST void linear_block(
             for (int64_t rb = 0; rb < rows; rb += 4) {
                 const int64_t nr = rows - rb < 4 ? rows - rb : 4;
                 lin_tile_any(xf[rb], k_dim, w, n, nr, nb, bf, total);
+                for (int64_t r = 0; r < nr; r++)
+                    for (int c = 0; c < nb; c++)
+                        store(out, (rb + r) * out_stride + n + c,
+                              total[r * 8 + c] + (bias ? load(bias, n + c, bf) : 0.f), bf);
+            }
+            n += nb;
+        }
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (k_dim % 8 == 0) {
+        const int wide = rows == 1 ? 8 : 4;
+        float total[2 * 8];
+        for (int64_t n = n0; n < n1;) {
+            const int nb = n1 - n >= wide ? wide : 1;
+            for (int64_t rb = 0; rb < rows; rb += 2) {
+                const int64_t nr = rows - rb < 2 ? rows - rb : 2;
+                lin_tile8_any(xf[rb], k_dim, w, n, nr, nb, bf, total);
                 for (int64_t r = 0; r < nr; r++)
                     for (int c = 0; c < nb; c++)
                         store(out, (rb + r) * out_stride + n + c,

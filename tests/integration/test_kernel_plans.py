@@ -9,7 +9,7 @@ import torch
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.model.kernel_choice import resolve_kernel_plan
-from cluster.model.kernel_plan import ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
+from cluster.model.kernel_plan import C_ROWS_ALL, ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
 from cluster.model.linear import packing_available
 from cluster.model.model_config import load_model_config
 from cluster.types import SamplingParams
@@ -90,12 +90,15 @@ def test_float32_greedy_equals_transformers_on_every_path(kind, plan, tiny_model
 
 
 @needs_c
-@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST, "plain+c", "fp32_upcast+c"])
+@pytest.mark.parametrize("linear", [LinearPath.PACKED, LinearPath.PLAIN, LinearPath.FP32_UPCAST, "plain+c", "fp32_upcast+c",
+                                    "plain+c_all"])
 def test_bfloat16_tracks_transformers_on_every_linear_path(linear, tiny_model_dir):
     import transformers
     model_dir = tiny_model_dir("llama")
-    with_c = {"plain+c": LinearPath.PLAIN, "fp32_upcast+c": LinearPath.FP32_UPCAST}
-    plan = (replace(fused_plan(with_c[linear]), linear_c_rows=cpu_ops.LINEAR_MAX_ROWS) if linear in with_c
+    with_c = {"plain+c": (LinearPath.PLAIN, cpu_ops.LINEAR_MAX_ROWS),
+              "fp32_upcast+c": (LinearPath.FP32_UPCAST, cpu_ops.LINEAR_MAX_ROWS),
+              "plain+c_all": (LinearPath.PLAIN, C_ROWS_ALL)}    # the prompt's pass through the C kernel too
+    plan = (replace(fused_plan(with_c[linear][0]), linear_c_rows=with_c[linear][1]) if linear in with_c
             else fused_plan(linear))
     config = EngineConfig(model=model_dir, dtype="bfloat16", kernel_plan=plan, cache=CacheConfig(num_blocks=32))
     if linear is LinearPath.PACKED and not packing_available(torch.bfloat16, torch.device("cpu")):
