@@ -4,7 +4,8 @@
 
 SPEC is a JSON object: {"backend": "openai_http" | "splitserve" | "engine", "target": ..., "max_tokens": N,
 "warmup": {"concurrency": C, "prompts": [[ids], ...]}, "levels": [{"concurrency": C, "prompts":
-[[ids], ...]}, ...]} plus, for openai_http, "model" (the served model name) and, for engine, "threads".
+[[ids], ...]}, ...]} plus, for openai_http, "model" (the served model name) and, for engine, optionally
+"threads" (absent or null: the engine's default).
 
   openai_http  target is http://HOST:PORT of an OpenAI-compatible server: `vllm serve`, or
                `splitserve serve --http-port` (bench/serve_vs_vllm.py's -http modes), both through
@@ -140,13 +141,13 @@ _ENGINE = None
 
 def _engine_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
     global _ENGINE
-    from cluster.config import EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
     if concurrency != 1:
         raise ValueError("the engine backend runs one request at a time")
     if _ENGINE is None:
-        _ENGINE = LLMEngine(EngineConfig(model=spec["target"], dtype="bfloat16", num_threads=spec["threads"]))
+        threads = {} if spec.get("threads") is None else {"num_threads": spec["threads"]}
+        _ENGINE = LLMEngine.from_model_dir(spec["target"], dtype="bfloat16", **threads)   # the documented call
     sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     results = []
     t0 = time.perf_counter()

@@ -27,16 +27,18 @@ Prints per concurrency and mode, the HTTP modes side by side with vllm and the g
 tok/s (all tokens / first send to last token), its ratio to vLLM, TTFT and inter-token latency
 p50/p99, TPOT, the load generator's CPU seconds; then how each -http mode compares with its gRPC
 counterpart (the HTTP frontend's cost) and whether the greedy outputs agree; then the in-process
-engine's batch-1 decode tok/s on the same prompts (a subprocess) and the served concurrency-1
+engine's batch-1 decode tok/s on the same prompts (a subprocess; `LLMEngine.from_model_dir`, the
+documented call) and the served concurrency-1
 throughput as a fraction of it. Writes serve_vs_vllm.json (per mode: its summary, its client,
 and "vs_vllm", the output tok/s ratios to vLLM per concurrency) and serve_vs_vllm.png to --out, and
 the servers' logs under --out/logs. Without --vllm-venv only the splitserve modes run.
 
 vLLM runs with VLLM_CPU_OMP_THREADS_BIND over all of this process's CPUs, VLLM_CPU_KVCACHE_SPACE
 (--vllm-kv-gib), dtype bfloat16 and, with --vllm-preload auto, LD_PRELOAD of tcmalloc (if
-libgoogle-perftools4 is installed) and the venv's libiomp5.so. splitserve gets the same cores:
---num-threads all of them colocated, half each for 1P1D's two workers (--splitserve-threads),
-in the -http modes as in the gRPC ones.
+libgoogle-perftools4 is installed) and the venv's libiomp5.so. splitserve runs as `splitserve serve`
+does by default: no --num-threads (its placement leaves one core to the router, frontends and Ray
+and splits the rest between the workers, each pinned to its share), unless --splitserve-threads N
+gives each worker N threads; the in-process baseline gets the engine's default threads, or N.
 """
 from __future__ import annotations
 
@@ -211,8 +213,9 @@ def parse_args() -> argparse.Namespace:
                          f"default: {' '.join(DEFAULT_MODES)}")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport for pd")
     ap.add_argument("--splitserve-threads", type=int, default=None,
-                    help="torch threads per worker (default: all CPUs colocated, half of them per worker for pd; "
-                         "the same in the -http modes)")
+                    help="torch threads per worker, as `serve --num-threads` (default: none given, so splitserve's "
+                         "own placement: one core for the router, frontends and Ray, the rest split between "
+                         "the workers); also the in-process baseline's")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5.so")
@@ -266,10 +269,9 @@ def main() -> int:
             server = start_vllm(args.vllm_venv, args.model, logs / "vllm.log", args.vllm_kv_gib, args.vllm_preload,
                                 args.vllm_arg)
         else:
-            colocated = mode.startswith("colocated")
-            threads = args.splitserve_threads or (ncpu if colocated else max(1, ncpu // 2))
-            server = start_splitserve(mode, args.model, logs / f"{mode}.log", threads, args.transport)
-            server.info["threads_per_worker"] = threads
+            # No --num-threads unless asked: what `splitserve serve` does by default is measured.
+            server = start_splitserve(mode, args.model, logs / f"{mode}.log", args.splitserve_threads, args.transport)
+            server.info["threads_per_worker"] = args.splitserve_threads or "default placement"
         server.info["client"] = client_of(mode)
         print(f"{mode}: ready in {time.perf_counter() - t0:.0f} s at {server.target}", file=sys.stderr, flush=True)
         try:
@@ -286,11 +288,11 @@ def main() -> int:
     if not args.no_engine_baseline and 1 in levels:
         busy["engine"] = other_load()
         print("engine: in-process batch-1 run (subprocess)", file=sys.stderr, flush=True)
-        threads = args.splitserve_threads or ncpu
+        threads = args.splitserve_threads   # None: the engine's default, as a user of the API gets
         spec = {"backend": "engine", "target": str(args.model), "threads": threads, "max_tokens": args.max_tokens,
                 "warmup": {"concurrency": 1, "prompts": prompts[:1]}, "levels": [spec_levels[0]]}
         engine = engine_baseline(run_loadgen(spec, work, "engine")["levels"][0]["results"])
-        engine["threads"] = threads
+        engine["threads"] = threads or "default"
 
     report(args, levels, n_per, raw, summary, busy, engine)
     vs = ratios_to_vllm(summary)
