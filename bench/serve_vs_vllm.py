@@ -28,10 +28,20 @@ tok/s (all tokens / first send to last token), its ratio to vLLM, TTFT and inter
 p50/p99, TPOT, the load generator's CPU seconds; then how each -http mode compares with its gRPC
 counterpart (the HTTP frontend's cost) and whether the greedy outputs agree; then the in-process
 engine's batch-1 decode tok/s on the same prompts (a subprocess; `LLMEngine.from_model_dir`, the
-documented call) and the served concurrency-1
-throughput as a fraction of it. Writes serve_vs_vllm.json (per mode: its summary, its client,
-and "vs_vllm", the output tok/s ratios to vLLM per concurrency) and serve_vs_vllm.png to --out, and
-the servers' logs under --out/logs. Without --vllm-venv only the splitserve modes run.
+documented call) and the served concurrency-1 throughput as a fraction of it.
+
+Server CPU per output token, per concurrency and mode: the load generator reads utime+stime of every
+process of the server at the start and end of each level's timed window (bench/proc_cpu.py) and
+splits it by role: frontend (vLLM: the `vllm serve` API server process; splitserve: the `serve`
+driver, where the router and, with the default --frontends 1, the frontend run), engine (vLLM: its
+EngineCore and the Worker under it; splitserve: the ray::PrefillWorker / ray::DecodeWorker actors)
+and other (Ray's own processes, vLLM's resource tracker). Printed in microseconds per output token,
+with each frontend's ratio to vLLM's API server at the same load; the goal: at most 1.00x.
+
+Writes serve_vs_vllm.json (per mode: its summary, its client, and "vs_vllm", the output tok/s ratios
+to vLLM per concurrency; each level's summary has "cpu_us_per_token" and "server_cpu_s" by role, and
+"raw" each level's per-process "server_cpu") and serve_vs_vllm.png to --out, and the servers' logs
+under --out/logs. Without --vllm-venv only the splitserve modes run.
 
 vLLM runs with VLLM_CPU_OMP_THREADS_BIND over all of this process's CPUs, VLLM_CPU_KVCACHE_SPACE
 (--vllm-kv-gib), dtype bfloat16 and, with --vllm-preload auto, LD_PRELOAD of tcmalloc (if
@@ -86,6 +96,17 @@ def ratios_to_vllm(summary: dict) -> dict:
             for mode, levels in summary.items() if mode != "vllm"}
 
 
+def frontend_cpu_vs_vllm(summary: dict) -> dict:
+    """{mode: {concurrency: frontend CPU per token / vLLM's API server's}} (the goal: <= 1)."""
+    base = summary.get("vllm")
+    if not base:
+        return {}
+    per_token = lambda s: (s.get("cpu_us_per_token") or {}).get("frontend")   # noqa: E731
+    return {mode: {c: per_token(s) / per_token(base[c]) for c, s in levels.items()
+                   if c in base and per_token(s) is not None and per_token(base[c])}
+            for mode, levels in summary.items() if mode != "vllm"}
+
+
 def _median(values: list[float]) -> float:
     values = sorted(values)
     return values[len(values) // 2]
@@ -137,6 +158,9 @@ def level_summary(level: dict, max_tokens: int) -> dict:
     s["tokens_ok"] = s["tokens"] == s["reported_tokens"] == len(level["results"]) * max_tokens
     s["loadgen_cpu_s"], s["wall_s"] = level["cpu_s"], level["wall_s"]
     s["requests"] = len(level["results"])
+    if level.get("server_cpu"):
+        s["server_cpu_s"], s["server_cpu_wall_s"] = level["server_cpu"]["cpu_s"], level["server_cpu"]["wall_s"]
+        s["cpu_us_per_token"] = {role: 1e6 * sec / max(1, s["tokens"]) for role, sec in s["server_cpu_s"].items()}
     return s
 
 
@@ -160,6 +184,33 @@ def print_table(summary: dict, concurrency: list[int], args) -> None:
                   f"{1e3 * s['ttft_p50']:>8.1f} {1e3 * s['ttft_p99']:>7.1f} | {1e3 * s['itl_p50']:>7.2f} "
                   f"{1e3 * s['itl_p99']:>6.1f} {1e3 * s['tpot_mean']:>6.2f} | "
                   f"{cpu:>13} | {toks:>7}")
+
+
+def print_cpu_table(summary: dict, concurrency: list[int]) -> None:
+    """Server CPU per output token by process role, each level's timed window (bench/proc_cpu.py)."""
+    modes = [m for m, lv in summary.items() if all("cpu_us_per_token" in lv[c] for c in concurrency)]
+    if not modes:
+        return
+    w, vs = max(9, *(len(m) for m in modes)), frontend_cpu_vs_vllm(summary)
+    head = (f"{'conc':>4} {'mode':>{w}} | {'frontend':>8} {'vs vLLM':>7} | {'engine':>8} | {'other':>7} | "
+            f"{'total':>8} | {'frontend % core':>15}")
+    print("\n# server CPU, microseconds per output token, by process: frontend = vLLM's API server (`vllm serve`) / "
+          "splitserve's serve driver (router + frontend); engine = vLLM's EngineCore + Worker / the worker actors; "
+          "other = the rest (Ray's own processes); /proc counts 1/CLK_TCK s ticks, coarse over short levels. "
+          "Goal: frontend at most vLLM's (vs vLLM <= 1.00x)")
+    print(head)
+    print("-" * len(head))
+    for c in concurrency:
+        for mode in modes:
+            s = summary[mode][c]
+            us, sec = s["cpu_us_per_token"], s["server_cpu_s"]
+            ratio = f"{vs[mode][c]:.2f}x" if c in vs.get(mode, {}) else ""
+            print(f"{c:>4} {mode:>{w}} | {us['frontend']:>8.0f} {ratio:>7} | {us['engine']:>8.0f} | {us['other']:>7.0f} | "
+                  f"{sum(us.values()):>8.0f} | {100 * sec['frontend'] / s['server_cpu_wall_s']:>14.0f}%")
+    for mode, levels in vs.items():
+        met = [c for c, r in levels.items() if r <= 1.0]
+        print(f"frontend CPU per token <= vLLM's, {mode}: at {', '.join(map(str, met)) or 'no level'} "
+              f"of {', '.join(map(str, levels))}")
 
 
 def engine_baseline(results: list[dict]) -> dict:
@@ -277,7 +328,8 @@ def main() -> int:
         try:
             # The same loadgen backend, one client code path, for vLLM and splitserve's HTTP API.
             spec = {"backend": "openai_http" if is_http(mode) else "splitserve", "target": server.target,
-                    "model": SERVED_NAME, "max_tokens": args.max_tokens, "warmup": warmup, "levels": spec_levels}
+                    "model": SERVED_NAME, "max_tokens": args.max_tokens, "warmup": warmup, "levels": spec_levels,
+                    "server": {"pid": server.proc.pid, "kind": "vllm" if mode == "vllm" else "splitserve"}}
             raw[mode] = run_loadgen(spec, work, mode)["levels"]
         finally:
             server.stop()
@@ -298,7 +350,8 @@ def main() -> int:
     vs = ratios_to_vllm(summary)
     modes = {m: {"client": client_of(m), "vs_vllm": vs.get(m), "levels": summary[m]} for m in summary}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "cpus": ncpu, "servers": servers_info,
-              "other_load": busy, "modes": modes, "summary": summary, "vs_vllm": vs, "engine_batch1": engine,
+              "other_load": busy, "modes": modes, "summary": summary, "vs_vllm": vs,
+              "frontend_cpu_vs_vllm": frontend_cpu_vs_vllm(summary), "engine_batch1": engine,
               "raw": raw}
     (args.out / "serve_vs_vllm.json").write_text(json.dumps(result, indent=1))
     plot(summary, levels, args.out / "serve_vs_vllm.png")
@@ -311,6 +364,7 @@ def main() -> int:
 
 def report(args, levels: list[int], n_per: dict, raw: dict, summary: dict, busy: dict, engine: dict | None) -> None:
     print_table(summary, levels, args)
+    print_cpu_table(summary, levels)
     print("CPU busy with other work just before each run: " + ", ".join(f"{m} {b:.0%}" for m, b in busy.items())
           + ("  <- not a quiet machine: compare with care" if max(busy.values()) > 0.2 else ""))
     for c in levels:
