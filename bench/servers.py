@@ -167,19 +167,22 @@ def start_vllm(venv: Path, model: Path, log: Path, kv_space_gib: int = 2, preloa
     return _wait_ready(server, lambda: _http_healthy(server.target), timeout)
 
 
-def start_splitserve(mode: str, model: Path, log: Path, threads: int, transport: str = "nixl",
+def start_splitserve(mode: str, model: Path, log: Path, threads: int | None, transport: str = "nixl",
                      extra_args: list[str] = (), timeout: float = 600.0) -> Server:
     """`splitserve serve` for one of SPLITSERVE_MODES. "colocated" and "pd" are loaded over gRPC and
     ready when its health service says SERVING; "colocated-http" and "pd-http" are the same clusters
     with the OpenAI-compatible HTTP API on a port of their own, ready when its GET /health answers
-    200, and loaded over HTTP (the gRPC port is still open, unused by the benchmark)."""
+    200, and loaded over HTTP (the gRPC port is still open, unused by the benchmark). `threads`:
+    --num-threads per worker; None gives none, so the workers get the placement a user gets."""
     if mode not in SPLITSERVE_MODES:
         raise ValueError(f"unknown splitserve mode {mode!r} (one of {', '.join(SPLITSERVE_MODES)})")
     http = mode.endswith("-http")
     port = free_port()
     topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
     cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--transport", transport, "--num-threads", str(threads)]
+           "--port", str(port), "--dtype", "bfloat16", "--transport", transport]
+    if threads is not None:
+        cmd += ["--num-threads", str(threads)]
     if http:
         http_port = free_port()
         while http_port == port:
