@@ -31,9 +31,13 @@ _LINEAR_ROWS = (1, 8, 32, 512)   # decode sizes, and one prefill chunk
 _CONTEXT = 256               # keys per sequence when timing decode attention
 
 
-def _best_time(fn, budget_s: float = 0.005, repeats: int = 3) -> float:
-    """Best of `repeats` runs of as many calls as fit in budget_s (after a warm-up)."""
+def _best_time(fn, budget_s: float = 0.005, repeats: int = 3, give_up_s: float = float("inf")) -> float:
+    """Best of `repeats` runs of as many calls as fit in budget_s (after a warm-up). A call slower
+    than `give_up_s` is timed once: it cannot win, and a slow candidate may take seconds a call."""
+    t0 = time.perf_counter()
     fn()
+    if time.perf_counter() - t0 > give_up_s:
+        return time.perf_counter() - t0
     t0 = time.perf_counter()
     fn()
     calls = max(1, min(200, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
@@ -61,19 +65,7 @@ def _linear_candidates(dtype: torch.dtype, c_ops) -> dict[str, tuple[LinearPath,
     return cands
 
 
-_DROPPED = float("inf")
-_DROP_RATIO = 4.0   # a candidate this much slower than the best at one size is not timed at larger ones
-_DROP_FROM_ROWS = 32   # ... judged from a size this large on (small passes favour other kernels than prefill's)
-
-
-def _drop_far_behind(times: dict[str, list[float]]) -> None:
-    """Mark candidates far behind the best at the size just timed: where BLAS has no fast 16-bit
-    GEMM (AVX2), a bf16 pass of 512 rows takes seconds, and timing it again would make the first
-    start minutes long for a candidate that cannot win."""
-    best = min(ts[-1] for ts in times.values())
-    for ts in times.values():
-        if ts[-1] > _DROP_RATIO * best:
-            ts[-1] = _DROPPED
+_GIVE_UP_RATIO = 3.0   # a linear candidate this much slower than the best so far at a size is timed once
 
 
 def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -> tuple[tuple[LinearPath, int], dict]:
@@ -93,20 +85,19 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -
         def run(mods):
             for m in mods:
                 m.forward(inputs[m.in_features])
+        # The fastest at the last size first, so that a slow one gives up after a single call.
+        order = sorted(candidates, key=lambda name: times[name][-1] if times[name] else 0.0)
         with torch.inference_mode():
-            for name in candidates:
-                if times[name] and times[name][-1] == _DROPPED:
-                    times[name].append(_DROPPED)
-                    continue
-                times[name].append(_best_time(lambda: run(modules[name]), budget_s=0.05, repeats=3))
-        if rows >= _DROP_FROM_ROWS:
-            _drop_far_behind(times)
+            best = float("inf")
+            for name in order:
+                t = _best_time(lambda: run(modules[name]), budget_s=0.05, repeats=3, give_up_s=_GIVE_UP_RATIO * best)
+                times[name].append(t)
+                best = min(best, t)
     best_per_size = [min(ts[j] for ts in times.values()) for j in range(len(times["plain"]))]
     # One layout for every size: the least total slowdown against the best candidate at each size.
     score = {name: sum(t / b for t, b in zip(ts, best_per_size)) for name, ts in times.items()}
     best = min(candidates, key=score.__getitem__)
-    return candidates[best], {name: [round(t * 1e6, 1) if t != _DROPPED else None for t in ts]
-                              for name, ts in times.items()}
+    return candidates[best], {name: [round(t * 1e6, 1) for t in ts] for name, ts in times.items()}
 
 
 def _measure_norm(rows: int, hidden: int, dtype: torch.dtype, c_ops) -> NormPath:
