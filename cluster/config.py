@@ -323,8 +323,8 @@ class EngineConfig:
                                         default_text="the model's max_position_embeddings")
     num_threads: int | None = setting(help="torch CPU threads per engine", factory=default_num_threads,
                                       default_text="$SPLITSERVE_NUM_THREADS, else the cores this process may use; a "
-                                                   "local cluster splits them between its workers, one core left to "
-                                                   "the router")
+                                                   "local cluster splits them between its workers (one core left to "
+                                                   "the router from 16 cores on)")
     cpus: tuple[int, ...] | None = derived(None, "cores to pin the engine's process to (a local cluster's shares)")
     pack_weights: bool = setting(True, "pack linears as the kernel plan says (off: plain torch linears)")
     kernels: str = setting("auto", "auto: the kernel plan measured once on this machine (cached); torch: torch ops "
