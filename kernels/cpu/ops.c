@@ -392,6 +392,9 @@ static inline __attribute__((always_inline)) void lin_tile_any(const float *xf, 
 #ifndef LIN8_NR
 #define LIN8_NR 2   /* rows per tile */
 #endif
+#ifndef LIN8_PREFETCH
+#define LIN8_PREFETCH 128   /* elements ahead in the next tile's rows: +25% at one row on a Zen 3 (DRAM-bound) */
+#endif
 #ifndef LIN8_NB
 #define LIN8_NB 6   /* weight rows (output columns) per tile: 2 x 6 measured best of 2x4, 3x4, 4x2, 4x3 on a Zen 3 */
 #endif
@@ -414,6 +417,11 @@ static inline __attribute__((always_inline)) void lin_tile8(const float *xf, int
     for (int r = 0; r < NR; r++)
         for (int c = 0; c < NB; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k_dim; k += 8) {
+        /* The next tile's weight rows, one cache line each per 64 bytes of a row consumed: at
+         * one row the loop is bound by DRAM, and the hardware prefetcher alone lags. */
+        if ((k * (bf ? 2 : 4)) % 64 == 0)
+            for (int c = 0; c < NB; c++)
+                _mm_prefetch((const char *)w + ((n + NB + c) * k_dim + k + LIN8_PREFETCH) * (bf ? 2 : 4), _MM_HINT_T0);
         __m256 xv[LIN8_NR];
         for (int r = 0; r < NR; r++) xv[r] = _mm256_loadu_ps(xf + r * k_dim + k);
         for (int c = 0; c < NB; c++) {
