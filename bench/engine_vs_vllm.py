@@ -131,6 +131,7 @@ def matmul_tok_s(engine, tokens: int) -> float:
         + 3 * mc.hidden_size * mc.intermediate_size
     # One layer's worth of columns, timed and scaled by the layer count: all layers in one matmul
     # took minutes in bf16 on a CPU whose BLAS has no fast bf16 GEMM (AVX2).
+    tokens = min(tokens, 1024)   # tokens/s hardly moves above this; bf16 on AVX2 is slow enough already
     x = torch.randn(tokens, mc.hidden_size, dtype=dtype)
     w = torch.randn(mc.hidden_size, per_layer // mc.hidden_size, dtype=dtype)
     torch.matmul(x, w)
