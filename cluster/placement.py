@@ -5,7 +5,7 @@ A worker computes with `num_threads` torch threads. Left unset:
   may run on (its affinity, not the machine's core count: containers and taskset narrow it);
 - the workers of a local cluster split this node's cores evenly between them, each pinned to its
   own cores so two workers' OpenMP teams never preempt each other. The router, frontends and Ray
-  are not pinned: their share is small (docs/benchmarks.md, "Placement"), so on a node of fewer
+  are not pinned: their share is small (docs/benchmarks.md, "Throughput on a CPU without AVX-512"), so on a node of fewer
   than ROUTER_CORE_MIN_CPUS cores no core is held back for them, where it would be a large share
   of the compute (half of it on 2 cores). From ROUTER_CORE_MIN_CPUS cores on, one core is left to
   them (a few percent of the compute), which keeps their bursts off the workers' OpenMP teams.

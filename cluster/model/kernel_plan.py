@@ -22,7 +22,7 @@ if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan 
 
 PLAN_VERSION = 5   # bump when a path's meaning changes: cached plans of older versions are ignored
 # linear_c_rows meaning "every pass": on a CPU whose BLAS has no fast 16-bit GEMM (AVX2 without
-# AVX-512 bf16), the C kernel on bf16 weights beats BLAS at prefill sizes too (docs/kernels.md).
+# AVX-512 bf16), the C kernel on bf16 weights beats BLAS at prefill sizes too (docs/benchmarks.md, #30).
 C_ROWS_ALL = 1 << 30
 
 

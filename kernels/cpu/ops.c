@@ -389,15 +389,9 @@ static inline __attribute__((always_inline)) void lin_tile_any(const float *xf, 
  * otherwise, NR x 1 for the last columns. Each (row, column) keeps one accumulator over K in
  * order, so a row's result does not depend on the tile it was computed in. */
 #include <immintrin.h>
-#ifndef LIN8_NR
-#define LIN8_NR 2   /* rows per tile */
-#endif
-#ifndef LIN8_PREFETCH
-#define LIN8_PREFETCH 128   /* elements ahead in the next tile's rows: +25% at one row on a Zen 3 (DRAM-bound) */
-#endif
-#ifndef LIN8_NB
-#define LIN8_NB 6   /* weight rows (output columns) per tile: 2 x 6 measured best of 2x4, 3x4, 4x2, 4x3 on a Zen 3 */
-#endif
+#define LIN8_NR 2          /* rows per tile */
+#define LIN8_NB 6          /* weight rows (output columns) per tile: 2 x 6 measured best of 2x4, 3x4, 4x2, 4x3 on a Zen 3 */
+#define LIN8_PREFETCH 128  /* elements ahead in the next tile's rows: +25% at one row on a Zen 3 (DRAM-bound) */
 static inline __m256 load8(const void *p, int64_t i, int bf) {
     if (bf) return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
@@ -435,21 +429,12 @@ static inline __attribute__((always_inline)) void lin_tile8(const float *xf, int
 
 static inline __attribute__((always_inline)) void lin_tile8_any(const float *xf, int64_t k_dim, const void *w,
                                                                 int64_t n, int64_t nr, int nb, int bf, float *total) {
-    if (nb == 8) { lin_tile8(xf, k_dim, w, n, 1, 8, bf, total); return; }
-    if (nb == LIN8_NB) {
-        switch (nr) {
-        case 1: lin_tile8(xf, k_dim, w, n, 1, LIN8_NB, bf, total); return;
-        case 2: lin_tile8(xf, k_dim, w, n, 2, LIN8_NB, bf, total); return;
-        case 3: lin_tile8(xf, k_dim, w, n, 3 < LIN8_NR ? 3 : LIN8_NR, LIN8_NB, bf, total); return;
-        default: lin_tile8(xf, k_dim, w, n, LIN8_NR, LIN8_NB, bf, total); return;
-        }
-    }
-    switch (nr) {
-    case 1: lin_tile8(xf, k_dim, w, n, 1, 1, bf, total); return;
-    case 2: lin_tile8(xf, k_dim, w, n, 2, 1, bf, total); return;
-    case 3: lin_tile8(xf, k_dim, w, n, 3 < LIN8_NR ? 3 : LIN8_NR, 1, bf, total); return;
-    default: lin_tile8(xf, k_dim, w, n, LIN8_NR, 1, bf, total); return;
-    }
+    /* Constant tile sizes in every call, so that the accumulators stay in registers. */
+    if (nb == 8) lin_tile8(xf, k_dim, w, n, 1, 8, bf, total);
+    else if (nb == LIN8_NB && nr == 1) lin_tile8(xf, k_dim, w, n, 1, LIN8_NB, bf, total);
+    else if (nb == LIN8_NB) lin_tile8(xf, k_dim, w, n, LIN8_NR, LIN8_NB, bf, total);
+    else if (nr == 1) lin_tile8(xf, k_dim, w, n, 1, 1, bf, total);
+    else lin_tile8(xf, k_dim, w, n, LIN8_NR, 1, bf, total);
 }
 #endif
 
