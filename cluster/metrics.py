@@ -231,6 +231,9 @@ class ClusterMetrics:
         r = self.registry
         if workers:
             r.register(_WorkerCollector(self))
+            self.stats_reports = Counter(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
+                                         "and source (poll: a Ray call; push: over the token stream while the "
+                                         "worker steps)", ["model_name", "worker", "source"], registry=r)
         if frontends:
             r.register(_FrontendCollector(frontends))
             r = CollectorRegistry()      # this process records no request of its own
@@ -288,8 +291,11 @@ class ClusterMetrics:
         """Requests of `tenant` waiting for in-flight slots in this frontend."""
         self.queued.labels(model_name=self.model_name, tenant=tenant_label(tenant)).set(depth)
 
-    def update_worker(self, stats: WorkerStats) -> None:
+    def update_worker(self, stats: WorkerStats, source: str = "poll") -> None:
+        """A worker's latest stats; `source`: "poll" (a Ray call) or "push" (its token stream)."""
         self.worker_stats[stats.name] = stats
+        if self.has_workers:
+            self.stats_reports.labels(model_name=self.model_name, worker=stats.name, source=source).inc()
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

@@ -7,18 +7,23 @@ holding every delta of that step for that frontend's requests (`TokenSender`). A
 token leaves as soon as its step ends; under load one frame carries a whole batch, and a stream
 whose reader lags picks up several deltas at once (`StreamQueue.take`).
 
-Wire (version 2): each frame is a 4-byte big-endian length and a msgpack array `[version, kind, body]`:
-  hello  [2, "hello", [worker_name, secret]]    first frame of a connection, checked with
+Wire (version 3): each frame is a 4-byte big-endian length and a msgpack array `[version, kind, body]`:
+  hello  [3, "hello", [worker_name, secret]]    first frame of a connection, checked with
                                                 hmac.compare_digest before anything else is read
-  step   [2, "step", [record, ...]]             record = [key, token_ids, text, finish, logprobs,
+  step   [3, "step", [record, ...]]             record = [key, token_ids, text, finish, logprobs,
                                                 n_prompt, n_output, n_cached, prompt_logprobs]
                                                 (finish: "" = running; logprobs: nil or a list)
-  error  [2, "error", [[key, message], ...]]    the worker failed these streams (its fault)
+  error  [3, "error", [[key, message], ...]]    the worker failed these streams (its fault)
+  stats  [3, "stats", {field: value, ...}]      the worker's `WorkerStats` (cluster/worker_messages.py),
+                                                pushed at most every `STATS_PUSH_S` while it steps
 Every frame is decoded strictly into its dataclass (`Hello`, `StepFrame` of `StepRecord`s,
-`ErrorFrame`): another version, a field of the wrong type or a missing one is a `FrameError`
+`ErrorFrame`, `StatsFrame`): another version, a field of the wrong type or a missing one is a `FrameError`
 naming it; the receiver counts it (`TokenReceiver.refused`), fails the streams the frame was for
 and drops that connection, never itself. Records are fixed-order arrays, not maps: one frame per
 step per frontend stays cheap to build and to read.
+Stats ride the same connections: a busy worker's load reaches the router with its tokens, and the
+router's Ray poll of that worker drops to the idle cadence (router/workers.py `StatsCadence`).
+Version 3 added the stats kind.
 `key` is the frontend's number for one attempt of one request (`SinkAddress` + key travel in the
 control call that starts it), so a late frame from a dead worker can never reach a retry.
 """
@@ -39,7 +44,8 @@ from cluster.types import FinishReason, TokenDelta, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-STREAM_VERSION = 2
+STREAM_VERSION = 3
+STATS_PUSH_S = 0.25     # a stepping worker pushes its stats at most this often
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
 _FINISH = {r.value: r for r in FinishReason}
@@ -117,7 +123,13 @@ class ErrorFrame:
     errors: tuple[StreamError, ...]
 
 
-Frame = Hello | StepFrame | ErrorFrame
+@dataclass(frozen=True, slots=True)
+class StatsFrame:
+    """A worker's stats as sent: a map, read strictly by the receiver's `on_stats`."""
+    body: dict
+
+
+Frame = Hello | StepFrame | ErrorFrame | StatsFrame
 
 
 def _frame(kind: str, body) -> bytes:
@@ -148,6 +160,10 @@ def encode_errors(errors: list[StreamError]) -> bytes:
     return _frame("error", [[e.key, e.message] for e in errors])
 
 
+def encode_stats(body: dict) -> bytes:
+    return _frame("stats", body)
+
+
 def decode_frame(data: bytes) -> Frame:
     """One frame's body, strictly: `FrameError` for anything but a frame of this version."""
     try:
@@ -163,6 +179,9 @@ def decode_frame(data: bytes) -> Frame:
         return StepFrame(_records(body))
     if kind == "error":
         return ErrorFrame(_errors(body))
+    if kind == "stats":
+        _need(type(body) is dict, "stats: a map")
+        return StatsFrame(body)
     if kind == "hello":
         _need(type(body) is list and len(body) == 2 and type(body[0]) is str and type(body[1]) is bytes,
               "hello: [worker name, secret bytes]")
@@ -350,6 +369,8 @@ class _Connection(asyncio.Protocol):
             self.receiver.deliver(frame.records)
         elif type(frame) is ErrorFrame:
             self.receiver.fail(frame.errors)
+        elif type(frame) is StatsFrame:
+            return self.receiver.stats(self.worker, frame.body)
         else:
             self.receiver.refuse(self.worker, FrameError("a second hello"))
             return False
@@ -359,8 +380,11 @@ class _Connection(asyncio.Protocol):
 class TokenReceiver:
     """A frontend's listener: routes each record to the `StreamQueue` registered for its key."""
 
-    def __init__(self, frontend: str, host: str = "127.0.0.1"):
+    def __init__(self, frontend: str, host: str = "127.0.0.1", on_stats=None):
+        """`on_stats(worker, body)`: a stats frame from `worker` (its name as its hello gave it);
+        raises ValueError for a body it refuses (the frame is then refused as any bad frame)."""
         self.frontend = frontend
+        self.on_stats = on_stats
         self.host = host
         self.secret = os.urandom(32)
         self.queues: dict[int, StreamQueue] = {}
@@ -400,6 +424,17 @@ class TokenReceiver:
             q = self.queues.get(e.key)
             if q is not None:
                 q.push(StreamBroken(e.message))
+
+    def stats(self, worker: str, body: dict) -> bool:
+        """A stats frame: handed to `on_stats`; False (refused, drop the peer) when it refuses it."""
+        if self.on_stats is None:
+            return True
+        try:
+            self.on_stats(worker, body)
+        except ValueError as exc:
+            self.refuse(worker, FrameError(f"stats: {exc}"))
+            return False
+        return True
 
     def refuse(self, worker: str | None, exc: FrameError) -> None:
         """A frame refused (undecodable, over the size limit, or a failed hello): counted, and the

@@ -17,11 +17,11 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop, Poller
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
-from cluster.token_stream import TokenSender
+from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
-from cluster.worker_messages import SpecStats, WorkerStats
+from cluster.worker_messages import SpecStats, WorkerStats, stats_to_wire
 
 _PEER = b"peer-metadata"
 MAX_METADATA_BYTES = 1 << 20
@@ -55,7 +55,11 @@ class EngineWorker:
 
     def _start_loop(self, pollers: list[Poller]) -> None:
         self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name),
-                               stream_interval=self.config.stream_interval)
+                               stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
+
+    def _stats_frame(self) -> bytes:
+        """`stats` as a token-stream frame (the engine loop pushes it to the frontends)."""
+        return encode_stats(stats_to_wire(self.stats()))
 
     def metadata(self) -> bytes:
         """This worker's transport metadata, sealed with the cluster secret (NIXL's agent metadata

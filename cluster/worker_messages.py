@@ -9,6 +9,7 @@ go over the token stream (`cluster/token_stream.py`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cluster.token_stream import SinkAddress
@@ -40,9 +41,12 @@ class PrefillCall:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     forks: tuple[Fork, ...] = ()
+    stats_sink: SinkAddress | None = None     # the caller's token stream: the worker's stats go there
 
     def __post_init__(self):
         _check_call(self)
+        _need(self.stats_sink is None or isinstance(self.stats_sink, SinkAddress),
+              "PrefillCall.stats_sink: a SinkAddress or None")
 
 
 @dataclass(frozen=True)
@@ -211,3 +215,59 @@ def expect(message, cls):
     if message.version != want:
         raise MessageRefused(f"a {cls.__name__} of version {message.version!r}; this side reads version {want}")
     return message
+
+
+# --- WorkerStats over the token stream ------------------------------------------------------------
+# A busy worker pushes its stats to its frontends over the token stream (a "stats" frame), so the
+# router's load view stays fresh without a Ray call per worker several times a second (each costs
+# the driver ~2 ms of CPU). The body is a msgpack map of the dataclass's fields, read back strictly.
+_STATS_PARTS = {"prefill": PrefillStats, "handoff": HandoffStats}
+
+
+def stats_to_wire(stats: WorkerStats) -> dict:
+    return dataclasses.asdict(stats)
+
+
+def stats_from_wire(body) -> WorkerStats:
+    """The strict inverse of `stats_to_wire`: ValueError naming the first field that is not what
+    this version sends (a missing field takes its default; an unknown one is refused)."""
+    _need(type(body) is dict, "stats: a map of WorkerStats fields")
+    fields = {f.name for f in dataclasses.fields(WorkerStats)}
+    unknown = set(body) - fields
+    _need(not unknown, f"stats: unknown field(s) {sorted(map(str, unknown))}")
+    _need(body.get("version") == WORKER_STATS_VERSION, f"stats: version {body.get('version')!r}; "
+          f"this side reads version {WORKER_STATS_VERSION}")
+    out = {}
+    for name, value in body.items():
+        if name in _STATS_PARTS:
+            out[name] = None if value is None else _record(_STATS_PARTS[name], value)
+        elif name == "spec":
+            _need(type(value) is list, "WorkerStats.spec: a list")
+            out[name] = tuple(_record(SpecStats, v) for v in value)
+        elif name == "queue_time_buckets":
+            _need(type(value) is list and all(type(b) is list and len(b) == 2 and type(b[0]) in (int, float)
+                                              and type(b[1]) is int for b in value),
+                  "WorkerStats.queue_time_buckets: [bound, count] pairs")
+            out[name] = tuple((float(b), c) for b, c in value)
+        else:
+            out[name] = _scalar(WorkerStats, name, value)
+    _need("name" in out and "role" in out and "incarnation" in out and "ready" in out,
+          "stats: name, role, incarnation and ready are required")
+    return WorkerStats(**out)
+
+
+def _record(cls, value):
+    _need(type(value) is dict, f"{cls.__name__}: a map")
+    names = {f.name for f in dataclasses.fields(cls)}
+    _need(set(value) <= names, f"{cls.__name__}: unknown field(s) {sorted(map(str, set(value) - names))}")
+    return cls(**{k: _scalar(cls, k, v) for k, v in value.items()})
+
+
+_SCALAR_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _scalar(cls, name: str, value):
+    want = _SCALAR_TYPES[cls.__dataclass_fields__[name].type]
+    ok = type(value) is want or (want is float and type(value) is int)
+    _need(ok, f"{cls.__name__}.{name}: a {want.__name__}")
+    return float(value) if want is float else value

@@ -50,7 +50,7 @@ class PrefillWorker(EngineWorker):
         return await self.loop.run(
             call.request_id, lambda e: self._add_request(e, prompt_ids, replace(call.sampling, max_tokens=1),
                                                          call.request_id, hold_kv=True, forks=first_only),
-            on_end=publish)
+            on_end=publish, stats_sink=call.stats_sink)
 
     def _publish(self, e: LLMEngine, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                  last: TokenDelta, forks: dict[str, SamplingParams] | None = None) -> PrefillResult:

@@ -58,7 +58,7 @@ class Attempts:
         tried = set()
         members = (req, *forks)
         call = PrefillCall(req.request_id, req.prompt_token_ids, req.sampling,
-                           tuple(Fork(f.request_id, f.sampling) for f in forks))
+                           tuple(Fork(f.request_id, f.sampling) for f in forks), stats_sink=self.receiver.address)
         while True:
             candidates = [v for v in self.workers.healthy("prefill") if v.name not in tried]
             if not candidates:

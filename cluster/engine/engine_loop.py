@@ -12,6 +12,9 @@ nothing in flight, so an idle worker blocks with no timeout at all. An engine th
 could schedule none of it (`engine.idle_step`: e.g. the next request waits for blocks that pulls in
 flight hold) sleeps the same way until a command or a poller changes something, never spins.
 
+While it steps, the loop also pushes the worker's stats (`stats_frame`) to the frontends its
+requests came from, at most every `STATS_PUSH_S`: the router's load view rides the token stream.
+
 `steps` counts the steps that did work: the router's progress watchdog (`router/health.py`) calls a
 worker stuck when it has work and this counter stands still.
 """
@@ -21,14 +24,15 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine.engine import LLMEngine
-from cluster.token_stream import KeyedDelta, SinkAddress, StreamBroken, StreamError, TokenSender, encode_errors, \
-    encode_step
+from cluster.token_stream import STATS_PUSH_S, KeyedDelta, SinkAddress, StreamBroken, StreamError, TokenSender, \
+    encode_errors, encode_step
 from cluster.types import Fork, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
@@ -45,15 +49,19 @@ class _Stream:
     on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None   # runs on the engine thread
     held: list = field(default_factory=list)    # deltas waiting for `stream_interval` tokens
     sent: bool = False
+    stats_sink: SinkAddress | None = None      # where this worker's stats go while the request runs
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, pollers: list[Poller] | None = None, sender: TokenSender | None = None,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, stats_frame: Callable[[], bytes] | None = None):
         """`stream_interval`: a stream's deltas leave once it has this many new tokens (its first
         and last leave at once), as vLLM's `--stream-interval`: fewer messages per token for the
-        frontends, at the cost of burstier inter-token times."""
+        frontends, at the cost of burstier inter-token times. `stats_frame`: the worker's stats as
+        an encoded frame, built on the engine thread when a push is due."""
         self.engine = engine
+        self.stats_frame = stats_frame
+        self._stats_pushed = 0.0        # monotonic time of the last push
         self.stream_interval = stream_interval
         self.pollers = list(pollers or [])
         self.sender = sender
@@ -77,11 +85,13 @@ class EngineLoop:
         return await asyncio.wrap_future(self.call(fn))
 
     def register(self, request_id: str, done: asyncio.Future, sink: SinkAddress | None, key: int,
-                 on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None) -> None:
+                 on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None,
+                 stats_sink: SinkAddress | None = None) -> None:
         """Engine thread only: deltas of `request_id` go to `sink`; its end resolves `done` with
         the final delta, or with `on_end(engine, final delta)` run on this thread at once (a
-        prefill publishes its KV there, without waiting for another turn of the loop)."""
-        self._streams[request_id] = _Stream(done.get_loop(), done, sink, key, on_end)
+        prefill publishes its KV there, without waiting for another turn of the loop). While it
+        runs, stats go to `stats_sink` (default `sink`)."""
+        self._streams[request_id] = _Stream(done.get_loop(), done, sink, key, on_end, stats_sink=stats_sink or sink)
 
     def has_stream(self, request_id: str) -> bool:
         """Engine thread only: the request is still registered (its caller waits for its end)."""
@@ -93,19 +103,21 @@ class EngineLoop:
 
     async def run(self, request_id: str, start: Callable[[LLMEngine], Any], sink: SinkAddress | None = None,
                   key: int = 0, on_end: Callable[[LLMEngine, TokenDelta], Any] | None = None,
-                  forks: tuple[Fork, ...] = (), abort: Callable[[LLMEngine, str], Any] | None = None) -> Any:
+                  forks: tuple[Fork, ...] = (), abort: Callable[[LLMEngine, str], Any] | None = None,
+                  stats_sink: SinkAddress | None = None) -> Any:
         """Register `request_id` and its `forks` (more samples of its prompt, each streamed to the
         same sink under its `stream_key`), run `start(engine)` on the engine thread and wait for
         every final delta; returns the request's own. `start` may fail (the worker is busy, the
         request is refused): then nothing stays registered and its exception is the caller's.
-        Cancelling the caller runs `abort(engine, request id)` (default `engine.abort`) for each."""
+        Cancelling the caller runs `abort(engine, request id)` (default `engine.abort`) for each.
+        `stats_sink`: the frontend to push stats to when `sink` is None (a prefill's caller)."""
         loop = asyncio.get_running_loop()
         ids = [request_id, *(f.request_id for f in forks)]
         dones = [loop.create_future() for _ in ids]
         stop = abort or (lambda e, rid: e.abort(rid))
 
         def begin(e: LLMEngine):
-            self.register(request_id, dones[0], sink, key, on_end)
+            self.register(request_id, dones[0], sink, key, on_end, stats_sink)
             for f, done in zip(forks, dones[1:]):
                 self.register(f.request_id, done, sink, f.stream_key or 0)
             try:
@@ -186,6 +198,7 @@ class EngineLoop:
         return wait
 
     def _step(self) -> None:
+        push_to = self._stats_due()
         try:
             deltas = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - every stream of this worker fails, the worker lives
@@ -197,6 +210,26 @@ class EngineLoop:
         if not idle:
             self.steps += 1
         self.emit(deltas)
+        if push_to:
+            self._push_stats(push_to)
+
+    def _stats_due(self) -> set[SinkAddress]:
+        """The frontends to push stats to after this step (those of the requests running before
+        it, so the push that follows a request's end reaches its frontend); none if not due."""
+        if self.stats_frame is None or time.monotonic() - self._stats_pushed < STATS_PUSH_S:
+            return set()
+        return {s.stats_sink for s in self._streams.values() if s.stats_sink is not None}
+
+    def _push_stats(self, sinks: set[SinkAddress]) -> None:
+        self._stats_pushed = time.monotonic()
+        try:
+            frame = self.stats_frame()
+        except Exception:  # noqa: BLE001 - the router polls over Ray instead
+            log.exception("building the stats frame failed")
+            return
+        for sink in sinks:
+            if not self.sender.send(sink, frame):
+                self._sink_broke(sink)
 
     def emit(self, deltas: list[TokenDelta]) -> None:
         """Engine thread only: send one step's deltas (one frame per frontend), then resolve the

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import secrets
+import time
 import uuid
 from dataclasses import dataclass, replace
 
@@ -235,22 +236,42 @@ async def _supervise(router, workers: dict[str, WorkerClient], roster: WorkerRos
     cadence = StatsCadence()
     pending: dict[str, asyncio.Task] = {}
     unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
+    seen: dict[str, float] = {}            # worker -> time of the last pushed stats put in the metrics
+    answered: dict[str, float] = {}        # worker -> when its stats last came (polled or pushed)
     while True:
-        poll = await poll_workers(workers, timeout_s)
-        alive = set(poll.stats)
+        poll = await poll_workers({n: workers[n] for n in cadence.due(workers, router)}, timeout_s)
+        _pushed_metrics(router, metrics, seen)
+        alive = _alive(router, poll, answered, 2 * cadence.idle_s)
         for name, stats in poll.stats.items():
             metrics.update_worker(stats)
-            if name in pending and not pending[name].done():
-                continue
-            if not stats.ready:
+            if not stats.ready and not (name in pending and not pending[name].done()):
                 log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats.incarnation[:8])
                 pending[name] = asyncio.ensure_future(
                     _bring_up(name, stats.incarnation, workers, roster, metas, alive - {name}, unpaired))
-            elif unpaired.get(name, set()) & alive:
+        for name in alive:       # every round, polled or not: a ready worker unpaired with a live peer
+            if unpaired.get(name, set()) & alive and not (name in pending and not pending[name].done()):
                 pending[name] = asyncio.ensure_future(
                     _bring_up(name, None, workers, roster, metas, unpaired[name] & alive, unpaired))
         got = apply_poll(router, poll) if router is not None else list(poll.stats.values())
         await cadence.sleep(got, router)
+
+
+def _alive(router, poll, answered: dict[str, float], within_s: float) -> set[str]:
+    """The workers that answered this round, or lately (not due this round: their pushed stats are
+    fresh), and whose poll did not fail this round."""
+    now = time.monotonic()
+    for n, (at, _) in (router.pushed.items() if router is not None else ()):
+        answered[n] = max(at, answered.get(n, at))
+    answered.update((n, now) for n in poll.stats)
+    return {n for n, at in answered.items() if n not in poll.failed and now - at < within_s}
+
+
+def _pushed_metrics(router, metrics, seen: dict[str, float]) -> None:
+    """The metrics of the stats workers pushed to the in-process router since the last round."""
+    for name, (at, stats) in (router.pushed.items() if router is not None else ()):
+        if seen.get(name) != at:
+            seen[name] = at
+            metrics.update_worker(stats, "push")
 
 
 def _log_router_node(ray) -> None:

@@ -227,7 +227,9 @@ def test_metrics_count_what_was_sent(cluster):
     prompts = _prompts(6, seed=99)                    # unseen prompts: no local prefill for cache hits
     outs = _concurrent(client, prompts, max_tokens=5, ignore_eos=True)
     cluster.wait_idle()
-    time.sleep(0.6)                                   # one stats poll after the requests
+    # The workers' last stats of the requests: a prefill worker's leases end without a step (so
+    # without a push), and the driver's Ray poll reads them within 0.75 s (router/workers.py).
+    time.sleep(1.0)
     after = _scrape(cluster)
 
     def delta(key):
@@ -251,6 +253,10 @@ def test_metrics_count_what_was_sent(cluster):
     assert delta("splitserve_request_generation_tokens_sum{}") == 30
     assert after["splitserve_kv_cache_usage_ratio{role=decode,worker=decode-0}"] == 0
     assert "splitserve_num_preemptions_total{role=decode,worker=decode-0}" in after
+    # Both workers stepped for these requests: each pushed its stats over its token stream at least
+    # once (the decode worker to the stream its tokens take, the prefill worker to the caller's).
+    assert delta("splitserve_worker_stats_reports_total{source=push,worker=decode-0}") >= 1
+    assert delta("splitserve_worker_stats_reports_total{source=push,worker=prefill-0}") >= 1
 
 
 def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):

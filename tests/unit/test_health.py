@@ -91,3 +91,50 @@ def test_the_router_keeps_routing_to_a_worker_whose_call_failed_without_dying(ex
         r.worker_failed("d0", ActorDiedError())
         assert not r.views["d0"].healthy
     asyncio.run(go())
+
+
+# --- the stats cadence: which workers the router polls over Ray ------------------------------------
+class _PushedTo:
+    """What `StatsCadence` reads of a router: the stats workers pushed, and requests in flight."""
+    def __init__(self):
+        self.pushed = {}
+        self.in_flight = 1
+
+
+def test_a_worker_that_pushes_its_stats_is_polled_over_ray_only_at_the_idle_cadence(monkeypatch):
+    import router.workers as workers_mod
+    from router.workers import StatsCadence
+    now = [100.0]
+    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
+    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
+    assert cadence.due(["p", "d"], router) == ["p", "d"]          # first round: everyone
+    cadence.next([], router.in_flight)                             # busy: a request in flight
+    polls = {"p": 0, "d": 0}
+    for _ in range(40):                                            # 10 s of 0.25 s rounds
+        now[0] += 0.25
+        router.pushed["d"] = (now[0] - 0.05, _stats())             # d steps and pushes; p does not
+        for name in cadence.due(["p", "d"], router):
+            polls[name] += 1
+    assert polls["p"] == 40                                        # stale: every round
+    assert polls["d"] == 5                                         # fresh pushes: every 2 s, to hear Ray
+    waited = 0.0                                                   # its pushes stop (a long step, a stall):
+    while "d" not in cadence.due(["p", "d"], router):              # polled at the busy cadence again
+        now[0] += 0.25
+        waited += 0.25
+    assert waited <= 0.5
+
+
+def test_an_idle_cluster_is_polled_at_the_idle_cadence(monkeypatch):
+    import router.workers as workers_mod
+    from router.workers import StatsCadence
+    now = [100.0]
+    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
+    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0, linger_s=5.0), _PushedTo()
+    router.in_flight = 0
+    now[0] += 6.0                                                  # past the linger
+    assert cadence.due(["d"], router) == ["d"]
+    assert cadence.next([_stats(has_work=False)], 0) == 2.0
+    now[0] += 1.0
+    assert cadence.due(["d"], router) == []
+    now[0] += 1.0
+    assert cadence.due(["d"], router) == ["d"]

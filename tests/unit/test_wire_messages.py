@@ -98,7 +98,7 @@ def test_the_receiver_counts_a_refused_frame_fails_its_streams_and_keeps_serving
         assert isinstance(items[0], StreamBroken) and "old-worker" in str(items[0])
         sender.close()
         raw_sender = TokenSender("older-worker")
-        raw_sender.send(address, struct.pack(">I", len(old)) + old)    # hello is v2, the step v1: refused
+        raw_sender.send(address, struct.pack(">I", len(old)) + old)    # hello of this version, the step v1: refused
         for _ in range(100):
             if receiver.refused == 2:
                 break
@@ -110,6 +110,61 @@ def test_the_receiver_counts_a_refused_frame_fails_its_streams_and_keeps_serving
         assert (await asyncio.wait_for(queue2.take(), 5))[0].token_ids == (9,)
         good.close()
         raw_sender.close()
+        await receiver.stop()
+    asyncio.run(go())
+
+
+def _full_stats() -> WorkerStats:
+    from cluster.worker_messages import HandoffStats, PrefillStats, SpecStats
+    return WorkerStats(name="w", role="decode", incarnation="i", ready=True, pid=7, steps=3, has_work=True,
+                       blocks_used=2, blocks_free=5, blocks_total=7, kv_limit="--kv-cache-bytes", queue_seconds=1,
+                       queue_time_buckets=((0.1, 1), (1.0, 2)), spec=(SpecStats("ngram", 4, 2, 1, 3),),
+                       prefill=PrefillStats(1), handoff=HandoffStats(1, 2, 3, 4, 0.5))
+
+
+def test_worker_stats_cross_the_token_stream_strictly():
+    from cluster.token_stream import StatsFrame, encode_stats
+    from cluster.worker_messages import stats_from_wire, stats_to_wire
+    stats = _full_stats()
+    frame = decode_frame(_body(encode_stats(stats_to_wire(stats))))
+    assert type(frame) is StatsFrame and stats_from_wire(frame.body) == stats
+    body = frame.body          # as it arrives: msgpack lists where the dataclass has tuples
+    for change, message in [({"blocks_used": "2"}, "blocks_used"), ({"spec": [{"method": 1}]}, "SpecStats.method"),
+                            ({"handoff": {"bytes": 1.5}}, "HandoffStats.bytes"), ({"extra": 1}, "unknown"),
+                            ({"version": 2}, "version 2"), ({"queue_time_buckets": [[1.0]]}, "queue_time_buckets")]:
+        with pytest.raises(ValueError, match=message):
+            stats_from_wire(body | change)
+    with pytest.raises(FrameError, match="stats: a map"):
+        decode_frame(_raw(STREAM_VERSION, "stats", [1, 2]))
+
+
+def test_the_receiver_hands_stats_to_its_router_and_drops_a_peer_whose_stats_it_refuses():
+    from cluster.token_stream import encode_stats
+    from cluster.worker_messages import stats_from_wire, stats_to_wire
+    got = []
+
+    def on_stats(worker, body):
+        stats = stats_from_wire(body)
+        if stats.name != worker:
+            raise ValueError("another worker's stats")
+        got.append(stats)
+
+    async def go():
+        receiver = TokenReceiver("f", on_stats=on_stats)
+        address = await receiver.start()
+        w = TokenSender("w")
+        assert await asyncio.to_thread(w.send, address, encode_stats(stats_to_wire(_full_stats())))
+        liar = TokenSender("x")          # its hello says "x", its stats say "w"
+        assert await asyncio.to_thread(liar.send, address, encode_stats(stats_to_wire(_full_stats())))
+        for _ in range(100):
+            if got and receiver.refused:
+                break
+            await asyncio.sleep(0.02)
+        assert got == [_full_stats()] and receiver.refused == 1
+        assert not await asyncio.to_thread(liar.send, address, encode_stats(stats_to_wire(_full_stats()))) or \
+            len(receiver.connections) == 1          # its connection was dropped
+        w.close()
+        liar.close()
         await receiver.stop()
     asyncio.run(go())
 
