@@ -120,12 +120,17 @@ class StatsCadence:
     load figures under load, and an idle cluster should not wake every worker (and Ray's io
     threads) several times a second for nothing. A stepping worker pushes its stats over its token
     stream (`router.pushed`); one whose pushed stats are fresh is polled only every `idle_s`, to
-    hear from Ray that it lives (each Ray call costs the driver ~2 ms of CPU)."""
+    hear from Ray that it lives (each Ray call costs the driver ~2 ms of CPU). A worker whose
+    latest stats showed it idle and that this router has given nothing since (a prefill worker
+    between prompts) is polled every `idle_s` too: what it will do next starts here, and once it
+    steps it pushes. (With several frontends another one may load it first: its view then lags by
+    at most `idle_s`.)"""
 
     def __init__(self, busy_s: float = 0.25, idle_s: float = 2.0, linger_s: float = 5.0):
         self.busy_s, self.idle_s, self.linger_s = busy_s, idle_s, linger_s
         self.last_busy = time.monotonic()
         self.polled_at: dict[str, float] = {}      # worker -> when its last Ray poll was sent
+        self.latest: dict[str, tuple[float, WorkerStats]] = {}   # worker -> (when, its latest stats), polled or pushed
         self.period = busy_s
 
     def due(self, names, router=None) -> list[str]:
@@ -140,16 +145,32 @@ class StatsCadence:
                 out.append(name)
                 continue
             seen = max(polled, pushed[name][0]) if name in pushed else polled
-            if now - seen >= self.period + (self.busy_s if name in pushed else 0.0) - 0.01:
+            period = self.idle_s if self._resting(name, router) else self.period
+            if now - seen >= period + (self.busy_s if name in pushed else 0.0) - 0.01:
                 out.append(name)
         for name in out:
             self.polled_at[name] = now
         return out
 
+    def _resting(self, name: str, router) -> bool:
+        """Idle at its latest stats, and nothing sent to it by this router since."""
+        _, stats = self.latest.get(name, (0.0, None))
+        view = router.views.get(name) if router is not None else None
+        return stats is not None and not stats.busy and (view is None or not view.in_flight)
+
+    def observe(self, stats: list[WorkerStats], router=None) -> float:
+        """Take this round's polled stats and the pushed ones; the period until the next round."""
+        now = time.monotonic()
+        for s in stats:
+            self.latest[s.name] = (now, s)
+        for name, (at, s) in (router.pushed.items() if router is not None else ()):
+            if at > self.latest.get(name, (0.0, None))[0]:
+                self.latest[name] = (at, s)
+        return self.next([s for _, s in self.latest.values()], router.in_flight if router is not None else 0)
+
     async def sleep(self, stats: list[WorkerStats], router=None) -> None:
         """Sleep until the next poll is due, or until `router` takes a new request."""
-        pushed = [s for _, s in router.pushed.values()] if router is not None else []
-        period = self.next([*stats, *pushed], router.in_flight if router is not None else 0)
+        period = self.observe(stats, router)
         if router is None:
             await asyncio.sleep(period)
             return
@@ -160,6 +181,7 @@ class StatsCadence:
             pass
 
     def next(self, stats: list[WorkerStats], in_flight: int = 0) -> float:
+        """The period until the next round, from every worker's latest stats."""
         now = time.monotonic()
         if in_flight or any(s.busy for s in stats):
             self.last_busy = now

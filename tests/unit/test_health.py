@@ -99,6 +99,7 @@ class _PushedTo:
     def __init__(self):
         self.pushed = {}
         self.in_flight = 1
+        self.views = {}
 
 
 def test_a_worker_that_pushes_its_stats_is_polled_over_ray_only_at_the_idle_cadence(monkeypatch):
@@ -138,3 +139,30 @@ def test_an_idle_cluster_is_polled_at_the_idle_cadence(monkeypatch):
     assert cadence.due(["d"], router) == []
     now[0] += 1.0
     assert cadence.due(["d"], router) == ["d"]
+
+
+def test_an_idle_worker_this_router_gave_nothing_is_polled_at_the_idle_cadence_while_others_work(monkeypatch):
+    import router.workers as workers_mod
+    from router.policy import WorkerView
+    from router.workers import StatsCadence
+    now = [100.0]
+    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
+    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
+    router.views = {"p": WorkerView("p", "prefill"), "d": WorkerView("d", "decode")}
+    prefill_idle = WorkerStats(name="p", role="prefill", incarnation="a", ready=True)
+    decode_busy = WorkerStats(name="d", role="decode", incarnation="a", ready=True, running=1, has_work=True)
+    polls = {"p": 0, "d": 0}
+
+    def rounds(n):
+        for _ in range(n):
+            due = cadence.due(["p", "d"], router)
+            for name in due:
+                polls[name] += 1
+            assert cadence.observe([s for s in (prefill_idle, decode_busy) if s.name in due], router) == 0.25
+            now[0] += 0.25
+    rounds(40)                                                     # 10 s: d decodes (and never pushes), p rests
+    assert polls["d"] == 40 and polls["p"] == 5                    # p: every 2 s
+    router.views["p"].in_flight = 1                                # a prompt sent to p: the busy cadence
+    polls["p"] = 0
+    rounds(4)
+    assert polls["p"] >= 3
