@@ -293,7 +293,8 @@ class ClusterMetrics:
 
     def update_worker(self, stats: WorkerStats, source: str = "poll") -> None:
         """A worker's latest stats; `source`: "poll" (a Ray call) or "push" (its token stream)."""
-        self.worker_stats[stats.name] = stats
+        if stats.supersedes(self.worker_stats.get(stats.name)):    # a poll answered before a push: dropped
+            self.worker_stats[stats.name] = stats
         if self.has_workers:
             self.stats_reports.labels(model_name=self.model_name, worker=stats.name, source=source).inc()
 

@@ -10,6 +10,7 @@ calls of the data group, and none of them blocks an event loop.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 from cluster.config import WorkerConfig
@@ -106,6 +107,7 @@ class EngineWorker:
             kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
             queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),
             preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
+            taken_at=time.monotonic(),
             **self._role_stats())
 
     def _role_stats(self) -> dict:

@@ -181,7 +181,14 @@ class WorkerStats:
     spec: tuple[SpecStats, ...] = ()
     prefill: PrefillStats | None = None
     handoff: HandoffStats | None = None
+    # The worker's time.monotonic() when these were read: a push and a poll of one incarnation can
+    # arrive out of order (a poll answered before a push is read after it); this orders them.
+    taken_at: float = 0.0
     version: int = WORKER_STATS_VERSION
+
+    def supersedes(self, other: "WorkerStats | None") -> bool:
+        """Newer than `other`: none yet, another incarnation's, or read earlier by this one."""
+        return other is None or other.incarnation != self.incarnation or self.taken_at >= other.taken_at
 
     @property
     def kv_usage(self) -> float:

@@ -97,10 +97,12 @@ class Router:
     def stats_pushed(self, worker: str, body: dict) -> None:
         """Stats a worker pushed over its token stream (cluster/token_stream.py): the same view a
         poll feeds. ValueError (the frame is refused) for a body this version does not read, or
-        stats that name another worker than the connection's or one this router does not know."""
+        stats that name another worker than the connection's."""
         stats = stats_from_wire(body)
-        if stats.name != worker or worker not in self.workers.views:
+        if stats.name != worker:
             raise ValueError(f"stats of {stats.name!r} from the connection of {worker!r}")
+        if worker not in self.workers.views:      # not routed by this frontend: nothing to update
+            return
         self.pushed[worker] = (time.monotonic(), stats)
         self.worker_polled(worker, stats)
 

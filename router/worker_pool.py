@@ -41,6 +41,7 @@ class WorkerPool:
         self.views = {n: WorkerView(n, "prefill", healthy=False) for n in prefill} | \
             {n: WorkerView(n, "decode", healthy=False) for n in decode}
         self.health = {n: WorkerHealth(n, stall_s=config.stall_timeout_s) for n in self.views}
+        self.latest: dict[str, WorkerStats] = {}     # worker -> the newest stats read (polled or pushed)
         self._routable_changed = asyncio.Event()
         self.closed = False
 
@@ -53,7 +54,11 @@ class WorkerPool:
         return all(v.healthy for v in self.views.values())
 
     def worker_polled(self, name: str, stats: WorkerStats) -> None:
-        """A stats poll answered: the routing view's load figures, and the worker's health."""
+        """A stats poll answered (or stats pushed): the routing view's load figures, and the worker's
+        health. Stats older than the ones already read (a poll answered before a push) are dropped."""
+        if not stats.supersedes(self.latest.get(name)):
+            return
+        self.latest[name] = stats
         first_start = self.health[name].incarnation is None
         change = self.health[name].observe(stats)
         view = self.views[name]

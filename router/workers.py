@@ -161,11 +161,10 @@ class StatsCadence:
     def observe(self, stats: list[WorkerStats], router=None) -> float:
         """Take this round's polled stats and the pushed ones; the period until the next round."""
         now = time.monotonic()
-        for s in stats:
-            self.latest[s.name] = (now, s)
-        for name, (at, s) in (router.pushed.items() if router is not None else ()):
-            if at > self.latest.get(name, (0.0, None))[0]:
-                self.latest[name] = (at, s)
+        pushed = [(at, s) for at, s in router.pushed.values()] if router is not None else []
+        for at, s in [*((now, s) for s in stats), *pushed]:
+            if s.supersedes(self.latest.get(s.name, (0.0, None))[1]):
+                self.latest[s.name] = (at, s)
         return self.next([s for _, s in self.latest.values()], router.in_flight if router is not None else 0)
 
     async def sleep(self, stats: list[WorkerStats], router=None) -> None:

@@ -316,3 +316,15 @@ def test_mutated_frames_get_only_the_decoders_own_error():
             again = encode_step([KeyedDelta(r.key, r.delta("a")) for r in frame.records])
             assert decode_frame(_body(again)) == frame
     assert accepted < 200
+
+
+def test_stats_read_out_of_order_keep_the_newest_of_an_incarnation():
+    from cluster.metrics import ClusterMetrics
+    newer = WorkerStats(name="w", role="decode", incarnation="i", ready=True, taken_at=2.0)
+    older = dataclasses.replace(newer, taken_at=1.0, blocks_used=3, running=1)   # a poll answered before a push
+    assert newer.supersedes(older) and not older.supersedes(newer) and newer.supersedes(None)
+    assert dataclasses.replace(older, incarnation="j").supersedes(newer)       # a restart: never ordered away
+    m = ClusterMetrics("nixl", "m")
+    m.update_worker(newer, "push")
+    m.update_worker(older, "poll")
+    assert m.worker_stats["w"] is newer
