@@ -8,6 +8,9 @@ prompts (`--concurrency` at a time, 16 new tokens each) and prints the median an
 phase the decode worker records (`decode/worker.py: HandoffTiming`): the Ray call, the wait for
 the engine thread, the read, the checksum, the producer's ACK, and the join into the next step.
 Everything but `read` (and `verify`, which checks the bytes) is a wait that is not transfer time.
+The last columns count the handoffs that failed (the decode worker recomputed the prompt) and
+those declined for want of blocks: at concurrency 16 on one thread per worker, a producer that
+answered only between its multi-second prefill steps failed most of them.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ def run(transport: str, args, prompts) -> list:
         with ThreadPoolExecutor(args.concurrency) as pool:
             list(pool.map(lambda p: client.generate(p, max_tokens=16, ignore_eos=True), prompts))
         decode = next(w for n, w in c.cluster.workers.items() if n.startswith("decode"))
-        return ray.get(decode.handle.handoff_timings.remote())[1:]        # without the warm-up's
+        timings = ray.get(decode.handle.handoff_timings.remote())[1:]     # without the warm-up's
+        return timings, ray.get(decode.handle.stats.remote()).handoff
     finally:
         c.stop()
 
@@ -66,14 +70,19 @@ def main() -> None:
           f"{args.requests} requests, concurrency {args.concurrency}")
     print(f"{'transport':<10}" + "".join(f"{p:>16}" for p in (*PHASES, "total")))
     for transport in args.transports:
-        rows = run(transport, args, prompts)
+        rows, counts = run(transport, args, prompts)
+        tally = f"({len(rows)} timed; done {counts.done}, failed {counts.failed}, declined {counts.declined})"
+        if not rows:
+            print(f"{transport:<10}   no handoff completed {tally}")
+            continue
         cols = [[getattr(r, p) for r in rows] for p in PHASES]
         cols.append([sum(getattr(r, p) for p in PHASES) for r in rows])
         cells = []
         for col in cols:
             col = sorted(col)
             cells.append(f"{1e3 * statistics.median(col):7.2f} /{1e3 * col[int(0.9 * (len(col) - 1))]:7.2f}")
-        print(f"{transport:<10}" + "".join(f"{c:>16}" for c in cells) + f"   ({len(rows)} handoffs)")
+        print(f"{transport:<10}" + "".join(f"{c:>16}" for c in cells)
+              + f"   {tally}")
 
 
 if __name__ == "__main__":

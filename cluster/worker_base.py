@@ -15,7 +15,7 @@ import uuid
 
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
-from cluster.engine.engine_loop import EngineLoop, Poller
+from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
 from cluster.token_stream import TokenSender, encode_stats
@@ -54,8 +54,8 @@ class EngineWorker:
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
 
-    def _start_loop(self, pollers: list[Poller]) -> None:
-        self.loop = EngineLoop(self.engine, pollers=pollers, sender=TokenSender(self.name),
+    def _start_loop(self) -> None:
+        self.loop = EngineLoop(self.engine, sender=TokenSender(self.name),
                                stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
 
     def _stats_frame(self) -> bytes:
@@ -127,5 +127,8 @@ class EngineWorker:
         return self.engine.compute_setup()
 
     def close(self) -> None:
+        progress = getattr(self, "progress", None)    # the role's KV progress thread
+        if progress is not None:
+            progress.close()
         self.loop.close()
         self.transport.close()

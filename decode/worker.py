@@ -27,6 +27,7 @@ from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError, WorkerBusy
 from cluster.kv.block_pool import NoFreeBlocks
 from cluster.transfer.consumer import KVConsumer, KVPull, PullState
+from cluster.transfer.progress import KVProgress
 from cluster.types import FinishReason, Fork, KVHandle, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
 from cluster.worker_messages import DecodeCall, GenerateCall, HandoffStats
@@ -75,13 +76,14 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory = make_speculator):
         super().__init__(name, config, speculator_factory=speculator_factory)
-        self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
-                                   timeout_s=config.transfer_timeout_s, verify=config.checksums,
-                                   mailbox=self.mailbox)
         self._handoffs: dict[str, _Handoff] = {}          # lease id -> handoff (engine thread only)
         self.handoffs = {"done": 0, "failed": 0, "declined": 0, "bytes": 0, "seconds": 0.0}
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
-        self._start_loop([self._poll_consumer])
+        self._start_loop()
+        self.progress = KVProgress(self._poll_consumer, f"kv-{name}")
+        self.consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
+                                   timeout_s=config.transfer_timeout_s, verify=config.checksums,
+                                   mailbox=self.mailbox, on_work=self.progress.wake)
 
     async def generate(self, call: GenerateCall) -> FinishReason:
         """Both phases here (colocated mode, or a prompt not worth a handoff). A failover's
@@ -133,13 +135,18 @@ class DecodeWorker(EngineWorker):
         last = await self.loop.run(call.request_id, begin, call.sink, call.key, forks=call.forks, abort=self._abort)
         return last.finish_reason
 
-    # --- engine thread ----------------------------------------------------------------------------
+    # --- the KV progress thread, then the engine thread ----------------------------------------------
     def _poll_consumer(self) -> float | None:
+        """On the KV progress thread: reads land and are confirmed while a step runs; a finished
+        pull joins the batch (or is recomputed) on the engine thread, as the next command."""
         for pull in self.consumer.poll():
-            h = self._handoffs.pop(pull.lease_id, None)
-            if h is not None:
-                self._pull_ended(self.engine, pull, h)
+            self.loop.soon(lambda e, p=pull: self._pull_finished(e, p))
         return self.consumer.poll_interval()
+
+    def _pull_finished(self, e: LLMEngine, pull: KVPull) -> None:
+        h = self._handoffs.pop(pull.lease_id, None)
+        if h is not None:
+            self._pull_ended(e, pull, h)
 
     def _pull_ended(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
         """Join the batch in the same turn the pull ends: no hop back through asyncio. Until

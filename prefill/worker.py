@@ -15,6 +15,7 @@ from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.transfer.producer import KVProducer
+from cluster.transfer.progress import KVProgress
 from cluster.types import Fork, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
 from cluster.worker_messages import PrefillCall, PrefillResult, PrefillStats
@@ -29,14 +30,20 @@ class PrefillWorker(EngineWorker):
     def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
         super().__init__(name, config, speculator_factory=speculator_factory)
         self.hold = KVHold(self.engine)
+        self._start_loop()
+        self.progress = KVProgress(self._poll_producer, f"kv-{name}")
         self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
-                                   self.hold.release, lease_seconds=config.lease_seconds,
-                                   checksums=config.checksums, mailbox=self.mailbox)
-        self._start_loop([self._poll_producer])
+                                   self._release_held, lease_seconds=config.lease_seconds,
+                                   checksums=config.checksums, mailbox=self.mailbox, on_work=self.progress.wake)
 
     def _poll_producer(self) -> float | None:
+        """On the KV progress thread: DONE is acknowledged and leases expire while a step runs."""
         self.producer.poll()
         return self.producer.poll_interval()
+
+    def _release_held(self, request_id: str) -> None:
+        """A lease ended: its blocks go back to the pool on the engine thread, which owns it."""
+        self.loop.soon(lambda e: self.hold.release(request_id))
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """The prompt's KV and first token (and each fork's first token, from the same logits),

@@ -6,11 +6,11 @@ bound for a frontend go out as one frame per frontend (`cluster/token_stream.py`
 coroutine only learns the final delta, through one future per request.
 
 Nothing spins when idle. The thread steps while the engine has work; otherwise it sleeps on its
-command queue until the next command or until a poller asks to run again. A poller (the KV
-producer's or consumer's) returns the seconds until it next needs a turn, or None when it has
-nothing in flight, so an idle worker blocks with no timeout at all. An engine that has work but
-could schedule none of it (`engine.idle_step`: e.g. the next request waits for blocks that pulls in
-flight hold) sleeps the same way until a command or a poller changes something, never spins.
+command queue until the next command, with no timeout at all. An engine that has work but could
+schedule none of it (`engine.idle_step`: e.g. the next request waits for blocks that pulls in
+flight hold) sleeps the same way until a command changes something, never spins. KV handoffs run
+on a thread of their own (cluster/transfer/progress.py), never between steps: what they change in
+the engine (blocks freed, a pulled sequence joining the batch) comes here as a command (`soon`).
 
 While it steps, the loop also pushes the worker's stats (`stats_frame`) to the frontends its
 requests came from, at most every `STATS_PUSH_S`: the router's load view rides the token stream.
@@ -37,9 +37,6 @@ from cluster.types import Fork, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 
-Poller = Callable[[], "float | None"]
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -53,8 +50,8 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, pollers: list[Poller] | None = None, sender: TokenSender | None = None,
-                 stream_interval: int = 1, stats_frame: Callable[[], bytes] | None = None):
+    def __init__(self, engine: LLMEngine, sender: TokenSender | None = None, stream_interval: int = 1,
+                 stats_frame: Callable[[], bytes] | None = None):
         """`stream_interval`: a stream's deltas leave once it has this many new tokens (its first
         and last leave at once), as vLLM's `--stream-interval`: fewer messages per token for the
         frontends, at the cost of burstier inter-token times. `stats_frame`: the worker's stats as
@@ -63,7 +60,6 @@ class EngineLoop:
         self.stats_frame = stats_frame
         self._stats_pushed = 0.0        # monotonic time of the last push
         self.stream_interval = stream_interval
-        self.pollers = list(pollers or [])
         self.sender = sender
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
@@ -80,6 +76,14 @@ class EngineLoop:
         fut: Future = Future()
         self._commands.put((fn, fut))
         return fut
+
+    def soon(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run `fn(engine)` on the engine thread: now when called there (an abort that ends a
+        lease frees its blocks in the same turn), else as the next command."""
+        if threading.current_thread() is self._thread:
+            fn(self.engine)
+        else:
+            self.call(fn).add_done_callback(_log_failure)
 
     async def acall(self, fn: Callable[[LLMEngine], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
@@ -159,7 +163,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            wait = self._poll()
+            wait = None
             if self.engine.has_unfinished() and self._idle_at != self._queue_sizes():
                 wait = 0.0
             try:
@@ -183,19 +187,6 @@ class EngineLoop:
                 self._step()
             else:
                 self._idle_at = None
-
-    def _poll(self) -> float | None:
-        """Run every poller; the shortest wait any of them asks for (None: none pending)."""
-        wait = None
-        for poll in self.pollers:
-            try:
-                w = poll()
-            except Exception:  # noqa: BLE001 - a poller must not stop the engine
-                log.exception("poller failed")
-                w = 0.01
-            if w is not None:
-                wait = w if wait is None else min(wait, w)
-        return wait
 
     def _step(self) -> None:
         push_to = self._stats_due()
@@ -295,6 +286,12 @@ class EngineLoop:
         self._streams.clear()
         for sink, errors in by_sink.items():
             self.sender.send(sink, encode_errors(errors))
+
+
+def _log_failure(fut: Future) -> None:
+    """A `soon` command has no caller to raise to: its failure is logged, never dropped."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("engine-thread command failed", exc_info=fut.exception())
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

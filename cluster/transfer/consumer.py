@@ -7,11 +7,15 @@ is the pull DONE and may the sequence join the batch.
 Every state has a deadline: a dead or silent producer turns a pull into FAILED within
 `timeout_s`. A pull is never reported finished while a read may still land in its blocks, so the
 caller can free them (FAILED) or hand them to the engine (DONE) at once.
+
+Thread-safe: a worker polls its consumer on its KV progress thread (cluster/transfer/progress.py)
+while the engine thread starts, declines and aborts pulls.
 """
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,7 +60,9 @@ class KVPull:
 class KVConsumer:
     def __init__(self, transport: Transport, layout: KVLayout, arena: torch.Tensor, timeout_s: float = 10.0,
                  verify: bool = True, clock: Callable[[], float] = time.monotonic,
-                 mailbox: Mailbox | None = None):
+                 mailbox: Mailbox | None = None, on_work: Callable[[], None] = lambda: None):
+        """`on_work`: called when a pull starts or a message must go out (the worker wakes its
+        progress thread, which polls while a pull is in flight)."""
         self.transport = transport
         self.layout_hash = layout.layout_hash()
         self.arena = arena
@@ -67,6 +73,8 @@ class KVConsumer:
         self.mailbox = mailbox or Mailbox(transport)
         self.backoff = PollBackoff()
         self._progressed = False
+        self.on_work = on_work
+        self._lock = threading.RLock()
 
     def _wants(self, msg: Message) -> bool:
         return msg.kind in (Kind.ACK, Kind.ABORT, Kind.FAIL) and msg.lease_id in self.pulls
@@ -82,8 +90,10 @@ class KVConsumer:
                       now + self.timeout_s, PullState.READING, handle=handle, first_token=handle.first_token,
                       next_renew=now + handle.lease_seconds / 3)
         pull.timings["start"] = time.perf_counter()
-        pull.transfer = self.transport.read(handle.producer, handle.block_ids, pull.local_blocks)
-        self.pulls[pull.lease_id] = pull
+        with self._lock:
+            pull.transfer = self.transport.read(handle.producer, handle.block_ids, pull.local_blocks)
+            self.pulls[pull.lease_id] = pull
+        self.on_work()
         return pull
 
     def decline(self, handle: KVHandle, reason: str) -> None:
@@ -94,10 +104,12 @@ class KVConsumer:
     def abort(self, lease_id: str) -> None:
         """Abort from the decode side: the producer releases; our blocks are freed by the caller
         once the pull is reported FAILED (after any read in flight has stopped)."""
-        pull = self.pulls.get(lease_id)
-        if pull is None or pull.finished:
-            return
-        self._give_up(pull, Message(Kind.ABORT, lease_id), "aborted")
+        with self._lock:
+            pull = self.pulls.get(lease_id)
+            if pull is None or pull.finished:
+                return
+            self._give_up(pull, Message(Kind.ABORT, lease_id), "aborted")
+        self.on_work()             # the progress thread reports it FAILED
 
     def _give_up(self, pull: KVPull, msg: Message, reason: str) -> None:
         """End a handoff from our side: tell the producer (it releases its pins), then fail."""
@@ -106,6 +118,10 @@ class KVConsumer:
 
     def poll(self) -> list[KVPull]:
         """Advance every pull; returns those that finished in this call."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> list[KVPull]:
         for peer, msg in self.mailbox.take(self._wants):
             pull = self.pulls.get(msg.lease_id)
             if pull is None or pull.finished or peer != pull.producer:
@@ -141,8 +157,9 @@ class KVConsumer:
 
     def poll_interval(self) -> float | None:
         """Seconds until the next `poll` is due; None when no pull is in flight."""
-        progressed, self._progressed = self._progressed, False
-        return self.backoff.next(bool(self.pulls), progressed)
+        with self._lock:
+            progressed, self._progressed = self._progressed, False
+            return self.backoff.next(bool(self.pulls), progressed)
 
     def _progress_read(self, pull: KVPull) -> None:
         status = self.transport.poll(pull.transfer)

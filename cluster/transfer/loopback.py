@@ -1,6 +1,8 @@
-"""In-process transport for unit tests of the handoff policy: agents in one process, copies by torch."""
+"""In-process transport for unit tests of the handoff policy: agents in one process, copies by torch.
+The inbox is locked: a worker's engine thread and its KV progress thread both use it."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ class LoopbackTransport:
         self.layout: KVLayout | None = None
         self.peers: set[str] = set()
         self.inbox: list[tuple[str, bytes]] = []
+        self._inbox_lock = threading.Lock()
         self.fail_next = False          # tests: make the next transfer fail
         _AGENTS[agent_name] = self
 
@@ -87,10 +90,12 @@ class LoopbackTransport:
     def notify(self, peer: str, message: bytes) -> None:
         other = _AGENTS.get(peer)
         if other is not None:
-            other.inbox.append((self.agent_name, bytes(message)))
+            with other._inbox_lock:
+                other.inbox.append((self.agent_name, bytes(message)))
 
     def notifications(self) -> list[tuple[str, bytes]]:
-        out, self.inbox = self.inbox, []
+        with self._inbox_lock:
+            out, self.inbox = self.inbox, []
         return out
 
     def close(self) -> None:

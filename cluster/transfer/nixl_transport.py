@@ -3,10 +3,16 @@ over per-(layer, k/v, block) descriptors, so any set of non-contiguous blocks mo
 On GPU nodes the same code moves VRAM over RDMA/NVLink; on CPU hosts UCX moves DRAM between
 processes (cma). The agent runs without NIXL's progress thread (see `__init__`). Agent metadata crosses as bytes inside our msgpack handshake; NIXL's own
 pickle-based descriptor serialisation is never used.
+
+The agent runs in NIXL's unsynchronised mode, so every call into it holds this transport's lock:
+a worker's engine thread (posting a read, adding a peer) and its KV progress thread (polling,
+notifying) share one agent.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +36,14 @@ def _import_nixl():
     return nixl_agent, nixl_agent_config
 
 
+def _serialized(method):
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 @dataclass
 class NixlTransfer:
     handle: object | None
@@ -49,6 +63,7 @@ class NixlTransport:
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent_name = agent_name
+        self._lock = threading.RLock()
         # No progress thread: NIXL's default one busy-polls a core per agent, forever. Our polls
         # of transfer states and notifications drive UCX progress instead, and only while a
         # handoff is in flight (see PollBackoff): the producer polls while a lease is live, which
@@ -79,6 +94,7 @@ class NixlTransport:
         arr[:, 2] = device_id
         return arr
 
+    @_serialized
     def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
         self.arena, self.layout = arena, layout
         self.geometry = ArenaGeometry.of(arena)
@@ -87,11 +103,13 @@ class NixlTransport:
                                                  self._descs(arena.data_ptr(), self.geometry, self._device_id()),
                                                  self._mem_type())
 
+    @_serialized
     def metadata(self) -> bytes:
         return PeerMetadata(self.agent_name, self.name, PROTOCOL_VERSION, self.layout, self.geometry.num_blocks,
                             self.arena.data_ptr(), self.agent.get_agent_metadata(), memory=self._mem_type(),
                             device_id=self._device_id()).encode()
 
+    @_serialized
     def add_peer(self, metadata: bytes) -> str:
         peer = PeerMetadata.decode(metadata)
         check_compatible(self.layout, self.name, peer)
@@ -106,6 +124,7 @@ class NixlTransport:
         self.peers[name] = _Peer(peer, geo, dlist)
         return name
 
+    @_serialized
     def remove_peer(self, name: str) -> None:
         peer = self.peers.pop(name, None)
         if peer is None:
@@ -116,6 +135,7 @@ class NixlTransport:
         except Exception as exc:  # noqa: BLE001 - a dead peer may already be gone in UCX
             log.warning("removing NIXL peer %s: %s", name, exc)
 
+    @_serialized
     def _post(self, op: str, peer_name: str, local_blocks, remote_blocks, layers) -> NixlTransfer:
         peer = self.peers.get(peer_name)
         if peer is None:
@@ -136,6 +156,7 @@ class NixlTransport:
     def write(self, peer, local_blocks, remote_blocks, layers=None) -> NixlTransfer:
         return self._post("WRITE", peer, local_blocks, remote_blocks, layers)
 
+    @_serialized
     def poll(self, transfer: NixlTransfer) -> TransferStatus:
         if transfer.failed or transfer.handle is None:
             return TransferStatus.FAILED
@@ -148,6 +169,7 @@ class NixlTransport:
             return TransferStatus.FAILED
         return TransferStatus.DONE if state == "DONE" else TransferStatus.PENDING
 
+    @_serialized
     def release(self, transfer: NixlTransfer) -> None:
         if transfer.handle is not None:
             try:
@@ -156,12 +178,14 @@ class NixlTransport:
                 log.warning("releasing NIXL transfer: %s", exc)
             transfer.handle = None
 
+    @_serialized
     def notify(self, peer: str, message: bytes) -> None:
         try:
             self.agent.send_notif(peer, bytes(message))
         except Exception as exc:  # noqa: BLE001
             log.warning("NIXL notification to %s failed: %s", peer, exc)
 
+    @_serialized
     def notifications(self) -> list[tuple[str, bytes]]:
         out = []
         for peer, messages in self.agent.get_new_notifs().items():
@@ -169,6 +193,7 @@ class NixlTransport:
             out.extend((name, bytes(m)) for m in messages)
         return out
 
+    @_serialized
     def close(self) -> None:
         for name in list(self.peers):
             self.remove_peer(name)

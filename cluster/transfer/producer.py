@@ -5,11 +5,16 @@ Pull (default): `publish` returns a KVHandle; the consumer reads the blocks, ver
 sends DONE; the producer answers ACK(ok) only if the lease was still active, and releases. A
 consumer that read from an expired lease is told ACK(ok=False) and discards what it read, so an
 expired or aborted handle can never be read into a live sequence.
+
+Thread-safe: a worker polls its producer on its KV progress thread (cluster/transfer/progress.py)
+while the engine thread publishes and aborts. `release_blocks` may run on either thread, under the
+producer's lock: it must not block (the prefill worker hands the free to its engine thread).
 """
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -49,7 +54,9 @@ class KVProducer:
     def __init__(self, transport: Transport, layout: KVLayout, arena: torch.Tensor,
                  release_blocks: Callable[[str], None], lease_seconds: float = 30.0,
                  checksums: bool = True, clock: Callable[[], float] = time.monotonic,
-                 mailbox: Mailbox | None = None):
+                 mailbox: Mailbox | None = None, on_work: Callable[[], None] = lambda: None):
+        """`on_work`: called when a lease starts (the worker wakes its
+        progress thread, which polls while a lease is live)."""
         self.transport = transport
         self.layout = layout
         self.layout_hash = layout.layout_hash()
@@ -64,6 +71,8 @@ class KVProducer:
         self.mailbox = mailbox or Mailbox(transport)
         self.backoff = PollBackoff()
         self._progressed = False
+        self.on_work = on_work
+        self._lock = threading.RLock()
 
     def _wants(self, msg: Message) -> bool:
         if msg.kind is Kind.ACK:
@@ -89,13 +98,19 @@ class KVProducer:
         # The checksums first: a lease exists only once its handle is complete, so a failure in
         # between pins nothing for the lease time.
         checksums = self._checksums(block_ids)
-        lease = self._new_lease(request_id, block_ids, num_tokens, first_token)
+        with self._lock:
+            lease = self._new_lease(request_id, block_ids, num_tokens, first_token)
+        self.on_work()
         return KVHandle(request_id=request_id, producer=self.transport.agent_name, lease_id=lease.lease_id,
                         block_ids=tuple(lease.block_ids), num_tokens=num_tokens, first_token=int(first_token),
                         layout_hash=self.layout_hash, checksums=checksums, lease_seconds=self.lease_seconds)
 
     # --- the loop ------------------------------------------------------------------------
     def poll(self) -> None:
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         for peer, msg in self.mailbox.take(self._wants):
             self._progressed = True
             self._on_message(peer, msg)
@@ -130,12 +145,13 @@ class KVProducer:
     def abort(self, request_id: str) -> bool:
         """The prefill side aborts: release at once and tell a known consumer."""
         found = False
-        for lease in list(self.leases.values()):
-            if lease.request_id == request_id:
-                found = True
-                if lease.consumer:
-                    self.mailbox.send(lease.consumer, Message(Kind.ABORT, lease.lease_id))
-                self._end(lease, LeaseState.ABORTED)
+        with self._lock:
+            for lease in list(self.leases.values()):
+                if lease.request_id == request_id:
+                    found = True
+                    if lease.consumer:
+                        self.mailbox.send(lease.consumer, Message(Kind.ABORT, lease.lease_id))
+                    self._end(lease, LeaseState.ABORTED)
         return found
 
     def _end(self, lease: Lease, state: LeaseState) -> None:
@@ -149,8 +165,10 @@ class KVProducer:
     def poll_interval(self) -> float | None:
         """Seconds until the next `poll` is due; None when no lease is live (nothing to wait for:
         lease deadlines only matter while a lease exists)."""
-        progressed, self._progressed = self._progressed, False
-        return self.backoff.next(bool(self.leases), progressed)
+        with self._lock:
+            progressed, self._progressed = self._progressed, False
+            return self.backoff.next(bool(self.leases), progressed)
 
     def num_active(self) -> int:
-        return len(self.leases)
+        with self._lock:
+            return len(self.leases)

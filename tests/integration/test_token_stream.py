@@ -115,35 +115,6 @@ def test_a_peer_without_the_secret_is_cut_off_before_any_record(engine):
     assert closed and items == []
 
 
-def test_an_idle_loop_sleeps_until_a_poller_or_a_command_needs_it(engine):
-    """Nothing spins when idle: with nothing in flight the engine thread turns only on commands."""
-    import time
-    from cluster.transfer.base import PollBackoff
-    turns, in_flight = [], [False]
-    backoff = PollBackoff(min_s=0.01, max_s=0.02)
-
-    def poller():
-        turns.append(time.monotonic())
-        return backoff.next(in_flight[0], progressed=False)
-    loop_ = EngineLoop(engine, pollers=[poller], sender=TokenSender("w"))
-    try:
-        time.sleep(0.5)
-        idle_turns = len(turns)
-        in_flight[0] = True                       # a handoff starts: the next command wakes the loop
-        loop_.call(lambda e: None).result(5)
-        time.sleep(0.5)
-        busy_turns = len(turns) - idle_turns
-        in_flight[0] = False
-        time.sleep(0.1)
-        settled = len(turns)
-        time.sleep(0.5)
-    finally:
-        loop_.close()
-    assert idle_turns <= 2, f"{idle_turns} turns in 0.5 s with nothing to do"
-    assert busy_turns >= 15                       # polled every 10-20 ms while something is in flight
-    assert len(turns) - settled <= 1              # and asleep again once it is not
-
-
 def test_a_loop_whose_work_waits_for_blocks_held_elsewhere_sleeps_instead_of_spinning(engine):
     """A request that cannot be admitted because blocks are held outside the scheduler (pulls in
     flight) makes every step idle: the thread sleeps until something changes, then serves it."""

@@ -175,3 +175,73 @@ def test_handle_and_messages_round_trip_without_pickle():
     h = KVHandle("r", "p", "l", (3, 1, 2), 12, 7, "abc", (1, 2, 3))
     assert KVHandle.decode(h.encode()) == h
     assert Message.decode(b"\x80garbage") is None
+
+
+def _progress(side, role):
+    """Poll `side`'s producer or consumer on a KV progress thread, as a worker does."""
+    from cluster.transfer.progress import KVProgress
+    part = getattr(side, role)
+
+    def poll():
+        part.poll()
+        return part.poll_interval()
+    progress = KVProgress(poll, f"kv-{side.name}")
+    part.on_work = progress.wake
+    return progress
+
+
+def test_handoffs_complete_on_the_progress_threads_while_the_engine_threads_are_busy():
+    """The regression behind 1P1D's timeouts: a producer that answered only between engine steps
+    made pulls time out behind multi-second prefill steps. On the progress threads the read, DONE
+    and ACK complete with neither engine thread turning; the lease's blocks wait for the producer's
+    engine thread (here: a list nobody drains until the end) and are freed there."""
+    import time
+    p, d = Side(time.monotonic, timeout=5.0), Side(time.monotonic, timeout=5.0)
+    p.transport.add_peer(d.transport.metadata())
+    d.transport.add_peer(p.transport.metadata())
+    for_engine_thread = []
+    p.producer.release_blocks = for_engine_thread.append
+    threads = [_progress(p, "producer"), _progress(d, "consumer")]
+    try:
+        pulls = [d.consumer.start_pull(p.publish(f"r{i}"), d.pool.allocate(3)) for i in range(4)]
+        limit = time.monotonic() + 5.0
+        while not all(x.finished for x in pulls) and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert [x.state for x in pulls] == [PullState.DONE] * 4, [x.error for x in pulls]
+        assert p.producer.num_active() == 0 and sorted(for_engine_thread) == ["r0", "r1", "r2", "r3"]
+        for rid in for_engine_thread:                       # the engine thread's turn
+            p.release(rid)
+        assert p.pool.num_free == 16
+        for x in pulls:
+            assert torch.equal(d.arena[:, :, x.local_blocks], p.arena[:, :, list(x.handle.block_ids)])
+    finally:
+        for t in threads:
+            t.close()
+        p.close()
+        d.close()
+
+
+def test_an_idle_progress_thread_sleeps_until_something_is_in_flight(pair):
+    """Nothing spins: with no lease live the thread does not turn; a lease wakes it, it polls
+    while the lease lives (the lease can expire), and it sleeps again once the lease has ended."""
+    import time
+    clock, p, d = pair
+    progress = _progress(p, "producer")
+    try:
+        time.sleep(0.3)
+        assert progress.turns == 0
+        p.publish("r")
+        time.sleep(0.3)
+        busy = progress.turns
+        assert busy >= 50                                  # polled every 50 us - 1 ms while live
+        clock.t = 31.0                                     # the lease expires on that thread
+        limit = time.monotonic() + 5.0
+        while "r" in p.held and time.monotonic() < limit:
+            time.sleep(0.01)
+        assert "r" not in p.held and p.pool.num_free == 16
+        time.sleep(0.05)
+        settled = progress.turns
+        time.sleep(0.3)
+        assert progress.turns - settled <= 1
+    finally:
+        progress.close()

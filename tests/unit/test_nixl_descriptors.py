@@ -1,6 +1,8 @@
 """NIXL descriptor lists name the memory where the bytes are: the peer's own memory type and GPU
 ordinal for its blocks (not ours, not device 0), ours for the local list. The agent is a recording
 stand-in here (the descriptor logic is ours; the real agents run in tests/e2e, in Ray workers)."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -46,6 +48,7 @@ def _transport_over(agent) -> "nixl_transport.NixlTransport":
     transport = object.__new__(nixl_transport.NixlTransport)
     transport.agent_name, transport.agent, transport.peers = "local-agent", agent, {}
     transport.arena = transport.layout = transport._reg = transport._local = None
+    transport._lock = threading.RLock()
     return transport
 
 
