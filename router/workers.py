@@ -119,8 +119,9 @@ class StatsCadence:
     had it in the last `linger_s`) every `busy_s`, when idle every `idle_s`: routing needs fresh
     load figures under load, and an idle cluster should not wake every worker (and Ray's io
     threads) several times a second for nothing. A stepping worker pushes its stats over its token
-    stream (`router.pushed`); one whose pushed stats are fresh is polled only every `idle_s`, to
-    hear from Ray that it lives (each Ray call costs the driver ~2 ms of CPU). A worker whose
+    stream (`router.pushed`); one whose pushes are fresh is not polled (a push says it lives, and
+    each Ray call costs the driver ~2 ms of CPU), and one that has pushed here and holds work of
+    this router is polled every `idle_s`, its pushes late only because a step runs. A worker whose
     latest stats showed it idle and that this router has given nothing since (a prefill worker
     between prompts) is polled every `idle_s` too: what it will do next starts here, and once it
     steps it pushes. (With several frontends another one may load it first: its view then lags by
@@ -134,23 +135,34 @@ class StatsCadence:
         self.period = busy_s
 
     def due(self, names, router=None) -> list[str]:
-        """The workers to poll now: those never polled, polled `idle_s` ago, or whose latest stats
-        (polled or pushed) are older than the period plus one push interval."""
+        """The workers to poll now: those never polled, not heard from (polled or pushed) for
+        `idle_s`, or whose latest stats are older than the period plus one push interval."""
         now = time.monotonic()
         pushed = router.pushed if router is not None else {}
         out = []
         for name in names:
             polled = self.polled_at.get(name)
-            if polled is None or now - polled >= self.idle_s - 0.01:
+            if polled is None:
                 out.append(name)
                 continue
             seen = max(polled, pushed[name][0]) if name in pushed else polled
-            period = self.idle_s if self._resting(name, router) else self.period
+            if now - seen >= self.idle_s - 0.01:     # nothing heard for idle_s: does it live?
+                out.append(name)
+                continue
+            period = self.idle_s if self._resting(name, router) or self._pushes_here(name, router) else self.period
             if now - seen >= period + (self.busy_s if name in pushed else 0.0) - 0.01:
                 out.append(name)
         for name in out:
             self.polled_at[name] = now
         return out
+
+    @staticmethod
+    def _pushes_here(name: str, router) -> bool:
+        """This router has work on the worker and has heard its pushes: it pushes after each step, so
+        stats older than a push interval mean a step still runs (a prefill of thousands of tokens
+        takes seconds on a CPU), and a poll would only read the same queue this router filled."""
+        view = router.views.get(name) if router is not None else None
+        return view is not None and view.in_flight > 0 and name in router.pushed
 
     def _resting(self, name: str, router) -> bool:
         """Idle at its latest stats, and nothing sent to it by this router since."""

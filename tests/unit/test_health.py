@@ -102,7 +102,7 @@ class _PushedTo:
         self.views = {}
 
 
-def test_a_worker_that_pushes_its_stats_is_polled_over_ray_only_at_the_idle_cadence(monkeypatch):
+def test_a_worker_that_pushes_its_stats_is_not_polled_over_ray_while_its_pushes_are_fresh(monkeypatch):
     import router.workers as workers_mod
     from router.workers import StatsCadence
     now = [100.0]
@@ -117,12 +117,40 @@ def test_a_worker_that_pushes_its_stats_is_polled_over_ray_only_at_the_idle_cade
         for name in cadence.due(["p", "d"], router):
             polls[name] += 1
     assert polls["p"] == 40                                        # stale: every round
-    assert polls["d"] == 5                                         # fresh pushes: every 2 s, to hear Ray
+    assert polls["d"] == 0                                         # fresh pushes: it lives, no Ray call
     waited = 0.0                                                   # its pushes stop (a long step, a stall):
     while "d" not in cadence.due(["p", "d"], router):              # polled at the busy cadence again
         now[0] += 0.25
         waited += 0.25
     assert waited <= 0.5
+
+
+def test_a_worker_in_a_long_step_with_this_routers_work_is_not_polled_faster(monkeypatch):
+    """A prefill step of thousands of tokens runs for seconds on a CPU: a worker that pushes here
+    and holds this router's work is late only because it steps, so it is polled only to hear that
+    it lives; the same worker with nothing of this router's is polled at the busy cadence."""
+    import router.workers as workers_mod
+    from router.policy import WorkerView
+    from router.workers import StatsCadence
+    now = [100.0]
+    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
+    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
+    router.views = {"p": WorkerView("p", "prefill")}
+    router.views["p"].in_flight = 4
+    assert cadence.due(["p"], router) == ["p"]
+    cadence.next([], router.in_flight)
+    router.pushed["p"] = (now[0], _stats())                        # its last push: then a 6 s step
+    polls = 0
+    for _ in range(24):
+        now[0] += 0.25
+        polls += len(cadence.due(["p"], router))
+    assert polls == 3                                              # every 2 s
+    router.views["p"].in_flight = 0                                # busy with another frontend's work
+    polls = 0
+    for _ in range(8):
+        now[0] += 0.25
+        polls += len(cadence.due(["p"], router))
+    assert polls >= 3
 
 
 def test_an_idle_cluster_is_polled_at_the_idle_cadence(monkeypatch):
