@@ -148,6 +148,18 @@ def run_loadgen(spec: dict, work: Path, name: str) -> dict:
     return json.loads(out_path.read_text())
 
 
+def reused_levels(work: Path, mode: str, warmup: dict, levels: list[dict]) -> list | None:
+    """An earlier run's levels of `mode` from `work`, when it loaded the same prompts at the same
+    levels (--reuse: vLLM's levels take minutes each on a small CPU); None otherwise."""
+    spec_path, out_path = work / f"{mode}.spec.json", work / f"{mode}.out.json"
+    if not (spec_path.is_file() and out_path.is_file()):
+        return None
+    spec = json.loads(spec_path.read_text())
+    if spec.get("warmup") != warmup or spec.get("levels") != levels:
+        return None
+    return json.loads(out_path.read_text())["levels"]
+
+
 def level_summary(level: dict, max_tokens: int) -> dict:
     s = {k: v for k, v in summarize(level["results"], float("inf"), float("inf")).items() if k in KEYS}
     # Time per output token after the first, per request (vLLM's TPOT): unlike the ITL percentiles it
@@ -272,6 +284,9 @@ def parse_args() -> argparse.Namespace:
                     help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5.so")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     ap.add_argument("--no-engine-baseline", action="store_true", help="skip the in-process batch-1 measurement")
+    ap.add_argument("--reuse", nargs="*", default=[], metavar="MODE",
+                    help="modes whose results an earlier run left in --out/work for the same prompts and levels are "
+                         "read from there, not run again (vLLM's levels take minutes each here)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes to check the whole path: 2 requests per level, 64-token prompts, 8 new "
@@ -313,6 +328,12 @@ def main() -> int:
 
     raw, summary, servers_info, busy = {}, {}, {}, {}
     for mode in args.modes:
+        reused = reused_levels(work, mode, warmup, spec_levels) if mode in args.reuse else None
+        if reused is not None:
+            print(f"{mode}: reusing {work / f'{mode}.out.json'} (same prompts and levels)", file=sys.stderr)
+            raw[mode], servers_info[mode], busy[mode] = reused, {"reused": str(work / f"{mode}.out.json")}, 0.0
+            summary[mode] = {lv["concurrency"]: level_summary(lv, args.max_tokens) for lv in raw[mode]}
+            continue
         busy[mode] = other_load()
         t0 = time.perf_counter()
         print(f"{mode}: starting the server", file=sys.stderr, flush=True)
