@@ -82,8 +82,9 @@ class QuantizedWeight:
     @classmethod
     def quantize(cls, w: torch.Tensor, scheme: QuantFormat | str) -> QuantizedWeight:
         """Quantize a float [N, K] weight: INT8 (symmetric per output row, s = max|w| / 127, round
-        to nearest), Q8_0 (d = max|w| / 127 per block of 32) or Q4_1 (d = (max - min) / 15, m = min per block of 32; q
-        rounded against the fp16 d and m that are stored)."""
+        to nearest), Q8_0 (d = max|w| / 127 per block of 32) or Q4_1 (d = (max - min) / 15,
+        m = min per block of 32). GGUF's scales are fp16: q is rounded against the stored fp16 d
+        and m (not the fp32 ones, as gguf does): the error is within d / 2 but for fp16 rounding."""
         fmt = QuantFormat(scheme)
         n, k = w.shape
         _check_k(k)
@@ -94,9 +95,10 @@ class QuantizedWeight:
             return cls(fmt, n, k, _tiles(q.view(torch.uint8).view(n, k // BLOCK, BLOCK)), _pad_rows(s))
         blocks = w.view(n, k // BLOCK, BLOCK)
         if fmt is QuantFormat.Q8_0:
-            d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-            q = torch.round(blocks * torch.where(d == 0, 0.0, 1 / d)).to(torch.int8)
-            return cls(fmt, n, k, _tiles(q.view(torch.uint8)), _tiles(d[..., 0].to(torch.float16)))
+            d16 = (blocks.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16)
+            d = d16.float()
+            q = torch.round(blocks * torch.where(d == 0, 0.0, 1 / d)).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, n, k, _tiles(q.view(torch.uint8)), _tiles(d16[..., 0]))
         if fmt is not QuantFormat.Q4_1:
             raise ValueError(f"quantize() makes int8, q8_0 or q4_1, not {fmt.value}")
         lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
