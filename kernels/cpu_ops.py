@@ -1,4 +1,5 @@
-"""The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes.
+"""The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes (with
+`cpu/quant.c`'s quantized linear, whose Python side is `kernels/cpu_quant.py`).
 
 The library is compiled once per source and machine (gcc -O3 -march=native, about a second) into
 the cache folder the engine passes (`SPLITSERVE_CACHE_DIR`, default `~/.cache/splitserve`) under a

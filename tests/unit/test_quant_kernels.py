@@ -170,3 +170,13 @@ def test_portable_build_matches_reference(tmp_path, fmt):
     want = torch.nn.functional.linear(x, qw.dequantize(), bias)
     assert ((got - want).abs() <= _bound(x, qw)).all()
     assert torch.equal(torch.cat([run(x[i : i + 1].contiguous()) for i in range(5)]), got)
+
+
+def test_quant_linear_module():
+    from cluster.model.quant_linear import QuantLinear
+    linear = torch.nn.Linear(64, 24)
+    module = QuantLinear.from_linear(linear, "int8")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert (module.in_features, module.out_features) == (64, 24)
+    assert torch.equal(module(x), quant_linear(x, module.qweight, linear.bias.detach()))
+    assert sum(b.numel() * b.element_size() for b in module.buffers()) == module.qweight.nbytes + 24 * 4
