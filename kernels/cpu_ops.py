@@ -1,4 +1,5 @@
-"""The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes.
+"""The fused CPU ops of `kernels/cpu/ops.c`, built at first use and called through ctypes (with
+`cpu/quant.c`'s quantized linear, whose Python side is `kernels/cpu_quant.py`).
 
 The library is compiled once per source and machine (gcc -O3 -march=native, about a second) into
 the cache folder the engine passes (`SPLITSERVE_CACHE_DIR`, default `~/.cache/splitserve`) under a
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "ops.c"
 PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over torch's thread pool
+QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,6 +41,7 @@ _SIGNATURES = {
     "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
     "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
+    "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
@@ -72,8 +75,8 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def _build(folder: Path) -> Path | None:
-    """ops.c plus, where torch's headers and a C++ compiler are there, parallel.cpp; the name
-    hashes both sources, this recipe, the CPU and torch's version."""
+    """ops.c and quant.c plus, where torch's headers and a C++ compiler are there, parallel.cpp;
+    the name hashes the sources, this recipe, the CPU and torch's version."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cc is None:
@@ -81,16 +84,18 @@ def _build(folder: Path) -> Path | None:
         return None
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
-                         + PARALLEL_SOURCE.read_bytes()
+                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes()
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, par, built = Path(tmp) / "ops.o", Path(tmp) / "parallel.o", Path(tmp) / target.name
+        obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
+        built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(quant), str(QUANT_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -98,11 +103,11 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(par), f"-L{torch_dir / 'lib'}",
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(par), f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -141,6 +146,12 @@ def load(folder: Path | None = None) -> ctypes.CDLL | None:
                 _fns[name] = fn
     _lib = lib
     return lib
+
+
+def op(name: str) -> ctypes._CFuncPtr:
+    """The entry point `name` of _SIGNATURES (its parallel version where built), for the ops'
+    other modules (kernels/cpu_quant.py); load() first."""
+    return _fns[name]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

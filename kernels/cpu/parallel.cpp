@@ -15,6 +15,9 @@ void ss_store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_strid
                  int64_t rows, int64_t width, void *k_cache, void *v_cache, int dtype);
 void ss_linear_cols(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n0, int64_t n1,
                     int64_t k_dim, int64_t rows, void *out, int64_t out_stride, int dtype);
+void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
+                      const float *bias, int64_t t0, int64_t t1, int64_t n_dim, int64_t k_dim, int64_t rows,
+                      void *out, int64_t out_stride, int fmt, int dtype);
 void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
@@ -89,5 +92,15 @@ extern "C" void ss_linear_par(const void *x, int64_t x_stride, const void *w, co
     // Output columns split between threads (each thread streams its own weight rows); 64 at least.
     at::parallel_for(0, n_dim, 64, [&](int64_t n0, int64_t n1) {
         ss_linear_cols(x, x_stride, w, bias, n0, n1, k_dim, rows, out, out_stride, dtype);
+    });
+}
+
+extern "C" void ss_qlinear_par(const void *x, int64_t x_stride, const void *quants, const void *scale,
+                               const void *mins, const float *bias, int64_t n_dim, int64_t k_dim, int64_t rows,
+                               void *out, int64_t out_stride, int fmt, int dtype) {
+    // Tiles of 8 output columns (quant.c's QT) split between threads, 8 tiles at least, as ss_linear_par.
+    at::parallel_for(0, (n_dim + 7) / 8, 8, [&](int64_t t0, int64_t t1) {
+        ss_qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, out_stride, fmt,
+                         dtype);
     });
 }

@@ -1,0 +1,100 @@
+"""Quantized-weight linear (kernels/cpu_quant.py) against the bf16 C linear (kernels/cpu_ops.linear)
+on the default model's linear shapes, at several row counts and thread counts.
+
+    python bench/quant_kernels.py [--rows 1 8 32 512] [--threads 2 1] [--layers 30]
+                                  [--formats bf16 q8_0 q4_1 int8] [--budget 0.3]
+
+Each layer shape is held `--layers` times at distinct addresses (the 30 layers of a decode step:
+3.5M weights a layer, far more than the last-level cache in every format), and a measurement
+walks all copies in turn, so weights come from memory as they do in a real step. Prints, per
+shape, microseconds per call and the effective GB/s of weight bytes (packed bytes for the
+quantized formats: scales included), then the whole set: the layers' four linears 30 times plus
+the LM head once, in ms, and its speedup over bf16. Activations are bf16 throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu_ops  # noqa: E402
+from kernels.cpu_quant import QuantizedWeight, quant_linear  # noqa: E402
+
+HIDDEN, INTER, HEADS_DIM, KV_DIM, VOCAB = 576, 1536, 576, 192, 49152
+LAYER_SHAPES = {"qkv": (HEADS_DIM + 2 * KV_DIM, HIDDEN), "o": (HIDDEN, HEADS_DIM),
+                "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+HEAD_SHAPE = (VOCAB, HIDDEN)
+
+
+def _copies(fmt: str, shape: tuple[int, int], count: int):
+    """`count` weights of `shape` in `fmt` at distinct addresses (one quantized, then cloned)."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] + shape[1])) * 0.05
+    if fmt == "bf16":
+        w = w.to(torch.bfloat16)
+        return [w.clone() for _ in range(count)], w.numel() * 2
+    qw = QuantizedWeight.quantize(w, fmt)
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    return [QuantizedWeight(qw.format, qw.n, qw.k, clone(qw.quants), clone(qw.scales), clone(qw.mins))
+            for _ in range(count)], qw.nbytes
+
+
+def _call(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
+    return cpu_ops.linear(x, w, None) if fmt == "bf16" else quant_linear(x, w)
+
+
+def _time(fmt: str, x: torch.Tensor, weights: list, budget: float) -> float:
+    """Seconds per call: passes over every copy until `budget` seconds, best pass kept."""
+    for w in weights[:2]:
+        _call(fmt, x, w)
+    best, spent = float("inf"), 0.0
+    while spent < budget or best == float("inf"):
+        t0 = time.perf_counter()
+        for w in weights:
+            _call(fmt, x, w)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt / len(weights)), spent + dt
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_1", "int8"])
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of timing per measurement")
+    args = ap.parse_args()
+    if cpu_ops.load() is None:
+        sys.exit("no C compiler: the C ops are not built here")
+    print(f"{cpu_ops.cpu_signature().split('|')[0] or platform.processor()}; torch {torch.__version__}")
+    shapes = {**LAYER_SHAPES, "lm_head": HEAD_SHAPE}
+    sets = {(f, name): _copies(f, shape, 1 if name == "lm_head" else args.layers)
+            for f in args.formats for name, shape in shapes.items()}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for rows in args.rows:
+            x = {name: torch.randn(rows, shape[1]).to(torch.bfloat16) for name, shape in shapes.items()}
+            print(f"\n{threads} thread(s), {rows} row(s): us per call (GB/s of weight bytes)")
+            print(f"{'shape':>16} | " + " | ".join(f"{f:>16}" for f in args.formats))
+            totals = dict.fromkeys(args.formats, 0.0)
+            for name, (n, k) in shapes.items():
+                cells = []
+                for f in args.formats:
+                    weights, nbytes = sets[(f, name)]
+                    sec = _time(f, x[name], weights, args.budget)
+                    totals[f] += sec * (1 if name == "lm_head" else args.layers)
+                    cells.append(f"{sec * 1e6:9.1f} ({nbytes / sec / 1e9:4.1f})")
+                print(f"{name + f' {n}x{k}':>16} | " + " | ".join(f"{c:>16}" for c in cells))
+            base = totals.get("bf16")
+            cells = [f"{t * 1e3:7.2f} ms" + (f" {base / t:4.2f}x" if base else "") for t in totals.values()]
+            print(f"{f'{args.layers} layers + head':>16} | " + " | ".join(f"{c:>16}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

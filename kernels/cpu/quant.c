@@ -1,0 +1,292 @@
+/* Weight-only quantized linear: out[r][n] = bias[n] + sum_k x[r][k] * w[n][k], with w held as
+ * 8-bit or 4-bit quants and per-block scales (kernels/cpu_quant.py packs them). Decode is bound by
+ * reading weights, so the quants are decoded in registers next to the FMAs that use them: no
+ * dequantized copy is ever written. Activations float32 or bfloat16 (dtype 0 / 1), fp32 arithmetic,
+ * one rounding to the activation dtype at the end.
+ *
+ * Packed layout (one sequential stream per tile of QT output columns, no stream per column):
+ *   quants: [N/QT tiles][K/32 blocks][QT columns][32 int8 | 16 nibble bytes]
+ *   QF_INT8: scale fp32 [N], w = s * q                      (one scale per output column)
+ *   QF_Q8:   scale fp16 [tiles][blocks][QT], w = d * q     (GGUF Q8_0)
+ *   QF_Q4:   scale, mins fp16 [tiles][blocks][QT], w = d * q + m  (GGUF Q4_1; Q4_0 as m = -8d)
+ * A 4-bit block's 16 bytes are 4 dwords; element 8j + l sits in dword l % 4 at nibble
+ * 2j + l / 4, so one broadcast and a per-lane shift yield 8 (AVX2) or 16 (AVX-512) consecutive
+ * elements of the block without a byte shuffle.
+ *
+ * Per (row, column) the arithmetic is fixed, whatever the tile or batch it shares: per block
+ * t = x . q (vector lanes, in order), acc += d * t, and for QF_Q4 acc += m * xs, where xs is the
+ * row's per-block sum of x in the same lanes (sum_k x_k (d q_k + m) = d x.q + m sum x);
+ * QF_INT8 accumulates x . q over all of K and scales once. So a row's result is batch-invariant.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2 };
+#define QT 8          /* output columns per tile of the layout */
+#define QB 32         /* weights per block */
+#define Q_ROWS 8      /* activation rows converted to fp32 at a time */
+#define Q_COLS 256    /* columns per chunk: its quants stay in L2 while every row block passes */
+#define ALWAYS __attribute__((always_inline))
+
+static inline float q_bf2f(uint16_t h) {   /* as ops.c */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t q_f2bf(float f) {   /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float h2f(uint16_t h) {   /* IEEE half to float, exact (the fallback for no F16C) */
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    float f;
+    if (exp == 31) {
+        const uint32_t u = sign | 0x7f800000u | (man << 13);
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    f = exp ? ldexpf((float)(man | 1024), (int)exp - 25) : ldexpf((float)man, -24);
+    return sign ? -f : f;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* n halves to floats: once per tile and row block, so the block loop only broadcasts. */
+static void scales_f32(const uint16_t *h, float *f, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = h2f(h[i]);
+}
+
+#if defined(__AVX512F__)
+#define QV 16
+typedef __m512 vf;
+static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf v_zero(void) { return _mm512_setzero_ps(); }
+static inline vf v_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float v_hsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline void dec_q8(const uint8_t *p, vf *q) {
+    for (int j = 0; j < 2; j++)
+        q[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * j))));
+}
+static inline void dec_q4(const uint8_t *p, vf *q) {   /* lane l of vector j: nibble 4j + l / 4 */
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p)), low = _mm512_set1_epi32(15);
+    const __m512i s0 = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, s0), low));
+    q[1] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, _mm512_add_epi32(s0, _mm512_set1_epi32(16))), low));
+}
+#define Q_NR 4        /* rows per register tile with several rows: 4 x 4 (32 registers) */
+#define Q_NB 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QV 8
+typedef __m256 vf;
+static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf v_zero(void) { return _mm256_setzero_ps(); }
+static inline vf v_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float v_hsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline void dec_q8(const uint8_t *p, vf *q) {
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
+}
+static inline void dec_q4(const uint8_t *p, vf *q) {   /* lane l of vector j: nibble 2j + l / 4 */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)), low = _mm256_set1_epi32(15);
+    const __m256i s0 = _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0), eight = _mm256_set1_epi32(8);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s0), low));
+    const __m256i s1 = _mm256_add_epi32(s0, eight), s2 = _mm256_add_epi32(s1, eight);
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s1), low));
+    q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, s2), low));
+    q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, _mm256_add_epi32(s2, eight)), low));
+}
+#define Q_NR 2        /* rows per register tile with several rows: 2 x 4 (16 registers) */
+#define Q_NB 4
+#endif
+
+#ifdef QV
+#define QJ (QB / QV)  /* vectors per block */
+#define Q_PREFETCH 1024   /* bytes ahead in the tile's quant stream */
+
+/* total[r * QT + c] = dot(x row r, w column c0 + c) of one tile, r < NR, c < NB, as a register
+ * tile: each block of a column is decoded once for NR rows. xs: the rows' per-block lane sums of x
+ * ([NR][blocks][QV]); db, mb: the tile's scales and minimums as floats ([blocks][QT]). */
+static inline ALWAYS void qtile(const float *xf, const float *xs, int64_t k_dim, const uint8_t *qt, const float *db,
+                                const float *mb, int c0, const int NR, const int NB, const int fmt, float *total) {
+    const int64_t nb = k_dim / QB, bpb = fmt == QF_Q4 ? QB / 2 : QB;
+    vf acc[Q_NR > 1 ? Q_NR : 1][QT];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = v_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *qb = qt + b * QT * bpb;
+        _mm_prefetch((const char *)qb + Q_PREFETCH, _MM_HINT_T0);
+        if (fmt != QF_Q4) _mm_prefetch((const char *)qb + Q_PREFETCH + 64, _MM_HINT_T0);
+        for (int c = 0; c < NB; c++) {
+            vf q[QJ];
+            if (fmt == QF_Q4) dec_q4(qb + (c0 + c) * bpb, q); else dec_q8(qb + (c0 + c) * bpb, q);
+            for (int r = 0; r < NR; r++) {
+                const float *xr = xf + r * k_dim + b * QB;
+                if (fmt == QF_INT8) {
+                    for (int j = 0; j < QJ; j++) acc[r][c] = v_fma(v_load(xr + j * QV), q[j], acc[r][c]);
+                    continue;
+                }
+                vf t = v_mul(v_load(xr), q[0]);
+                for (int j = 1; j < QJ; j++) t = v_fma(v_load(xr + j * QV), q[j], t);
+                acc[r][c] = v_fma(v_set1(db[b * QT + c0 + c]), t, acc[r][c]);
+                if (fmt == QF_Q4)
+                    acc[r][c] = v_fma(v_set1(mb[b * QT + c0 + c]), v_load(xs + (r * nb + b) * QV), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) total[r * QT + c0 + c] = v_hsum(acc[r][c]);
+}
+
+/* One tile for nr rows (1 or Q_NR) with constant tile sizes, so the accumulators stay in registers. */
+static inline ALWAYS void qtile_rows(const float *xf, const float *xs, int64_t k_dim, const uint8_t *qt,
+                                     const float *db, const float *mb, int64_t nr, const int fmt, float *total) {
+    if (nr == 1) {
+        qtile(xf, xs, k_dim, qt, db, mb, 0, 1, QT, fmt, total);
+        return;
+    }
+    for (int c0 = 0; c0 < QT; c0 += Q_NB) qtile(xf, xs, k_dim, qt, db, mb, c0, Q_NR, Q_NB, fmt, total);
+}
+
+/* xs[r][b][lane] = sum over the block's vectors of x, in order: the Q4 minimums' term. */
+static void block_sums(const float *xf, int64_t rows, int64_t k_dim, float *xs) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < k_dim / QB; b++) {
+            vf s = v_load(xf + r * k_dim + b * QB);
+            for (int j = 1; j < QJ; j++) s = v_add(s, v_load(xf + r * k_dim + b * QB + j * QV));
+            v_store(xs + (r * (k_dim / QB) + b) * QV, s);
+        }
+}
+#define Q_SUB (Q_NR)
+#else
+#define QV 1
+#define Q_SUB 1
+
+/* Portable: elementwise, the same formula as the vector paths with one lane. */
+static inline float q_at(const uint8_t *qt, int64_t b, int c, int j, int fmt) {
+    if (fmt != QF_Q4) return (float)(int8_t)qt[(b * QT + c) * QB + j];
+    const uint8_t byte = qt[(b * QT + c) * (QB / 2) + 4 * (j % 4) + j / 8];
+    return (float)(((j % 8) < 4 ? byte : byte >> 4) & 15);
+}
+
+static inline void qtile_rows(const float *xf, const float *xs, int64_t k_dim, const uint8_t *qt, const float *db,
+                              const float *mb, int64_t nr, const int fmt, float *total) {
+    const int64_t nb = k_dim / QB;
+    for (int64_t r = 0; r < nr; r++)
+        for (int c = 0; c < QT; c++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                float t = 0.f;
+                for (int j = 0; j < QB; j++) t += xf[r * k_dim + b * QB + j] * q_at(qt, b, c, j, fmt);
+                acc += fmt == QF_INT8 ? t : db[b * QT + c] * t;
+                if (fmt == QF_Q4) acc += mb[b * QT + c] * xs[r * nb + b];
+            }
+            total[r * QT + c] = acc;
+        }
+}
+
+static void block_sums(const float *xf, int64_t rows, int64_t k_dim, float *xs) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < k_dim / QB; b++) {
+            float s = 0.f;
+            for (int j = 0; j < QB; j++) s += xf[r * k_dim + b * QB + j];
+            xs[r * (k_dim / QB) + b] = s;
+        }
+}
+#endif
+
+static inline float load_x(const void *p, int64_t i, int bf) {
+    return bf ? q_bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Up to Q_ROWS rows (row-strided x and out) over tiles [t0, t1): x converted to fp32 once, then
+ * each tile's scales to floats once, then the tile for Q_SUB rows at a time. */
+static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const uint8_t *quants, const void *scale,
+                                        const uint16_t *mins, const float *bias, int64_t t0, int64_t t1,
+                                        int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride,
+                                        const int fmt, const int bf) {
+    const int64_t nb = k_dim / QB, bpb = fmt == QF_Q4 ? QB / 2 : QB;
+    float xf[Q_ROWS * k_dim], xs[fmt == QF_Q4 ? Q_ROWS * nb * QV : 1], db[nb * QT], mb[fmt == QF_Q4 ? nb * QT : 1];
+    float total[Q_SUB * QT];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < k_dim; k++) xf[r * k_dim + k] = load_x(x, r * x_stride + k, bf);
+    if (fmt == QF_Q4) block_sums(xf, rows, k_dim, xs);
+    for (int64_t t = t0; t < t1; t++) {
+        if (fmt != QF_INT8) scales_f32((const uint16_t *)scale + t * nb * QT, db, nb * QT);
+        if (fmt == QF_Q4) scales_f32(mins + t * nb * QT, mb, nb * QT);
+        for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
+            nr = rows - r0 < Q_SUB ? 1 : Q_SUB;   /* a ragged end row by row */
+            qtile_rows(xf + r0 * k_dim, xs + r0 * nb * QV, k_dim, quants + t * nb * QT * bpb, db, mb, nr, fmt, total);
+            for (int64_t r = 0; r < nr; r++)
+                for (int c = 0; c < QT && t * QT + c < n_dim; c++) {
+                    const int64_t n = t * QT + c;
+                    float v = total[r * QT + c];
+                    if (fmt == QF_INT8) v *= ((const float *)scale)[n];
+                    if (bias) v += bias[n];
+                    if (bf) ((uint16_t *)out)[(r0 + r) * out_stride + n] = q_f2bf(v);
+                    else ((float *)out)[(r0 + r) * out_stride + n] = v;
+                }
+        }
+    }
+}
+
+static inline ALWAYS void qlinear_tiles(const void *x, int64_t x_stride, const uint8_t *quants, const void *scale,
+                                        const uint16_t *mins, const float *bias, int64_t t0, int64_t t1,
+                                        int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride,
+                                        const int fmt, const int bf) {
+    const int64_t es = bf ? 2 : 4;
+    for (int64_t c0 = t0; c0 < t1; c0 += Q_COLS / QT) {
+        const int64_t c1 = t1 - c0 < Q_COLS / QT ? t1 : c0 + Q_COLS / QT;
+        for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS)
+            qlinear_block((const char *)x + r0 * x_stride * es, x_stride, quants, scale, mins, bias, c0, c1, n_dim,
+                          k_dim, rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS, (char *)out + r0 * out_stride * es,
+                          out_stride, fmt, bf);
+    }
+}
+
+/* Tiles [t0, t1) of the output columns (parallel.cpp splits them between threads). K a multiple
+ * of 32; quants/scale/mins as the layout above (mins NULL but for QF_Q4); bias fp32 or NULL. */
+void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
+                      const float *bias, int64_t t0, int64_t t1, int64_t n_dim, int64_t k_dim, int64_t rows,
+                      void *out, int64_t out_stride, int fmt, int dtype) {
+#define Q_CALL(F, B) qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, \
+                                   out_stride, F, B)
+    if (dtype == 1) {
+        if (fmt == QF_Q4) Q_CALL(QF_Q4, 1); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 1); else Q_CALL(QF_INT8, 1);
+    } else {
+        if (fmt == QF_Q4) Q_CALL(QF_Q4, 0); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 0); else Q_CALL(QF_INT8, 0);
+    }
+#undef Q_CALL
+}
+
+void ss_qlinear(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
+                const float *bias, int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride, int fmt,
+                int dtype) {
+    ss_qlinear_tiles(x, x_stride, quants, scale, mins, bias, 0, (n_dim + QT - 1) / QT, n_dim, k_dim, rows, out,
+                     out_stride, fmt, dtype);
+}

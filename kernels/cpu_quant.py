@@ -1,0 +1,183 @@
+"""Weight-only quantized linear layers on CPU: GGUF Q8_0, Q4_0, Q4_1 and int8 per output channel.
+
+A `QuantizedWeight` holds an [N, K] weight in the layout `cpu/quant.c` streams (tiles of 8 output
+columns, one sequential stream per tile; see that file), packed from a GGUF tensor's raw blocks
+(`from_gguf`, no dequantized copy) or quantized from a float weight at load (`quantize`).
+`quant_linear` is F.linear on it: activations float32 or bfloat16, fp32 arithmetic, output in the
+activation dtype, each row's result independent of the rows beside it. `dequantize` is the
+reference. The library is built and loaded by `cpu_ops` (one place builds it).
+
+Q4_0 is stored as Q4_1 with m = -8d (exact: d(q-8) = dq - 8d in fp32), so one 4-bit kernel serves
+both; float weights quantize to int8 per channel, Q8_0 or Q4_1 (groups of 32 with a minimum).
+"""
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels import cpu_ops
+
+TILE = 8      # output columns per tile (quant.c's QT)
+BLOCK = 32    # weights per block along K (quant.c's QB)
+
+
+class QuantFormat(enum.Enum):
+    INT8 = "int8"     # int8 [N, K], one fp32 scale per output row: w = s * q
+    Q8_0 = "q8_0"     # blocks of 32: fp16 d, 32 int8: w = d * q
+    Q4_0 = "q4_0"     # blocks of 32: fp16 d, 32 nibbles: w = d * (q - 8)
+    Q4_1 = "q4_1"     # blocks of 32: fp16 d, fp16 m, 32 nibbles: w = d * q + m
+
+
+_KERNEL_FORMAT = {QuantFormat.INT8: 0, QuantFormat.Q8_0: 1, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 2}
+_GGML_TYPES = {8: QuantFormat.Q8_0, 2: QuantFormat.Q4_0, 3: QuantFormat.Q4_1}   # GGMLQuantizationType values
+_GGUF_BLOCK_BYTES = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """An [n, k] weight in quant.c's layout. quants: uint8 [tiles, k/32, 8, 32 (8-bit) or 16
+    (4-bit)]; scales: fp16 [tiles, k/32, 8] (fp32 [tiles * 8] for INT8); mins: fp16 like scales
+    (4-bit formats only). Columns past n (padding to a whole tile) are zero."""
+    format: QuantFormat
+    n: int
+    k: int
+    quants: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed tensors (what a pass streams)."""
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.mins) if t is not None)
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantizedWeight:
+        """From a GGUF tensor's raw block bytes (uint8, as gguf's reader gives them) of logical
+        torch shape [N, K] and its GGMLQuantizationType (Q8_0, Q4_0 or Q4_1)."""
+        fmt = _GGML_TYPES.get(int(ggml_type))
+        if fmt is None:
+            raise ValueError(f"GGML type {ggml_type!r} is not one of Q8_0, Q4_0, Q4_1")
+        n, k = shape
+        _check_k(k)
+        with warnings.catch_warnings():   # a read-only memmap: torch warns, and only reads it here
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // BLOCK, -1))
+        if blocks.shape[-1] != _GGUF_BLOCK_BYTES[fmt]:
+            raise ValueError(f"{fmt.value}: {blocks.shape[-1]} bytes per block, expected {_GGUF_BLOCK_BYTES[fmt]}")
+        d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+        if fmt is QuantFormat.Q8_0:
+            return cls(fmt, n, k, _tiles(blocks[..., 2:]), _tiles(d))
+        if fmt is QuantFormat.Q4_1:
+            m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+            return cls(fmt, n, k, _pack_nibbles(_gguf_nibbles(blocks[..., 4:])), _tiles(d), _tiles(m))
+        m = (d.float() * -8).to(torch.float16)
+        if not torch.isfinite(m[torch.isfinite(d)]).all():
+            raise ValueError("Q4_0 scale too large for its -8d minimum in fp16")
+        return cls(fmt, n, k, _pack_nibbles(_gguf_nibbles(blocks[..., 2:])), _tiles(d), _tiles(m))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, scheme: QuantFormat | str) -> QuantizedWeight:
+        """Quantize a float [N, K] weight: INT8 (symmetric per output row, s = max|w| / 127, round
+        to nearest), Q8_0 (d = max|w| / 127 per block of 32) or Q4_1 (d = (max - min) / 15,
+        m = min per block of 32). GGUF's scales are fp16: q is rounded against the stored fp16 d
+        and m (not the fp32 ones, as gguf does): the error is within d / 2 but for fp16 rounding."""
+        fmt = QuantFormat(scheme)
+        n, k = w.shape
+        _check_k(k)
+        w = w.detach().float()
+        if fmt is QuantFormat.INT8:
+            s = w.abs().amax(dim=1) / 127
+            q = torch.round(w / torch.where(s == 0, 1.0, s)[:, None]).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, n, k, _tiles(q.view(torch.uint8).view(n, k // BLOCK, BLOCK)), _pad_rows(s))
+        blocks = w.view(n, k // BLOCK, BLOCK)
+        if fmt is QuantFormat.Q8_0:
+            d16 = (blocks.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16)
+            d = d16.float()
+            q = torch.round(blocks * torch.where(d == 0, 0.0, 1 / d)).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, n, k, _tiles(q.view(torch.uint8)), _tiles(d16[..., 0]))
+        if fmt is not QuantFormat.Q4_1:
+            raise ValueError(f"quantize() makes int8, q8_0 or q4_1, not {fmt.value}")
+        lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+        d16, m16 = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+        d, m = d16.float(), m16.float()
+        q = torch.round((blocks - m) * torch.where(d == 0, 0.0, 1 / d)).clamp(0, 15).to(torch.uint8)
+        return cls(fmt, n, k, _pack_nibbles(q), _tiles(d16[..., 0]), _tiles(m16[..., 0]))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [n, k] weight the kernel multiplies by (the reference)."""
+        if self.format is QuantFormat.INT8:
+            q = _untile(self.quants).view(torch.int8).float()
+            return (q * self.scales[:, None, None]).reshape(-1, self.k)[: self.n]
+        d = _untile(self.scales).float()[..., None]
+        if self.format is QuantFormat.Q8_0:
+            return (_untile(self.quants).view(torch.int8).float() * d).reshape(-1, self.k)[: self.n]
+        w = _unpack_nibbles(self.quants).float() * d + _untile(self.mins).float()[..., None]
+        return w.reshape(-1, self.k)[: self.n]
+
+
+def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for x [..., K] float32 or bfloat16; the output has x's dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"quant_linear takes float32 or bfloat16 activations, not {x.dtype}")
+    if cpu_ops.load() is None:
+        raise RuntimeError("quant_linear needs the C ops (no C compiler here)")
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != qweight.k:
+        raise ValueError(f"activations have {k} features, the weight {qweight.k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows, n = x2.shape[0], qweight.n
+    out = torch.empty((rows, n), dtype=x.dtype)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    mins = None if qweight.mins is None else qweight.mins.data_ptr()
+    cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), qweight.quants.data_ptr(), qweight.scales.data_ptr(),
+                              mins, None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n,
+                              _KERNEL_FORMAT[qweight.format], 0 if x.dtype == torch.float32 else 1)
+    return out.view(*lead, n)
+
+
+def _check_k(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"K = {k}: quantized weights need K a multiple of {BLOCK}")
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, ...] with zero rows up to a whole number of tiles."""
+    pad = -t.shape[0] % TILE
+    return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[n, blocks, *rest] -> [tiles, blocks, TILE, *rest] (contiguous): a tile's columns side by side per block."""
+    t = _pad_rows(t)
+    return t.view(-1, TILE, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _untile(t: torch.Tensor) -> torch.Tensor:
+    """[tiles, blocks, TILE, *rest] -> [tiles * TILE, blocks, *rest]."""
+    return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])
+
+
+def _gguf_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """GGUF 4-bit bytes [..., 16] (byte j: element j low, j + 16 high) -> values [..., 32] in order."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Values [n, blocks, 32] (0..15) -> quant.c's 4-bit tiles: byte 4l + j of a block holds element
+    8j + l (low nibble) and 8j + 4 + l (high nibble), l, j < 4."""
+    v = q.reshape(*q.shape[:-1], 4, 2, 4)                  # [.., j, low/high, l]
+    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-1, -2)   # [.., l, j]
+    return _tiles(packed.reshape(*q.shape[:-1], 16))
+
+
+def _unpack_nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """quant.c's 4-bit tiles -> values [tiles * TILE, blocks, 32] in element order."""
+    b = _untile(quants).reshape(*_untile(quants).shape[:-1], 4, 4).transpose(-1, -2)   # [.., j, l]
+    return torch.stack([b & 15, b >> 4], dim=-2).reshape(*b.shape[:-2], 32)
