@@ -40,6 +40,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "torch")
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
 
 
 class ConfigError(ValueError):
@@ -316,6 +317,10 @@ class EngineConfig:
     model: Path = setting(help=_MODEL_HELP, factory=default_model_dir, metavar="MODEL",
                           default_text=f"SmolLM2-135M-Instruct ({DEFAULT_MODEL_INSTALL})")
     dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's own, from config.json)", choices=DTYPES)
+    quantization: str = setting("none", "weight-only quantization: int8 (per output channel) or int4 (groups of "
+                                        "32, scale and minimum) quantized at load; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
+                                        "tensors served as stored; none: the weights in --dtype (docs/quantization.md)",
+                                choices=QUANTIZATIONS)
     device: str = setting("cpu", "torch device of the model and KV cache (cpu, cuda; cuda:N for generate)")
     attention_backend: str = setting("auto", "attention kernels (auto: triton on CUDA when available, else torch)",
                                      choices=ATTENTION_BACKENDS)
@@ -351,6 +356,8 @@ class EngineConfig:
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         require(self.cuda_graphs in CUDA_GRAPHS, "cuda_graphs", f"must be auto, on or off, got {self.cuda_graphs!r}")
         require(self.kernels in KERNELS, "kernels", f"must be auto or torch, got {self.kernels!r}")
+        require(self.quantization in QUANTIZATIONS, "quantization",
+                f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                 f"must be >= 2, got {self.max_model_len}")
         require(self.num_threads is None or self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")

@@ -23,6 +23,7 @@ from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig
+from cluster.model.quantize import Quantization, quantize_model
 from cluster.placement import pin_process, usable_cpus
 from cluster.types import KVLayout
 
@@ -52,6 +53,7 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
     dtype = None if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
     mc, model = load_model(config.model, dtype=dtype, device=device, max_positions=config.max_model_len)
     dtype = model.embed_tokens.weight.dtype
+    quant = quantize_model(model, mc, Quantization(config.quantization), config.model)
     plan = engine_config_plan(config)
     log.info("kernel plan: %s", plan.describe())
     apply_kernel_plan(model, plan)
@@ -59,7 +61,9 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {mc.max_position_embeddings}")
-    return Models(mc, model, dtype, plan, max_model_len, _layout(mc, mc.model_id, mc.num_layers, config, dtype))
+    # Quantized weights compute other KV: the layout hash tells a P/D peer with other weights apart.
+    model_id = mc.model_id + (f"+w:{quant.scheme.value}" if quant is not None else "")
+    return Models(mc, model, dtype, plan, max_model_len, _layout(mc, model_id, mc.num_layers, config, dtype))
 
 
 def load_speculation(config: EngineConfig, models: Models, speculator: Speculator | None,
@@ -75,7 +79,7 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
     footprint = speculator.load(models, device)
     if footprint.extra_kv_layers:
         mc = models.config
-        models.layout = _layout(mc, mc.model_id + footprint.model_id_suffix,
+        models.layout = _layout(mc, models.layout.model_id + footprint.model_id_suffix,
                                 mc.num_layers + footprint.extra_kv_layers, config, models.dtype)
     return footprint
 

@@ -67,6 +67,8 @@ def gpus_per_worker(cfg: "ClusterConfig") -> float:
 def _check(cfg: "ClusterConfig") -> None:
     """What the config alone cannot know (its own fields checked themselves when it was built)."""
     gpus_per_worker(cfg)
+    from cluster.model.quantize import Quantization, check_quantization  # noqa: PLC0415
+    check_quantization(Quantization(cfg.engine.quantization), cfg.engine.device.split(":")[0], cfg.engine.model)
 
 
 # Ray's own timers, slowed where nothing of ours depends on them (measured with bench/idle_cpu.py:

@@ -1,0 +1,128 @@
+"""Weight-only quantization on the default model: memory, latency and quality in one table.
+
+    python bench/quant.py [--model DIR|FILE.gguf] [--schemes none int8 int4 gguf] [--threads 2]
+
+Each scheme (`--quantization`, cluster/model/quantize.py) is built in a child process of its own
+(one engine's memory never hides behind another's), bfloat16 activations, the engine's default
+kernel plan. Per scheme:
+
+  weight MiB       the linear layers' bytes as held (quantized blocks and scales, or bf16)
+  resident MiB     every parameter and buffer of the model (the embedding table included)
+  decode tok/s     batch 1 and 8, 64-token prompts, 64 new tokens, greedy, ignore_eos
+                   (bench/vllm_offline.py's `measure`: best of --repeats after a warm-up)
+  TTFT ms          one 512-token prompt to its first token
+  perplexity       held-out text (this repository's docs, bench/perplexity.py's windows), and its
+                   change against the bf16 run
+  2k seqs in 1 GiB sequences of 2,048 tokens whose KV fits in a 1 GiB budget beside the model's
+                   resident bytes (weight-only schemes leave the KV bytes per token unchanged)
+
+Prints a table; --out writes the records as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO / "bench"))
+MARK = "QUANT "
+
+
+def child(args) -> None:
+    import torch
+    from cluster.config import CacheConfig, EngineConfig
+    from cluster.engine.engine import LLMEngine
+    from cluster.kv.paged_cache import resident_bytes
+    from cluster.model.quant_linear import QuantLinear
+    from cluster.types import SamplingParams
+    from perplexity import windows
+    from vllm_offline import measure, prompts
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=args.child,
+                                    num_threads=args.threads, cache=CacheConfig(num_blocks=1024)))
+    load_s = time.perf_counter() - t0
+    linears = [m for m in engine.model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear))]
+    weight = sum(t.numel() * t.element_size() for m in linears for t in [*m.parameters(False), *m.buffers(False)])
+    vocab = engine.model_config.vocab_size
+    salts = iter(range(1 << 30))
+
+    def generate(batch, n):
+        engine.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, cache_salt=f"r{next(salts)}"))
+    decode = {b: measure(generate, vocab, b, 64, 64, args.repeats)["decode_tok_s"] for b in (1, 8)}
+    long = prompts(vocab, 1, 512, 99)
+    generate(long, 1)
+    t0 = time.perf_counter()
+    generate(prompts(vocab, 1, 512, 100), 1)
+    ttft = time.perf_counter() - t0
+    chunks = windows(engine.tokenizer, args.windows, 512)
+    outs = engine.generate(chunks, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll = [-lp.logprob for o in outs for lp in o.prompt_logprobs if lp is not None]
+    per_token = engine.layout.bytes_per_block() / engine.layout.block_size
+    print(MARK + json.dumps({
+        "scheme": args.child, "load_s": load_s, "weight_bytes": weight, "resident_bytes": resident_bytes(engine.model),
+        "formats": sorted({m.qweight.format.value for m in linears if isinstance(m, QuantLinear)}) or ["bf16"],
+        "decode_tok_s": decode, "ttft_512_ms": 1e3 * ttft, "perplexity": math.exp(sum(nll) / len(nll)),
+        "kv_bytes_per_token": per_token,
+        "seqs_2k_in_1gib": ((1 << 30) - resident_bytes(engine.model)) / (per_token * 2048)}),
+        flush=True)
+
+
+def run(args, scheme: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", scheme, "--model", str(args.model), "--threads", str(args.threads),
+           "--repeats", str(args.repeats), "--windows", str(args.windows)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    for line in out.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    raise RuntimeError(f"{scheme}: no result (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["scheme"] == "none"), rows[0])
+    lines = ["| scheme | formats | weight MiB | resident MiB | decode b1 tok/s | vs bf16 | decode b8 tok/s | vs bf16 "
+             "| TTFT 512 ms | perplexity | vs bf16 | 2k seqs in 1 GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        d, bd = r["decode_tok_s"], base["decode_tok_s"]
+        lines.append(
+            f"| {r['scheme']} | {'/'.join(r['formats'])} | {r['weight_bytes'] / 2**20:.1f} | "
+            f"{r['resident_bytes'] / 2**20:.1f} | {d['1']:.1f} | {d['1'] / bd['1']:.2f}x | {d['8']:.1f} | "
+            f"{d['8'] / bd['8']:.2f}x | {r['ttft_512_ms']:.0f} | {r['perplexity']:.3f} | "
+            f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | {r['seqs_2k_in_1gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="default: the project's default model (its GGUF)")
+    ap.add_argument("--schemes", nargs="+", default=["none", "int8", "int4", "gguf"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens for perplexity")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.model is None:
+        from cluster.config import default_model_dir
+        args.model = default_model_dir()
+    if args.child:
+        child(args)
+        return
+    rows = []
+    for scheme in args.schemes:
+        rows.append(run(args, scheme))
+        print(json.dumps(rows[-1]), flush=True)
+    import platform
+    print(f"\n{args.model.name}, {args.threads} threads, {platform.processor() or ''}".rstrip())
+    print(table(rows))
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
