@@ -101,6 +101,8 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
         lines.append(f"  prefill: {rule}")
     lines.append(f"  speculative decoding: {speculation(cfg)}; deterministic (batch-invariant): "
                  f"{'on' if cfg.engine.deterministic else 'off'}")
+    if cfg.engine.quantization != "none":
+        lines.append(f"  weights: --quantization {cfg.engine.quantization} (docs/quantization.md)")
     lines += kv_lines(workers, max_model_len or cfg.engine.max_model_len)
     if at.grpc:
         lines.append(f"  gRPC: {at.grpc} (splitserve.v1; sampling greedy unless a request sets temperature)")

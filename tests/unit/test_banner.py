@@ -23,8 +23,9 @@ def _curl_body(lines: list[str]) -> tuple[str, dict]:
 
 def test_a_disaggregated_cluster_says_what_how_and_where():
     lines = _banner("--served-model-name", "coder", "--speculative", "ngram", "--num-speculative-tokens", "3",
-                    "--transport", "tcp", "--deterministic")
+                    "--transport", "tcp", "--deterministic", "--quantization", "int8")
     text = "\n".join(lines)
+    assert "  weights: --quantization int8 (docs/quantization.md)" in text
     assert lines[0] == "splitserve 9.9.9: serving coder (from stdlib-coder) on 1 prefill + 1 decode workers, KV over tcp"
     assert "prompts of at most 32 tokens (or at least 90% cached on the decode worker) are prefilled on the decode " \
            "worker without a KV transfer" in text
