@@ -180,3 +180,13 @@ def test_quant_linear_module():
     assert (module.in_features, module.out_features) == (64, 24)
     assert torch.equal(module(x), quant_linear(x, module.qweight, linear.bias.detach()))
     assert sum(b.numel() * b.element_size() for b in module.buffers()) == module.qweight.nbytes + 24 * 4
+
+
+def test_without_a_compiler_the_reference_serves(monkeypatch):
+    qw = QuantizedWeight.quantize(torch.randn(20, 64), "q4_1")
+    x, bias = torch.randn(3, 64).to(torch.bfloat16), torch.randn(20)
+    want = quant_linear(x, qw, bias)
+    monkeypatch.setattr(cpu_ops, "load", lambda folder=None: None)
+    got = quant_linear(x, qw, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -8, atol=1e-5)
