@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ class QuantFormat(enum.Enum):
 
 _KERNEL_FORMAT = {QuantFormat.INT8: 0, QuantFormat.Q8_0: 1, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 2}
 _GGML_TYPES = {8: QuantFormat.Q8_0, 2: QuantFormat.Q4_0, 3: QuantFormat.Q4_1}   # GGMLQuantizationType values
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _GGUF_BLOCK_BYTES = {QuantFormat.Q8_0: 34, QuantFormat.Q4_0: 18, QuantFormat.Q4_1: 20}
 
 
@@ -48,6 +49,12 @@ class QuantizedWeight:
     quants: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    _kernel_args: tuple = field(init=False, repr=False)   # the pointers and format code ss_qlinear takes
+
+    def __post_init__(self) -> None:
+        mins = None if self.mins is None else self.mins.data_ptr()
+        object.__setattr__(self, "_kernel_args", (self.quants.data_ptr(), self.scales.data_ptr(), mins,
+                                                  _KERNEL_FORMAT[self.format]))
 
     @property
     def nbytes(self) -> int:
@@ -120,26 +127,28 @@ class QuantizedWeight:
 
 
 def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) for x [..., K] float32 or bfloat16; the output has x's dtype."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
+    """x @ w.T (+ bias) for x [..., K] float32 or bfloat16; the output has x's dtype. A decode
+    step makes ~120 of these calls, so the common case (2-D x, fp32 bias or none) does little
+    Python: the weight's pointers are computed once, at construction."""
+    dtype_code = _DTYPE_CODES.get(x.dtype)
+    if dtype_code is None:
         raise TypeError(f"quant_linear takes float32 or bfloat16 activations, not {x.dtype}")
-    if cpu_ops.load() is None:
-        raise RuntimeError("quant_linear needs the C ops (no C compiler here)")
-    lead, k = x.shape[:-1], x.shape[-1]
+    k, n = x.shape[-1], qweight.n
     if k != qweight.k:
         raise ValueError(f"activations have {k} features, the weight {qweight.k}")
-    x2 = x.reshape(-1, k)
+    if cpu_ops.load() is None:   # no C compiler: correct, but dequantizes the weight at every call
+        return torch.nn.functional.linear(x.float(), qweight.dequantize(), bias).to(x.dtype)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows, n = x2.shape[0], qweight.n
+    rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    mins = None if qweight.mins is None else qweight.mins.data_ptr()
-    cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), qweight.quants.data_ptr(), qweight.scales.data_ptr(),
-                              mins, None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n,
-                              _KERNEL_FORMAT[qweight.format], 0 if x.dtype == torch.float32 else 1)
-    return out.view(*lead, n)
+    quants, scales, mins, fmt = qweight._kernel_args
+    cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), quants, scales, mins,
+                              None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n, fmt, dtype_code)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def _check_k(k: int) -> None:

@@ -83,11 +83,13 @@ def test_rows_are_batch_and_thread_invariant(fmt, dtype):
 
 
 def test_bias_and_leading_dims():
-    qw = QuantizedWeight.quantize(torch.randn(20, 64), "q4_1")
-    x = torch.randn(2, 3, 64)
-    bias = torch.randn(20, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    qw = QuantizedWeight.quantize(torch.randn(20, 64, generator=g), "q4_1")
+    x = torch.randn(2, 3, 64, generator=g)
+    bias = torch.randn(20, generator=g).to(torch.bfloat16)     # converted to fp32 for the kernel
     got = quant_linear(x, qw, bias)
     assert got.shape == (2, 3, 20)
+    assert torch.equal(got, quant_linear(x.reshape(6, 64), qw, bias).view(2, 3, 20))
     torch.testing.assert_close(got - quant_linear(x, qw), bias.float().expand(2, 3, 20), rtol=0, atol=1e-5)
 
 
@@ -174,9 +176,21 @@ def test_portable_build_matches_reference(tmp_path, fmt):
 
 def test_quant_linear_module():
     from cluster.model.quant_linear import QuantLinear
+    torch.manual_seed(10)
     linear = torch.nn.Linear(64, 24)
     module = QuantLinear.from_linear(linear, "int8")
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
     assert (module.in_features, module.out_features) == (64, 24)
     assert torch.equal(module(x), quant_linear(x, module.qweight, linear.bias.detach()))
     assert sum(b.numel() * b.element_size() for b in module.buffers()) == module.qweight.nbytes + 24 * 4
+
+
+def test_without_a_compiler_the_reference_serves(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    qw = QuantizedWeight.quantize(torch.randn(20, 64, generator=g), "q4_1")
+    x, bias = torch.randn(3, 64, generator=g).to(torch.bfloat16), torch.randn(20, generator=g)
+    want = quant_linear(x, qw, bias)
+    monkeypatch.setattr(cpu_ops, "load", lambda folder=None: None)
+    got = quant_linear(x, qw, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=1e-5)   # one bf16 step apart at most
