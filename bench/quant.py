@@ -6,7 +6,8 @@ Each scheme (`--quantization`, cluster/model/quantize.py) is built in a child pr
 (one engine's memory never hides behind another's), bfloat16 activations, the engine's default
 kernel plan. Per scheme:
 
-  weight MiB       the linear layers' bytes as held (quantized blocks and scales, or bf16)
+  weight MiB       the model's resident bytes but the embedding table: the linear layers as held
+                   (quantized blocks and scales, or bf16; a tied LM head quantized is counted here)
   resident MiB     every parameter and buffer of the model (the embedding table included)
   decode tok/s     batch 1 and 8, 64-token prompts, 64 new tokens, greedy, ignore_eos
                    (bench/vllm_offline.py's `measure`: best of --repeats after a warm-up)
@@ -35,7 +36,6 @@ MARK = "QUANT "
 
 
 def child(args) -> None:
-    import torch
     from cluster.config import CacheConfig, EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.kv.paged_cache import resident_bytes
@@ -47,8 +47,9 @@ def child(args) -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=args.child,
                                     num_threads=args.threads, cache=CacheConfig(num_blocks=1024)))
     load_s = time.perf_counter() - t0
-    linears = [m for m in engine.model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear))]
-    weight = sum(t.numel() * t.element_size() for m in linears for t in [*m.parameters(False), *m.buffers(False)])
+    linears = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    table = engine.model.embed_tokens.weight      # not quantized by any scheme; a tied head shares it
+    weight = resident_bytes(engine.model) - table.numel() * table.element_size()
     vocab = engine.model_config.vocab_size
     salts = iter(range(1 << 30))
 
