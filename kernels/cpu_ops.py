@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "ops.c"
 PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over torch's thread pool
 QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
+HEADER = SOURCE.with_name("bf16.h")                  # included by both C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,7 +85,7 @@ def _build(folder: Path) -> Path | None:
         return None
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
-                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes()
+                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + HEADER.read_bytes()
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
     if target.exists():

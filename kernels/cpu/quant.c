@@ -31,20 +31,7 @@ enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2 };
 #define Q_COLS 256    /* columns per chunk: its quants stay in L2 while every row block passes */
 #define ALWAYS __attribute__((always_inline))
 
-static inline float q_bf2f(uint16_t h) {   /* as ops.c */
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t q_f2bf(float f) {   /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 static inline float h2f(uint16_t h) {   /* IEEE half to float, exact (the fallback for no F16C) */
     const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
@@ -239,7 +226,7 @@ static inline void min_terms(const float *mb, const float *xs, int64_t nb, float
 }
 
 static inline float load_x(const void *p, int64_t i, int bf) {
-    return bf ? q_bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* Up to Q_ROWS rows (row-strided x and out) over tiles [t0, t1): x converted to fp32 once, then
@@ -267,7 +254,7 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
                     if (fmt == QF_Q4) v += mt[c];
                     if (fmt == QF_INT8) v *= ((const float *)scale)[n];
                     if (bias) v += bias[n];
-                    if (bf) ((uint16_t *)out)[(r0 + r) * out_stride + n] = q_f2bf(v);
+                    if (bf) ((uint16_t *)out)[(r0 + r) * out_stride + n] = f2bf(v);
                     else ((float *)out)[(r0 + r) * out_stride + n] = v;
                 }
             }
