@@ -37,8 +37,6 @@ class Quantization(str, enum.Enum):
     GGUF = "gguf"
 
 
-
-
 @dataclass(frozen=True)
 class QuantReport:
     """What quantizing a model did, for the start-up log and the bench."""
@@ -76,23 +74,18 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, mod
     """Replace `model`'s linear layers by quantized ones; None for `none`."""
     if scheme is Quantization.NONE:
         return None
-    from kernels.cpu_quant import QuantFormat  # noqa: PLC0415 - builds the C library on first use
+    from kernels.cpu_quant import QuantFormat, QuantizedWeight  # noqa: PLC0415 - builds the C library on first use
     check_quantization(scheme, next(model.parameters()).device.type, model_dir)
     if scheme is Quantization.GGUF:
         weights = _gguf_weights(cfg, gguf_source(model_dir))
     else:
         at_load = QuantFormat.INT8 if scheme is Quantization.INT8 else QuantFormat.Q4_1
-        weights = {name: _quantize_at_load(mod, at_load) for name, mod in _linears(model)}
+        weights = {name: QuantizedWeight.quantize(mod.weight, at_load) for name, mod in _linears(model)}
     return _install(model, scheme, weights)
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-
-
-def _quantize_at_load(linear: nn.Linear, fmt):
-    from kernels.cpu_quant import QuantizedWeight  # noqa: PLC0415
-    return QuantizedWeight.quantize(linear.weight.detach(), fmt)
 
 
 def _install(model: nn.Module, scheme: Quantization, weights: dict) -> QuantReport:

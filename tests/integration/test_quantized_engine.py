@@ -87,3 +87,8 @@ def test_gguf_quantization_of_a_checkpoint_that_is_not_gguf_names_the_fix(tiny_m
         _engine(tiny_model_dir("llama"), "gguf")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model=tiny_model_dir("llama"), quantization="fp4")
+    from cluster.config import QUANTIZATIONS
+    from cluster.model.quantize import Quantization, check_quantization
+    with pytest.raises(ValueError, match="run on CPU here; on cuda serve the model with --quantization none"):
+        check_quantization(Quantization.INT8, "cuda", tiny_model_dir("llama"))
+    assert QUANTIZATIONS == tuple(q.value for q in Quantization)      # the config's choices are the schemes
