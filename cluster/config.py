@@ -41,6 +41,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "torch")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # cluster/kv/kv_quant.py's KVCacheDType
 
 
 class ConfigError(ValueError):
@@ -217,6 +218,9 @@ class CacheConfig:
     headroom_fraction: float = setting(0.05, "share of the budget kept free for allocations outside the plan")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes already computed",
                                           flag="--prefix-caching")
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto (the model's --dtype), int8 or fp8_e4m3 (one byte a "
+                                          "value and an fp16 scale per token and head: about half of bf16's bytes; "
+                                          "docs/quantization.md)", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         require(self.block_size > 0 and not self.block_size & (self.block_size - 1), "block_size",
@@ -230,6 +234,8 @@ class CacheConfig:
         require(0 < self.memory_fraction <= 1, "memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
         require(0 <= self.headroom_fraction < 1, "headroom_fraction",
                 f"must be in [0, 1), got {self.headroom_fraction}")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -169,16 +169,24 @@ class KVLayout:
     block_size: int
     dtype: str
     version: int = 1
+    kv_dtype: str = "auto"   # cluster/kv/kv_quant.py's KVCacheDType: int8/fp8_e4m3 rows of D bytes + an fp16 scale
 
     def layout_hash(self) -> str:
         import hashlib  # noqa: PLC0415
-        text = "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
+        # kv_dtype joined the layout later: left out when "auto", so unquantized layouts hash as before.
+        fields = {k: v for k, v in self.__dict__.items() if not (k == "kv_dtype" and v == "auto")}
+        text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_bytes()
+
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) for one KV head."""
+        if self.kv_dtype != "auto":
+            return self.head_dim + 2          # one byte a value, then the fp16 scale
         import torch  # noqa: PLC0415
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
 @dataclass(frozen=True)

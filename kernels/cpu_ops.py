@@ -30,16 +30,19 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "ops.c"
 PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over torch's thread pool
 QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
-HEADER = SOURCE.with_name("bf16.h")                  # included by both C files
+KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
+HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_CODES = {torch.int8: 1, torch.uint8: 2}   # a quantized KV cache's arena dtype -> kv_quant.h's kvq
 _I64, _F32, _P, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "ss_rms_norm": (_P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT),
     "ss_rope": (_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT),
-    "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
+    "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT, _INT),
     "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
+    "ss_store_kv_q": (_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT),
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
     "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
     "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
@@ -48,7 +51,7 @@ LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of r
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
 _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                        _P, _INT),
+                        _P, _INT, _INT),
 }
 _fns: dict[str, ctypes._CFuncPtr] = {}   # op name -> the parallel entry point where built, else the serial one
 _lib: ctypes.CDLL | None = None
@@ -85,7 +88,8 @@ def _build(folder: Path) -> Path | None:
         return None
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
-                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + HEADER.read_bytes()
+                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
+                         + b"".join(h.read_bytes() for h in HEADERS)
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
     if target.exists():
@@ -93,10 +97,12 @@ def _build(folder: Path) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
+        kvq = Path(tmp) / "kv_quant.o"
         built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(quant), str(QUANT_SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -104,11 +110,12 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(par), f"-L{torch_dir / 'lib'}",
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(par),
+                      f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -200,20 +207,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D];
-    tables int64 [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]."""
+    """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D]
+    in q's dtype, or quantized rows [.., Hkv, D + 2] (cluster/kv/kv_quant.py); tables int64
+    [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     out = torch.empty((b, hq, d), dtype=q.dtype)
     _fns["ss_decode_attention"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                              tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
-                             out.data_ptr(), _DTYPE_CODES[q.dtype])
+                             out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache))
     return out
+
+
+def kv_code(cache: torch.Tensor) -> int:
+    """kv_quant.h's code of a cache tensor: 0 in the activation dtype, 1 int8 rows, 2 E4M3 rows."""
+    return _KV_CODES.get(cache.dtype, 0)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """k, v: [T, Hkv, D] (rows may be strided views of the qkv projection); slots int64 [T];
-    caches [blocks, block_size, Hkv, D] contiguous."""
+    caches [blocks, block_size, Hkv, D] contiguous, or quantized rows (quantized as they are stored)."""
+    kvq = kv_code(k_cache)
+    if kvq:
+        _fns["ss_store_kv_q"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
+                              k.shape[1], k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k.dtype],
+                              kvq)
+        return
     _fns["ss_store_kv"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
                         k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k.dtype])
 
@@ -233,5 +252,5 @@ def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     _fns["ss_decode_block"](qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                             tables.shape[1], lens.data_ptr(), b, heads, kv_heads, head_dim, k_cache.shape[1],
-                            window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype])
+                            window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype], kv_code(k_cache))
     return out

@@ -86,7 +86,8 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
 
 def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
     return KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    block_size=config.cache.block_size, dtype=str(dtype).removeprefix("torch."))
+                    block_size=config.cache.block_size, dtype=str(dtype).removeprefix("torch."),
+                    kv_dtype=config.cache.kv_cache_dtype)
 
 
 def plan_for(config: EngineConfig, models: Models, footprint: SpecFootprint, device: torch.device) -> MemoryPlan:
@@ -114,6 +115,9 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     mc, cc = models.config, config.cache
     backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                      models.kernel_plan, models.dtype, scale=mc.attention_scale)
+    if cc.kv_cache_dtype != "auto" and backend.name != "torch":
+        raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: the {backend.name} attention backend does not read "
+                         "quantized KV rows; serve with --attention-backend torch, or --kv-cache-dtype auto")
     replay = replay_factory(device, config.cuda_graphs)
     if replay is not None and config.cuda_graphs == "auto" and not backend.static_decode_ready():
         log.info("decode graphs off: the %s attention backend cannot replay static decode steps here", backend.name)

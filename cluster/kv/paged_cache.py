@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.config import CPU_KV_CACHE_DEFAULT_BYTES, CacheConfig, SchedulerConfig, format_size
+from cluster.kv.kv_quant import KVCacheDType, row_width
 from cluster.model.model_config import ModelConfig
 from cluster.types import KVLayout
 
@@ -144,11 +145,12 @@ class PagedKVCache:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device):
         self.layout = layout
         self.num_blocks = num_blocks
-        dtype = getattr(torch, layout.dtype)
+        kind = KVCacheDType(layout.kv_dtype)
+        dtype = kind.arena_dtype if kind.quantized else getattr(torch, layout.dtype)
         # Zeroed, not empty: padded gathers read unused slots and NaN garbage would leak
         # through a zero attention weight (0 * NaN = NaN).
         self.arena = torch.zeros((layout.num_layers, 2, num_blocks, layout.block_size,
-                                  layout.num_kv_heads, layout.head_dim), dtype=dtype, device=device)
+                                  layout.num_kv_heads, row_width(layout.head_dim, kind)), dtype=dtype, device=device)
 
     def nbytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()

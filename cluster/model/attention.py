@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
 from cluster.model.kernel_plan import AttentionPath, KernelPlan
 from kernels import cpu_ops
 from kernels.rows import every_token_rows
@@ -237,13 +238,9 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
         num_tokens = q.shape[0]
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        if self._fused() and k.stride(-1) == 1 and k.stride(-2) == self.head_dim:
-            cpu_ops.store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
-        else:
-            k_flat.index_copy_(0, meta.slot_mapping, k)
-            v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_flat = k_cache.view(-1, self.num_kv_heads, k_cache.shape[-1])   # D, or D + 2 for quantized rows
+        v_flat = v_cache.view(-1, self.num_kv_heads, v_cache.shape[-1])
+        self._store(k, v, k_cache, v_cache, k_flat, v_flat, meta.slot_mapping)
         if meta.decode is not None and not meta.prefills and meta.verify is None:   # pure decode: no scratch copy
             return self._decode(q, k_cache, v_cache, window, meta.decode).view(num_tokens, -1)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
@@ -259,6 +256,26 @@ class TorchAttentionBackend:
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_flat, v_flat, window, pm)
         return out.view(num_tokens, -1)
 
+    def _store(self, k, v, k_cache, v_cache, k_flat, v_flat, slots) -> None:
+        """The pass's K/V rows at their slots; a quantized cache quantizes them as they go in (the
+        C store where the fused ops are built, the torch reference otherwise: the same bytes)."""
+        quantized = cache_kind(k_cache).quantized
+        c_store = self._fused() or (quantized and self.device.type == "cpu" and cpu_ops.load() is not None)
+        if c_store and k.stride(-1) == 1 and k.stride(-2) == self.head_dim:
+            cpu_ops.store_kv(k, v, slots, k_cache, v_cache)
+        elif quantized:
+            kind = cache_kind(k_cache)
+            k_flat.index_copy_(0, slots, quantize_rows(k, kind))
+            v_flat.index_copy_(0, slots, quantize_rows(v, kind))
+        else:
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
+
+    def _rows(self, cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` of a cache viewed as [slots or blocks, ...], dequantized to `dtype` if quantized."""
+        rows = cache.index_select(0, index)
+        return dequantize_rows(rows, dtype) if cache_kind(cache).quantized else rows
+
     def _decode(self, q, k_cache, v_cache, window, dm: _TorchDecodeMeta) -> torch.Tensor:
         b = dm.query_pos.shape[0]
         if dm.fused:   # reads the paged cache in place: no gather, no mask
@@ -272,8 +289,8 @@ class TorchAttentionBackend:
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
             dm.masks[(window, q.dtype)] = mask
         # Gather whole blocks (contiguous rows), not single slots.
-        keys = k_cache.index_select(0, dm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
-        vals = v_cache.index_select(0, dm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
+        keys = self._rows(k_cache, dm.block_table, q.dtype).view(b, length, self.num_kv_heads, self.head_dim)
+        vals = self._rows(v_cache, dm.block_table, q.dtype).view(b, length, self.num_kv_heads, self.head_dim)
         # All query heads of a KV group sit at the same position, so the group can ride in the
         # query-length dimension: no KV repeat, and one mask row serves every head.
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
@@ -295,8 +312,8 @@ class TorchAttentionBackend:
             allowed = allowed.repeat_interleave(self.group, dim=1)[:, None]          # [B, 1, Q*G, L]
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
             vm.masks[(window, q.dtype)] = mask
-        keys = k_cache.index_select(0, vm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
-        vals = v_cache.index_select(0, vm.block_table).view(b, length, self.num_kv_heads, self.head_dim)
+        keys = self._rows(k_cache, vm.block_table, q.dtype).view(b, length, self.num_kv_heads, self.head_dim)
+        vals = self._rows(v_cache, vm.block_table, q.dtype).view(b, length, self.num_kv_heads, self.head_dim)
         qv = q.index_select(0, vm.query_rows).view(b, width, self.num_kv_heads, self.group, self.head_dim)
         qv = qv.permute(0, 2, 1, 3, 4).reshape(b, self.num_kv_heads, width * self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qv, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
@@ -307,8 +324,8 @@ class TorchAttentionBackend:
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
         s = pm.span
         if pm.gather is not None:
-            k = k_flat.index_select(0, pm.gather)
-            v = v_flat.index_select(0, pm.gather)
+            k = self._rows(k_flat, pm.gather, q.dtype)
+            v = self._rows(v_flat, pm.gather, q.dtype)
         qh = q.transpose(0, 1)[None]        # [1, Hq, q, D]
         kh = k.transpose(0, 1)[None]        # [1, Hkv, ctx, D]
         vh = v.transpose(0, 1)[None]

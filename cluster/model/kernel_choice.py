@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from cluster.config import cache_dir
-from cluster.model.kernel_plan import PLAN_VERSION, KernelPlan, LinearPath
+from cluster.model.kernel_plan import PLAN_VERSION, AttentionPath, KernelPlan, LinearPath
 from cluster.model.linear import apply_linear_path
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
 
@@ -105,4 +105,23 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
         plan = replace(plan, linear=LinearPath.PLAIN, linear_c_rows=0)
-    return plan
+    return _quantized_kv_attention(plan, config)
+
+
+def _quantized_kv_attention(plan: KernelPlan, config) -> KernelPlan:
+    """A quantized KV cache is read by the fused C decode kernel wherever it builds: it reads the
+    rows in place, where the SDPA path would gather and dequantize every step's whole context
+    (`--kernels torch` keeps that torch path: correct, slower)."""
+    if (config.cache.kv_cache_dtype == "auto" or config.kernels == "torch" or config.device.split(":")[0] != "cpu"
+            or plan.decode_attention is AttentionPath.FUSED_C):
+        return plan
+    from kernels import cpu_ops  # noqa: PLC0415
+    if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(plan_dtype(config)):
+        return plan
+    log.info("KV cache %s: decode attention on the fused C kernel (it reads quantized rows in place)",
+             config.cache.kv_cache_dtype)
+    return replace(plan, decode_attention=AttentionPath.FUSED_C)
+
+
+def plan_dtype(config) -> torch.dtype:
+    return load_model_config(config.model).dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]

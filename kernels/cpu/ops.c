@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv_quant.h"
 
 static inline float rnd(float x, int bf) { return bf ? bf2f(f2bf(x)) : x; }
 
@@ -172,6 +173,15 @@ static inline void chunk_values16(float *acc, int64_t group, int64_t dim, const 
 #define VECTOR_DIM(dim) 0
 #endif
 
+/* Key or value row `off` (elements of the cache's dtype; bytes for a quantized cache) as floats. */
+static inline void kv_row(const void *cache, int64_t off, int64_t dim, int bf, int kvq, float *row) {
+    if (kvq) {
+        kv_row_dequant(cache, off, dim, kvq, row);
+        return;
+    }
+    for (int64_t i = 0; i < dim; i++) row[i] = load(cache, off + i, bf);
+}
+
 /* Paged decode attention, one query token per sequence, all sequences in one call.
  * q: [B, Hq, D] (row stride q_stride elements); caches: [blocks, block_size, Hkv, D];
  * tables: [B, max_blocks] int64; lens: [B] context lengths (the query sits at lens[b]-1);
@@ -184,9 +194,11 @@ static inline void chunk_values16(float *acc, int64_t group, int64_t dim, const 
 static inline __attribute__((always_inline)) FAST void decode_rows(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *tables,
         int64_t max_blocks, const int64_t *lens, int64_t item0, int64_t item1, int64_t hq, int64_t hkv,
-        int64_t dim, int64_t block_size, int64_t window, float scale, void *out, int bf) {
-    const int64_t group = hq / hkv, key_stride = hkv * dim;
-    const int vector_dim = VECTOR_DIM(dim);
+        int64_t dim, int64_t block_size, int64_t window, float scale, void *out, int bf, int kvq) {
+    /* A quantized cache's row is dim bytes and a scale (kv_quant.h): offsets count bytes there. */
+    const int64_t row_w = kvq ? dim + KV_SCALE_BYTES : dim, key_stride = hkv * row_w;
+    const int64_t group = hq / hkv;
+    const int vector_dim = VECTOR_DIM(dim) && !kvq;
     (void)vector_dim;
     float qf[group][dim], acc[group][dim], mx[group], denom[group], sc[group][CHUNK], row[dim];
     for (int64_t item = item0; item < item1; item++) {   /* item: (sequence b, KV head kh) */
@@ -207,13 +219,13 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
                 int64_t n = block_size - in_block;
                 if (n > CHUNK) n = CHUNK;
                 if (n > len - p0) n = len - p0;
-                const int64_t base = (tables[b * max_blocks + block] * block_size + in_block) * key_stride + kh * dim;
+                const int64_t base = (tables[b * max_blocks + block] * block_size + in_block) * key_stride + kh * row_w;
 #ifdef __AVX512F__
                 if (vector_dim) chunk_scores16(&qf[0][0], group, dim, k_cache, base, key_stride, n, &sc[0][0], bf);
                 else
 #endif
                 for (int64_t j = 0; j < n; j++) {
-                    for (int64_t i = 0; i < dim; i++) row[i] = load(k_cache, base + j * key_stride + i, bf);
+                    kv_row(k_cache, base + j * key_stride, dim, bf, kvq, row);
                     for (int64_t g = 0; g < group; g++) {
                         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -238,7 +250,7 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
                 else
 #endif
                 for (int64_t j = 0; j < n; j++) {
-                    for (int64_t i = 0; i < dim; i++) row[i] = load(v_cache, base + j * key_stride + i, bf);
+                    kv_row(v_cache, base + j * key_stride, dim, bf, kvq, row);
                     for (int64_t g = 0; g < group; g++) {
                         const float wgt = sc[g][j];
                         float *a = acc[g];
@@ -260,21 +272,21 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
 FAST void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                     const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
                                     int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
-                                    int64_t window, float scale, void *out, int dtype) {
+                                    int64_t window, float scale, void *out, int dtype, int kvq) {
     if (dtype == 1)
         decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
-                    window, scale, out, 1);
+                    window, scale, out, 1, kvq);
     else
         decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
-                    window, scale, out, 0);
+                    window, scale, out, 0, kvq);
 }
 
 void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch, int64_t hq,
                          int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale, void *out,
-                         int dtype) {
+                         int dtype, int kvq) {
     ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, 0, batch * hkv, hq, hkv, dim,
-                              block_size, window, scale, out, dtype);
+                              block_size, window, scale, out, dtype, kvq);
 }
 
 /* Store each row's new K and V (rows of width Hkv*D, row strides in elements, views of the fused
