@@ -1,5 +1,6 @@
-"""The default model served by a 1P1D cluster with `--quantization gguf` (real Ray actors, gRPC, KV
-over TCP): the prefill worker computes the prompt's KV on the file's 4-bit weights, the decode
+"""The default model served by a 1P1D cluster with `--quantization gguf --kv-cache-dtype int8` (real
+Ray actors, gRPC, KV over TCP): the prefill worker computes the prompt's KV on the file's 4-bit
+weights into int8 blocks, the handoff moves those blocks with their scales as they are, the decode
 worker continues on the same weights, and greedy tokens of concurrent requests equal a single
 engine's with the same quantization; every block is released."""
 from __future__ import annotations
@@ -32,7 +33,7 @@ def engine_config():
     except FileNotFoundError as exc:      # CI installs it (.ci/run)
         pytest.fail(str(exc))
     return EngineConfig(model=model, dtype="float32", quantization="gguf", num_threads=1,
-                        cache=CacheConfig(num_blocks=256))
+                        cache=CacheConfig(num_blocks=256, kv_cache_dtype="int8"))
 
 
 def test_greedy_through_quantized_prefill_and_decode_workers(engine_config):

@@ -127,3 +127,14 @@ def test_layout_names_its_kv_dtype_and_keeps_old_hashes():
     assert len({auto.layout_hash(), int8.layout_hash(), fp8.layout_hash()}) == 3
     assert int8.bytes_per_block() == fp8.bytes_per_block() == 2 * 30 * 16 * 3 * 66
     assert auto.bytes_per_block() == 2 * 30 * 16 * 3 * 64 * 2
+
+
+def test_a_peer_with_another_kv_dtype_is_refused_by_name():
+    from cluster.transfer.base import PROTOCOL_VERSION, LayoutMismatch, PeerMetadata, check_compatible
+    base = dict(model_id="m", num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+    peer = PeerMetadata("prefill-0", "tcp", PROTOCOL_VERSION, KVLayout(**base), 8, 0, b"")
+    wire = PeerMetadata.decode(peer.encode())            # the handshake's msgpack carries the field
+    assert wire.layout == peer.layout
+    with pytest.raises(LayoutMismatch, match="kv_dtype: local 'int8', peer 'auto'"):
+        check_compatible(KVLayout(**base, kv_dtype="int8"), "tcp", wire)
+    check_compatible(KVLayout(**base), "tcp", wire)

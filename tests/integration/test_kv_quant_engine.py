@@ -1,0 +1,95 @@
+"""The engine on a quantized KV cache (`--kv-cache-dtype int8|fp8_e4m3`).
+
+Quality on the default model: against the same engine with an unquantized cache, greedy tokens
+agree on most chat prompts (mismatches counted in the message), and before a divergence the chosen
+tokens' logprobs stay within 0.5 (measured on a Zen 3: 0.14 int8, 0.21 fp8; 2 and 3 of 8 prompts
+diverge, after 13 tokens or more). The rest is exact: the prefix cache reuses quantized blocks
+(the same tokens as the first run); in deterministic mode a request's tokens do not depend on
+its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; pools end
+empty. (Kernel-level exactness: tests/unit/test_kv_quant.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, default_model_dir
+from cluster.engine.engine import LLMEngine
+from cluster.types import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+             "Explain why the sky is blue in two sentences.", "Who wrote Romeo and Juliet?", "What is 12 times 7?",
+             "Give me a tip for learning Python.", "What does a CPU do?"]
+
+
+def _engine(kv: str, model=None, **kw) -> LLMEngine:
+    model_kw = {} if model is None else {"model": model}
+    cache = CacheConfig(num_blocks=kw.pop("num_blocks", 256), kv_cache_dtype=kv)
+    return LLMEngine(EngineConfig(**model_kw, num_threads=2, cache=cache, **kw))
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.fixture(scope="module")
+def unquantized_answers():
+    engine = _engine("auto", model=default_model_dir(), dtype="float32")
+    prompts = [engine.tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n").ids
+               for q in QUESTIONS]
+    return prompts, engine.generate(prompts, SamplingParams(max_tokens=24, logprobs=0))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_kv_tracks_the_unquantized_engine(unquantized_answers, kv):
+    prompts, want = unquantized_answers
+    engine = _engine(kv, model=default_model_dir(), dtype="float32")
+    assert engine.kv_cache.arena.shape[-1] == engine.model_config.head_dim + 2
+    got = engine.generate(prompts, SamplingParams(max_tokens=24, logprobs=0))
+    engine.pool.check_idle()
+    diverged = {i: _first_difference(g.token_ids, w.token_ids) for i, (g, w) in enumerate(zip(got, want))
+                if g.token_ids != w.token_ids}
+    assert len(diverged) <= len(prompts) // 2, f"{kv}: greedy differs on {len(diverged)} of 8 (prompt: token) {diverged}"
+    worst = max(abs(a.logprob - b.logprob) for i, (g, w) in enumerate(zip(got, want))
+                for a, b in list(zip(g.logprobs, w.logprobs))[:diverged.get(i) or len(w.logprobs)])
+    assert worst <= 0.5, f"{kv}: chosen-token logprobs differ by up to {worst:.3f} before any divergence"
+
+
+def test_prefix_cache_reuses_quantized_blocks(tiny_model_dir):
+    engine = _engine("int8", model=tiny_model_dir("llama"))
+    prompt = list(range(5, 5 + 70))
+    first = engine.generate([prompt], SamplingParams(max_tokens=10))[0]
+    again = engine.generate([prompt], SamplingParams(max_tokens=10))[0]
+    assert again.num_cached_tokens == 64 and first.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids
+    engine.pool.check_idle()
+
+
+def test_deterministic_mode_keeps_its_guarantee_on_int8_kv(tiny_model_dir):
+    """Every token is a decode row reading the quantized cache: batch and chunking do not matter."""
+    model = tiny_model_dir("llama")
+    whole = _engine("int8", model=model, dtype="bfloat16", deterministic=True)
+    chunked = _engine("int8", model=model, dtype="bfloat16", deterministic=True,
+                      scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 200, (int(n),), generator=g).tolist() for n in (9, 40, 75, 23)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    together = whole.generate(prompts, params)
+    for p, t in zip(prompts, together):
+        assert whole.generate([p], params)[0].token_ids == t.token_ids
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == [t.token_ids for t in together]
+    whole.pool.check_idle()
+    chunked.pool.check_idle()
+
+
+def test_ngram_speculation_on_int8_kv_equals_plain_decoding(tiny_model_dir):
+    from decode.spec.speculator import make_speculator  # noqa: PLC0415
+    model = tiny_model_dir("llama")
+    plain = _engine("int8", model=model, dtype="float32")
+    spec = LLMEngine(EngineConfig(model=model, num_threads=2, dtype="float32",
+                                  cache=CacheConfig(num_blocks=256, kv_cache_dtype="int8"),
+                                  speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+                     speculator_factory=make_speculator)
+    prompts = [[7, 8, 9, 10, 11] * 6, [20, 21, 22, 23] * 8 + [5]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    spec.pool.check_idle()
