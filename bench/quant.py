@@ -1,21 +1,25 @@
-"""Weight-only quantization on the default model: memory, latency and quality in one table.
+"""Quantized weights and KV cache on the default model: memory, latency and quality in one table.
 
-    python bench/quant.py [--model DIR|FILE.gguf] [--schemes none int8 int4 gguf] [--threads 2]
+    python bench/quant.py [--model DIR|FILE.gguf] [--schemes none int8 int4 gguf none/int8 ...] [--threads 2]
 
-Each scheme (`--quantization`, cluster/model/quantize.py) is built in a child process of its own
-(one engine's memory never hides behind another's), bfloat16 activations, the engine's default
-kernel plan. Per scheme:
+A scheme is WEIGHTS or WEIGHTS/KV: `--quantization` (cluster/model/quantize.py) and, after the
+slash, `--kv-cache-dtype` (cluster/kv/kv_quant.py; auto when omitted). Each is built in a child
+process of its own (one engine's memory never hides behind another's), bfloat16 activations, the
+engine's default kernel plan. Per scheme:
 
   weight MiB       the model's resident bytes but the embedding table: the linear layers as held
                    (quantized blocks and scales, or bf16; a tied LM head quantized is counted here)
   resident MiB     every parameter and buffer of the model (the embedding table included)
   decode tok/s     batch 1 and 8, 64-token prompts, 64 new tokens, greedy, ignore_eos
-                   (bench/vllm_offline.py's `measure`: best of --repeats after a warm-up)
+                   (bench/vllm_offline.py's `measure`: best of --repeats after a warm-up); and
+                   batch 8 after 1,024-token prompts ("b8@1k"), where reading the KV weighs more
   TTFT ms          one 512-token prompt to its first token
   perplexity       held-out text (this repository's docs, bench/perplexity.py's windows), and its
-                   change against the bf16 run
+                   change against the first scheme's run (with a quantized cache every token
+                   attends the keys and values as stored, its own chunk's too)
+  KV B/token       the KV cache's bytes per token (all layers, K and V, scales included)
   2k seqs in 1 GiB sequences of 2,048 tokens whose KV fits in a 1 GiB budget beside the model's
-                   resident bytes (weight-only schemes leave the KV bytes per token unchanged)
+                   resident bytes
 
 Prints a table; --out writes the records as JSON.
 """
@@ -43,9 +47,11 @@ def child(args) -> None:
     from cluster.types import SamplingParams
     from perplexity import windows
     from vllm_offline import measure, prompts
+    weights, _, kv = args.child.partition("/")
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=args.child,
-                                    num_threads=args.threads, cache=CacheConfig(num_blocks=1024)))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=weights,
+                                    num_threads=args.threads, cache=CacheConfig(num_blocks=1024,
+                                                                                kv_cache_dtype=kv or "auto")))
     load_s = time.perf_counter() - t0
     linears = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
     table = engine.model.embed_tokens.weight      # not quantized by any scheme; a tied head shares it
@@ -56,6 +62,7 @@ def child(args) -> None:
     def generate(batch, n):
         engine.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, cache_salt=f"r{next(salts)}"))
     decode = {b: measure(generate, vocab, b, 64, 64, args.repeats)["decode_tok_s"] for b in (1, 8)}
+    decode["8@1k"] = measure(generate, vocab, 8, 1024, 64, args.repeats)["decode_tok_s"]
     long = prompts(vocab, 1, 512, 99)
     generate(long, 1)
     t0 = time.perf_counter()
@@ -85,16 +92,18 @@ def run(args, scheme: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["scheme"] == "none"), rows[0])
-    lines = ["| scheme | formats | weight MiB | resident MiB | decode b1 tok/s | vs bf16 | decode b8 tok/s | vs bf16 "
-             "| TTFT 512 ms | perplexity | vs bf16 | 2k seqs in 1 GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = rows[0]
+    lines = ["| scheme | formats | weight MiB | resident MiB | decode b1 tok/s | vs base | decode b8 tok/s | vs base "
+             "| b8@1k tok/s | vs base | TTFT 512 ms | perplexity | vs base | KV B/token | 2k seqs in 1 GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         d, bd = r["decode_tok_s"], base["decode_tok_s"]
         lines.append(
             f"| {r['scheme']} | {'/'.join(r['formats'])} | {r['weight_bytes'] / 2**20:.1f} | "
             f"{r['resident_bytes'] / 2**20:.1f} | {d['1']:.1f} | {d['1'] / bd['1']:.2f}x | {d['8']:.1f} | "
-            f"{d['8'] / bd['8']:.2f}x | {r['ttft_512_ms']:.0f} | {r['perplexity']:.3f} | "
-            f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | {r['seqs_2k_in_1gib']:.1f} |")
+            f"{d['8'] / bd['8']:.2f}x | {d['8@1k']:.1f} | {d['8@1k'] / bd['8@1k']:.2f}x | {r['ttft_512_ms']:.0f} | "
+            f"{r['perplexity']:.3f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
+            f"{r['kv_bytes_per_token']:.0f} | {r['seqs_2k_in_1gib']:.1f} |")
     return "\n".join(lines)
 
 

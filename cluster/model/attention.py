@@ -78,6 +78,7 @@ class _TorchPrefillMeta:
     span: PrefillSpan
     gather: torch.Tensor | None   # [context_len] flat slots; None when there is no cached prefix
     masks: dict                   # (window, dtype) -> additive [q, ctx]
+    block_size: int = 0
 
 
 @dataclass
@@ -234,7 +235,7 @@ class TorchAttentionBackend:
         gather = None
         if cached:
             gather = self._slots(span.block_table, span.context_len, block_size).to(self.device)
-        return _TorchPrefillMeta(span=span, gather=gather, masks={})
+        return _TorchPrefillMeta(span=span, gather=gather, masks={}, block_size=block_size)
 
     def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -323,13 +324,18 @@ class TorchAttentionBackend:
 
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
         s = pm.span
-        if pm.gather is not None:
-            k = self._rows(k_flat, pm.gather, q.dtype)
-            v = self._rows(v_flat, pm.gather, q.dtype)
+        gather = pm.gather
+        if gather is None and cache_kind(k_flat).quantized:
+            # A quantized cache: the chunk attends its own keys as stored, as every later token will
+            # (and as a decode worker does after a handoff), so chunking does not change what is read.
+            gather = self._slots(s.block_table, s.context_len, pm.block_size).to(self.device)
+        if gather is not None:
+            k = self._rows(k_flat, gather, q.dtype)
+            v = self._rows(v_flat, gather, q.dtype)
         qh = q.transpose(0, 1)[None]        # [1, Hq, q, D]
         kh = k.transpose(0, 1)[None]        # [1, Hkv, ctx, D]
         vh = v.transpose(0, 1)[None]
-        if pm.gather is None and (window is None or window >= s.query_len):
+        if s.context_len == s.query_len and (window is None or window >= s.query_len):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
                                                enable_gqa=self.group > 1)
         else:

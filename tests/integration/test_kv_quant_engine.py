@@ -1,9 +1,10 @@
 """The engine on a quantized KV cache (`--kv-cache-dtype int8|fp8_e4m3`).
 
 Quality on the default model: against the same engine with an unquantized cache, greedy tokens
-agree on most chat prompts (mismatches counted in the message), and before a divergence the chosen
-tokens' logprobs stay within 0.5 (measured on a Zen 3: 0.14 int8, 0.21 fp8; 2 and 3 of 8 prompts
-diverge, after 13 tokens or more). The rest is exact: the prefix cache reuses quantized blocks
+agree on most chat prompts for int8 (at most 2 of 8 may diverge) and on some for fp8's 3 mantissa
+bits (at most 6 of 8), the mismatches counted in the message; before a divergence the chosen
+tokens' logprobs stay within 0.5. Measured on a Zen 3 over 24 tokens: int8 0 of 8 diverge (largest
+logprob change 0.22), fp8 4 of 8 (at tokens 0, 6, 13 and 23; 0.34). The rest is exact: the prefix cache reuses quantized blocks
 (the same tokens as the first run); in deterministic mode a request's tokens do not depend on
 its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; pools end
 empty. (Kernel-level exactness: tests/unit/test_kv_quant.py.)"""
@@ -48,7 +49,8 @@ def test_quantized_kv_tracks_the_unquantized_engine(unquantized_answers, kv):
     engine.pool.check_idle()
     diverged = {i: _first_difference(g.token_ids, w.token_ids) for i, (g, w) in enumerate(zip(got, want))
                 if g.token_ids != w.token_ids}
-    assert len(diverged) <= len(prompts) // 2, f"{kv}: greedy differs on {len(diverged)} of 8 (prompt: token) {diverged}"
+    allowed = {"int8": 2, "fp8_e4m3": 6}[kv]
+    assert len(diverged) <= allowed, f"{kv}: greedy differs on {len(diverged)} of 8 (prompt: token) {diverged}"
     worst = max(abs(a.logprob - b.logprob) for i, (g, w) in enumerate(zip(got, want))
                 for a, b in list(zip(g.logprobs, w.logprobs))[:diverged.get(i) or len(w.logprobs)])
     assert worst <= 0.5, f"{kv}: chosen-token logprobs differ by up to {worst:.3f} before any divergence"
