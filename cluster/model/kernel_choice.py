@@ -105,21 +105,21 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
         plan = replace(plan, linear=LinearPath.PLAIN, linear_c_rows=0)
-    return _quantized_kv_attention(plan, config)
+    if config.cache.kv_cache_dtype == "auto":
+        return plan
+    return quantized_kv_plan(plan, config.kernels, config.device.split(":")[0], plan_dtype(config))
 
 
-def _quantized_kv_attention(plan: KernelPlan, config) -> KernelPlan:
-    """A quantized KV cache is read by the fused C decode kernel wherever it builds: it reads the
-    rows in place, where the SDPA path would gather and dequantize every step's whole context
-    (`--kernels torch` keeps that torch path: correct, slower)."""
-    if (config.cache.kv_cache_dtype == "auto" or config.kernels == "torch" or config.device.split(":")[0] != "cpu"
-            or plan.decode_attention is AttentionPath.FUSED_C):
+def quantized_kv_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype) -> KernelPlan:
+    """The plan for an engine (or a draft) on a quantized KV cache: decode attention on the fused C
+    kernel wherever it builds, which reads the rows in place, where the SDPA path would gather and
+    dequantize every step's whole context (`--kernels torch` keeps that torch path: correct, slower)."""
+    if kernels == "torch" or device_type != "cpu" or plan.decode_attention is AttentionPath.FUSED_C:
         return plan
     from kernels import cpu_ops  # noqa: PLC0415
-    if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(plan_dtype(config)):
+    if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(dtype):
         return plan
-    log.info("KV cache %s: decode attention on the fused C kernel (it reads quantized rows in place)",
-             config.cache.kv_cache_dtype)
+    log.info("quantized KV cache: decode attention on the fused C kernel (it reads the rows in place)")
     return replace(plan, decode_attention=AttentionPath.FUSED_C)
 
 

@@ -35,7 +35,7 @@ _SHIPPED = ("; the shipped draft model and EAGLE head are stdlib-coder's (--mode
 
 def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
     spec = cfg.speculative
-    if spec.method in ("off", "ngram"):
+    if spec.method in ("off", "ngram", "quantspec"):   # quantspec drafts with the target's own weights
         return
     target = load_model_config(cfg.model)
     if spec.method == "draft":

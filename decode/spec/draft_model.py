@@ -20,6 +20,7 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
+from cluster.model.kernel_choice import quantized_kv_plan
 from cluster.model.model_config import ModelConfig
 from decode.spec.lookahead import DraftBatch, StopRule
 from decode.spec.memory import draft_layout, lookahead_blocks
@@ -34,7 +35,9 @@ class _DraftState:
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module):
+    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module,
+                 kv_dtype: str = "auto", method: str = "draft"):
+        self.method = method     # "draft", or "quantspec": the target's own weights in 4 bits (loading.py)
         self.engine = engine
         self.config = config
         # Loaded with the target, before its memory plan, on the target's kernel plan (loading.py).
@@ -42,13 +45,15 @@ class DraftModelProposer:
         mc = self.model_config
         bs = engine.layout.block_size
         self.block_size = bs
-        self.layout = draft_layout(mc, bs, engine.layout.dtype)
+        self.layout = draft_layout(mc, bs, engine.layout.dtype, kv_dtype)
         # As many blocks as the target's pool plus room for every sequence's lookahead: the draft
         # never runs out before the target does (memory.py planned them).
         num_blocks = engine.pool.num_blocks + lookahead_blocks(engine.config)
+        plan = engine.kernel_plan
+        if kv_dtype != "auto":
+            plan = quantized_kv_plan(plan, engine.config.kernels, engine.device.type, engine.dtype)
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
-                                         scale=mc.attention_scale)
+                                         mc.head_dim, engine.device, plan, engine.dtype, scale=mc.attention_scale)
         graphed = engine.graph_replay is not None and backend.static_decode_ready()
         # With decode graphs, one more block than the pool's: their pad rows write there.
         self.cache = PagedKVCache(self.layout, num_blocks + (1 if graphed else 0), engine.device)

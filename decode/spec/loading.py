@@ -6,10 +6,14 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
    is one more layer of the arena, named in the layout's model id;
  - draft: the draft model, only on an engine that proposes; its KV and weights are planned with
    the target's (memory.py);
+ - quantspec: the target's own checkpoint as its draft (no second model): its linears in 4 bits
+   (a GGUF model's own blocks, else int4 quantized at load) and its KV in int8, run as a draft
+   model (draft_model.py); the full-precision target verifies;
  - ngram and off: nothing.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +27,8 @@ from cluster.model.model_config import ModelConfig
 from decode.spec.compat import check_speculative_models
 from decode.spec.memory import draft_footprint
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class SpecModels:
@@ -31,6 +37,7 @@ class SpecModels:
     eagle: torch.nn.Module | None = None         # an EagleHead
     draft_config: ModelConfig | None = None      # a draft model (draft_model.py runs it)
     draft_model: torch.nn.Module | None = None
+    draft_kv_dtype: str = "auto"                 # the draft's own KV cache (int8 for quantspec)
 
 
 def load_spec_models(config: EngineConfig, target: Models, device: torch.device, proposing: bool) -> SpecModels:
@@ -44,11 +51,31 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
         footprint = SpecFootprint(extra_kv_layers=1, model_id_suffix=f"+eagle:{spec.eagle_dir.name}",
                                   hidden_states=True, max_draft_tokens=widest)
         return SpecModels(footprint, eagle=head)
-    if spec.method == "draft" and proposing:
-        draft_config, draft = load_model(spec.draft_dir, dtype=target.dtype, device=device,
-                                         max_positions=target.max_model_len)
+    if spec.method in ("draft", "quantspec") and proposing:
+        source = spec.draft_dir if spec.method == "draft" else config.model
+        draft_config, draft = load_model(source, dtype=target.dtype, device=device, max_positions=target.max_model_len)
+        kv_dtype = "auto"
+        if spec.method == "quantspec":
+            _four_bit_draft(draft, draft_config, config)
+            kv_dtype = "int8"
         apply_kernel_plan(draft, target.kernel_plan)
-        per_block, extra = draft_footprint(draft, draft_config, config, target.layout.dtype)
+        per_block, extra = draft_footprint(draft, draft_config, config, target.layout.dtype, kv_dtype)
         footprint = SpecFootprint(bytes_per_block=per_block, extra_bytes=extra, max_draft_tokens=widest)
-        return SpecModels(footprint, draft_config=draft_config, draft_model=draft)
+        return SpecModels(footprint, draft_config=draft_config, draft_model=draft, draft_kv_dtype=kv_dtype)
     return SpecModels(SpecFootprint(max_draft_tokens=widest))
+
+
+def _four_bit_draft(draft: torch.nn.Module, draft_config: ModelConfig, config: EngineConfig) -> None:
+    """QuantSpec's draft weights: a GGUF model's own 4-bit blocks where it has them, else int4."""
+    from cluster.model.quantize import Quantization, gguf_source, quantize_model  # noqa: PLC0415
+    scheme = Quantization.GGUF if gguf_source(config.model) is not None else Quantization.INT4
+    if config.quantization != "none":
+        log.warning("--speculative quantspec drafts with 4-bit weights, and the target already serves "
+                    "--quantization %s: the draft saves little over the target", config.quantization)
+    try:
+        quantize_model(draft, draft_config, scheme, config.model)
+    except ValueError as exc:   # a GGUF whose fused projections mix block types: quantize at load
+        if scheme is not Quantization.GGUF:
+            raise
+        log.info("quantspec draft: %s; int4 at load instead", exc)
+        quantize_model(draft, draft_config, Quantization.INT4, config.model)

@@ -62,7 +62,8 @@ class SpecDecoder:
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
-        self.tau = {"ngram": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior}
+        self.tau = {"ngram": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior,
+                    "quantspec": config.draft_cost_prior}
         self._t_draft: dict[str, float] = {}
         self._t_target: float | None = None
         self._proposed_at: float | None = None
@@ -83,7 +84,9 @@ class SpecDecoder:
         self.proposers["ngram"] = NgramDrafts(self.config)
         if loaded.draft_model is not None:
             from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
-            self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
+            proposer = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model,
+                                          loaded.draft_kv_dtype, method=self.config.method)
+            self.proposers[proposer.method] = proposer
         elif loaded.eagle is not None:
             from decode.spec.eagle import EagleProposer  # noqa: PLC0415
             self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle)
