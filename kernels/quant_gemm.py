@@ -27,13 +27,16 @@ from kernels._common import dot_flags, interpreting
 _FORMATS = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 2}
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 
-# (rows up to, config). A decode batch gets 16-row tiles (tl.dot's minimum) and narrow column
-# tiles for more programs; a prefill chunk 64 x 64, so each weight block read feeds 64 rows.
-# Smaller tiles under the interpreter keep the tests' small shapes spread over several tiles.
-_CONFIGS = ([(16, dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)),
-             (None, dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1))] if interpreting() else
-            [(16, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4)),
-             (None, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3))])
+# A decode batch (up to 16 rows, tl.dot's minimum tile) gets narrow column tiles, for more
+# programs; a prefill chunk 64 x 64, so each weight block read feeds 64 rows. 8 warps there: at 4
+# the 4-bit tile took 212 registers a thread. fp32's IEEE dots take more registers still: 32 rows
+# (64 spilled). Smaller tiles under the interpreter spread the tests' small shapes over several.
+_DECODE_ROWS = 16
+_DECODE = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4)
+_PREFILL = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
+_PREFILL_FP32 = dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3)
+_INTERPRET_DECODE = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+_INTERPRET_PREFILL = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -103,8 +106,11 @@ def _quant_gemm_kernel(x_ptr, q_ptr, s_ptr, m_ptr, b_ptr, out_ptr, M, N, KB, str
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _config(rows: int) -> dict:
-    return next(dict(cfg) for limit, cfg in _CONFIGS if limit is None or rows <= limit)
+def _config(rows: int, dtype: torch.dtype) -> dict:
+    decode = rows <= _DECODE_ROWS
+    if interpreting():
+        return dict(_INTERPRET_DECODE if decode else _INTERPRET_PREFILL)
+    return dict(_DECODE if decode else _PREFILL_FP32 if dtype == torch.float32 else _PREFILL)
 
 
 def triton_quant_linear(x: torch.Tensor, qweight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,7 +129,7 @@ def triton_quant_linear(x: torch.Tensor, qweight, bias: torch.Tensor | None = No
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        cfg = _config(m)
+        cfg = _config(m, x.dtype)
         precision, upcast = dot_flags(x.dtype)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         mins = qweight.mins if qweight.mins is not None else qweight.scales   # unread but for 4-bit
