@@ -96,3 +96,20 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="features"):
         triton_quant_linear(torch.zeros(1, K + 32), qw)
     assert triton_quant_linear(torch.zeros(0, K), qw).shape == (0, N)
+
+
+def test_quant_linear_reads_its_buffers_where_they_moved():
+    """QuantLinear's frozen QuantizedWeight follows the buffers a `.to(device)` replaces (here a
+    clone stands in for the move; the Triton path takes the weight the same way), in its packed
+    dtypes even after a module-wide dtype cast."""
+    from kernels import cpu_ops
+    if cpu_ops.load() is None:
+        pytest.skip("no C compiler: the CPU kernel is not built here")
+    from cluster.model.quant_linear import QuantLinear
+    layer = QuantLinear(_weight(QuantFormat.Q4_1, seed=5), torch.randn(N))
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(6))
+    before = layer(x)
+    layer._apply(lambda t: t.clone())
+    layer.to(torch.bfloat16)
+    assert layer(x.bfloat16()).float().allclose(before, atol=2e-2, rtol=2e-2)
+    assert layer.qweight.quants is layer.quants and layer.qweight.scales.dtype == torch.float16
