@@ -1,8 +1,9 @@
-"""The steps the compile check records: the engine's attention steps and batch-invariant ops over
-the model shapes people serve, in every dtype the engine runs.
+"""The steps the compile check records: the engine's attention steps, batch-invariant ops and
+quantized GEMM over the model shapes people serve, in every dtype the engine runs.
 
 Each case runs the real host code (the attention backend's `prepare` and `forward` on the meta
-device, `batch_invariant.matmul` and `rms_norm` on meta tensors) under
+device, `batch_invariant.matmul` and `rms_norm` and `quant_gemm.triton_quant_linear` on meta
+tensors) under
 `compile_check.record_launches`, so the launches are exactly what the backends would select:
 which kernel runs a section, split or not, BLOCK_M from the group and the verification width,
 the autotune space. The suite compiles `suite_launches()`, a subset that still covers every
