@@ -142,7 +142,8 @@ def record_quant_gemm(dtype: torch.dtype, hidden: int = 576, out_features: int =
             for m in rows:
                 x = torch.empty(m, hidden, dtype=dtype, device="meta")
                 for with_bias in bias:
-                    quant_gemm.triton_quant_linear(x, qw, torch.empty(out_features, device="meta") if with_bias else None)
+                    b = torch.empty(out_features, device="meta") if with_bias else None
+                    quant_gemm.triton_quant_linear(x, qw, b)
     return unique(sink)
 
 
