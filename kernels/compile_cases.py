@@ -1,8 +1,9 @@
-"""The steps the compile check records: the engine's attention steps and batch-invariant ops over
-the model shapes people serve, in every dtype the engine runs.
+"""The steps the compile check records: the engine's attention steps, batch-invariant ops and
+quantized GEMM over the model shapes people serve, in every dtype the engine runs.
 
 Each case runs the real host code (the attention backend's `prepare` and `forward` on the meta
-device, `batch_invariant.matmul` and `rms_norm` on meta tensors) under
+device, `batch_invariant.matmul` and `rms_norm` and `quant_gemm.triton_quant_linear` on meta
+tensors) under
 `compile_check.record_launches`, so the launches are exactly what the backends would select:
 which kernel runs a section, split or not, BLOCK_M from the group and the verification width,
 the autotune space. The suite compiles `suite_launches()`, a subset that still covers every
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import batch_invariant
+from kernels import batch_invariant, quant_gemm
 from kernels.backend import TritonAttentionBackend
 from kernels.compile_check import Launch, record_launches, unique
+from kernels.cpu_quant import BLOCK, TILE, QuantFormat, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,35 @@ def record_batch_invariant(dtype: torch.dtype, hidden: int = 576, out_features: 
     return unique(sink)
 
 
+def _meta_weight(fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
+    """A QuantizedWeight of cpu_quant's layout on the meta device."""
+    tiles, blocks = -(-n // TILE), k // BLOCK
+    if fmt is QuantFormat.INT8:
+        return QuantizedWeight(fmt, n, k, torch.empty(tiles, blocks, TILE, BLOCK, dtype=torch.uint8, device="meta"),
+                               torch.empty(tiles * TILE, device="meta"))
+    width = BLOCK if fmt is QuantFormat.Q8_0 else BLOCK // 2
+    scales = torch.empty(tiles, blocks, TILE, dtype=torch.float16, device="meta")
+    return QuantizedWeight(fmt, n, k, torch.empty(tiles, blocks, TILE, width, dtype=torch.uint8, device="meta"),
+                           scales, None if fmt is QuantFormat.Q8_0 else torch.empty_like(scales))
+
+
+def record_quant_gemm(dtype: torch.dtype, hidden: int = 576, out_features: int = 1536,
+                      rows: tuple[int, ...] = (1, 7, 300), formats: tuple[QuantFormat, ...] = tuple(QuantFormat),
+                      bias: tuple[bool, ...] = (False, True)) -> list[Launch]:
+    """The quantized linear (QuantLinear on CUDA) on meta tensors: a decode row (M = 1 is a
+    constant to Triton), a decode batch and a prefill chunk (the two tile configs), with the fp32
+    bias QuantLinear keeps and without."""
+    with record_launches() as sink:
+        for fmt in formats:
+            qw = _meta_weight(fmt, out_features, hidden)
+            for m in rows:
+                x = torch.empty(m, hidden, dtype=dtype, device="meta")
+                for with_bias in bias:
+                    b = torch.empty(out_features, device="meta") if with_bias else None
+                    quant_gemm.triton_quant_linear(x, qw, b)
+    return unique(sink)
+
+
 def all_launches() -> list[Launch]:
     """The whole matrix: every shape and dtype in both attention modes with 16-token blocks, and
     the default shape with 32-token blocks too (the block size only moves address arithmetic)."""
@@ -127,6 +158,7 @@ def all_launches() -> list[Launch]:
         out += record_attention(SHAPES["smollm2-135m"], dtype, 32)
         for hidden, features in ((576, 1536), (4096, 14336), (8192, 1024)):
             out += record_batch_invariant(dtype, hidden, features)
+            out += record_quant_gemm(dtype, hidden, features)
     return unique(out)
 
 
@@ -138,4 +170,9 @@ def suite_launches() -> list[Launch]:
     out += record_attention(SHAPES["llama3-8b"], torch.float32, verify_lens=(33,))
     out += record_attention(SHAPES["mistral-7b"], torch.float16, verify_lens=())
     out += record_batch_invariant(torch.bfloat16)
+    # Every format in bf16 and fp32 (IEEE dots: the most registers) at both tile configs; fp16 once.
+    out += record_quant_gemm(torch.bfloat16, rows=(1, 300), bias=(False,))
+    out += record_quant_gemm(torch.bfloat16, rows=(7,), formats=(QuantFormat.Q4_1,), bias=(True,))
+    out += record_quant_gemm(torch.float32, rows=(7, 300), bias=(False,))
+    out += record_quant_gemm(torch.float16, rows=(300,), formats=(QuantFormat.Q4_1,), bias=(False,))
     return unique(out)

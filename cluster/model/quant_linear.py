@@ -1,7 +1,9 @@
 """A linear layer on weight-only quantized weights (kernels/cpu_quant.py): GGUF Q8_0/Q4_0/Q4_1
 blocks packed as loaded, or a float weight quantized at load (int8 per channel, Q8_0, Q4_1).
-CPU only; activations float32 or bfloat16, output in their dtype; any number of rows, each row's
-result independent of the others (so it also serves the batch-invariant mode)."""
+On CPU the C kernel: activations float32 or bfloat16, output in their dtype; any number of rows,
+each row's result independent of the others (so it also serves the batch-invariant mode). On
+CUDA the Triton kernel (kernels/quant_gemm.py) over the same packed tensors, moved with the
+module; its tiles follow the row count, so rows there are not batch-invariant."""
 from __future__ import annotations
 
 import torch
@@ -28,7 +30,22 @@ class QuantLinear(nn.Module):
         return cls(QuantizedWeight.quantize(linear.weight, scheme), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.qweight, self.bias)
+        qweight = self._moved_weight()
+        if x.is_cuda:
+            from kernels.quant_gemm import triton_quant_linear  # noqa: PLC0415 - triton only where it runs
+            return triton_quant_linear(x, qweight, self.bias)
+        return quant_linear(x, qweight, self.bias)
+
+    def _moved_weight(self) -> QuantizedWeight:
+        """The weight over the buffers where they are now: `.to(device)` replaces the buffers, not
+        the tensors the (frozen) QuantizedWeight holds. The kernels read scales in their packed
+        dtypes, whatever a module-wide dtype cast made of the float buffers."""
+        qw = self.qweight
+        if qw.quants is not self.quants:
+            mins = None if qw.mins is None else self.mins.to(qw.mins.dtype)
+            qw = self.qweight = QuantizedWeight(qw.format, qw.n, qw.k, self.quants, self.scales.to(qw.scales.dtype),
+                                                mins)
+        return qw
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.qweight.format.value}"

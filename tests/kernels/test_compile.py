@@ -5,7 +5,7 @@ on this CPU machine: the interpreter these tests otherwise run accepts code the 
 The compile runs in a subprocess without TRITON_INTERPRET (the kernels pick their GPU configs at
 import), over `kernels.compile_cases.suite_launches()`: the default model's shape in bf16 in both
 attention modes, fp32 at head dim 128 (the tightest for registers and shared memory), fp16 with a
-sliding window, and the batch-invariant matmul and norm. The whole matrix is
+sliding window, the batch-invariant matmul and norm, and the quantized GEMM. The whole matrix is
 `python bench/compile_check.py`. Compiled kernels land in Triton's cache, so a second run costs
 seconds.
 """
@@ -60,7 +60,7 @@ def test_every_launchable_kernel_has_a_compile_case(suite_report):
     names = {k.rsplit(".", 1)[1] for k in suite_report["kernels"]}
     # The engine's kernels today; a new one shows up in `uncovered` until it has a case.
     assert {"_split_kv_kernel", "_merge_kernel", "_ordered_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
-            "_matmul_kernel", "_rms_norm_kernel"} <= names
+            "_matmul_kernel", "_rms_norm_kernel", "_quant_gemm_kernel"} <= names
 
 
 def test_the_suite_covers_what_the_backends_choose_among(suite_report):
