@@ -52,7 +52,7 @@ def mean_accepted_length(engine, method):
 
 
 @pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto"), ("draft", 3), ("draft", "auto"),
-                                      ("eagle", 3), ("eagle", "auto")])
+                                      ("eagle", 3), ("eagle", "auto"), ("quantspec", "auto")])
 def test_greedy_output_unchanged_in_mixed_batches(method, k, reference):
     engine = spec_engine(method, k, deterministic=True)
     # One batch mixes the engine's default k, per-request k, speculation off, and a sampled request.
