@@ -103,6 +103,9 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
                  f"{'on' if cfg.engine.deterministic else 'off'}")
     if cfg.engine.quantization != "none":
         lines.append(f"  weights: --quantization {cfg.engine.quantization} (docs/quantization.md)")
+    if cfg.engine.cache.kv_cache_dtype != "auto":
+        lines.append(f"  KV cache: --kv-cache-dtype {cfg.engine.cache.kv_cache_dtype}, one byte a value and an fp16 "
+                     "scale per token and head (docs/quantization.md)")
     lines += kv_lines(workers, max_model_len or cfg.engine.max_model_len)
     if at.grpc:
         lines.append(f"  gRPC: {at.grpc} (splitserve.v1; sampling greedy unless a request sets temperature)")
