@@ -9,6 +9,11 @@ plain decoding on the way.
 
     python bench/speculative.py                       # all proposers, k in 2 4 6 and auto
     python bench/speculative.py --methods ngram --ks 4 auto --batches 1
+    python bench/speculative.py --model default --methods quantspec --ks 4 auto --batches 1
+
+`--model default` is the project's default model (SmolLM2-135M-Instruct) instead of stdlib-coder;
+its bf16 verification rows may part from plain decoding after a few dozen tokens outside the
+deterministic mode (README), so the greedy check counts the prompts that differ instead of failing.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
+from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig, default_model_dir
 from cluster.engine.engine import LLMEngine
 from bench.spec_training.evaluate import heldout_windows
 from cluster.types import SamplingParams
@@ -70,13 +75,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
+    ap.add_argument("--model", default=None, help="a model directory, or 'default' (default: stdlib-coder)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    prompts = heldout_windows(str(STDLIB_CODER_DIR), args.prompts, args.prompt_len, room=1)
+    model = STDLIB_CODER_DIR if args.model is None else default_model_dir() if args.model == "default" else args.model
+    prompts = heldout_windows(str(model), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
-    engines = {"off": LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads), speculator_factory=make_speculator)}
+    engines = {"off": LLMEngine(EngineConfig(model=model, num_threads=args.threads), speculator_factory=make_speculator)}
     for m in methods:
-        engines[m] = LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, num_threads=args.threads, speculative=SpeculativeConfig(method=m)),
+        engines[m] = LLMEngine(EngineConfig(model=model, num_threads=args.threads, speculative=SpeculativeConfig(method=m)),
                                speculator_factory=make_speculator)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.threads} threads, bf16")
@@ -93,12 +100,15 @@ def main() -> None:
                 eng.speculator.config = SpeculativeConfig(method=m, num_speculative_tokens=k if k == "auto" else int(k))
                 eng.speculator.counts.clear()
                 outs, rate_tps = run_all(eng, groups, args.new_tokens, args.repeats)
-                assert outs == plain_out, f"{m} k={k}: greedy output differs from plain decoding"
+                differ = sum(o != p for o, p in zip(outs, plain_out))
+                if args.model is None:
+                    assert not differ, f"{m} k={k}: greedy output differs from plain decoding"
                 c = eng.speculator.stats().get(m, {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
                 rate = c["accepted"] / max(c["drafted"], 1)
                 per_step = c["emitted"] / max(c["steps"], 1)
                 print(f"{batch:>5} {m:>6} {k:>4} {rate:7.3f} {per_step:8.2f} {rate_tps:8.1f} "
-                      f"{rate_tps / base:7.2f}x", flush=True)
+                      f"{rate_tps / base:7.2f}x" + (f"  ({differ} of {len(outs)} part from plain)" if differ else ""),
+                      flush=True)
 
 
 if __name__ == "__main__":
