@@ -20,7 +20,7 @@ def _gather_every_prefill(self, span, block_size):
     return attention._TorchPrefillMeta(span=span, gather=slots, masks={})
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["int8"])   # fp8 differs only inside the kernels: test_kv_quant_triton.py
 def test_triton_engine_serves_a_quantized_kv_cache(kv, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(attention.TorchAttentionBackend, "_prepare_prefill", _gather_every_prefill)
     prompts = _prompts(shared_prefix=8)[:3]
