@@ -117,10 +117,9 @@ def test_verify_and_prefill_over_a_cached_prefix(kind):
 
 
 def _step(bs, hq, hkv, d, kind, seed=0):
-    """Decodes, verification spans and prefill chunks that all have a cached prefix (the torch
-    backend attends a fresh prompt's own unquantized K/V; every other path reads the cache)."""
+    """Decodes, a verification span, a prefill chunk over a cached prefix and a fresh prompt."""
     g = torch.Generator().manual_seed(seed)
-    decodes, spans_ = [9, 1, 30], [(13, 3), (20, 7), (26, 12)]   # (context, query) of 1 verify, 2 prefills
+    decodes, spans_ = [9, 1, 30], [(13, 3), (20, 7), (12, 12)]   # (context, query) of 1 verify, 2 prefills
     seqs = [(n, 1) for n in decodes] + spans_
     num_blocks = sum(-(-n // bs) for n, _ in seqs) + 2
     pool = torch.randperm(num_blocks, generator=g).tolist()
