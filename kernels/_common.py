@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import _dequantize, _load_scale
+
 # A constexpr, not a float: a @jit function may read only constexpr globals (a plain float
 # passes the interpreter and fails the compiler: tests/kernels/test_compile.py guards it).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -92,10 +94,12 @@ def _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, ctx, qp
                  kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
                  offs_n, offs_d, d_mask,
                  BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
     """One BLOCK_N tile of keys [start_n, start_n + BLOCK_N) through the block table. Scores are
     kept in log2 units (qk_scale includes log2 e) so exp2 replaces exp. MASK=False is for tiles
-    known to be fully visible to every row: no bounds, causal or window checks at all."""
+    known to be fully visible to every row: no bounds, causal or window checks at all. KV_QUANT
+    (kernels/kv_quant.py): 0 reads K/V as stored; int8/fp8 rows are dequantized in registers to
+    the query's dtype, the same values as the reference's dequantized copy."""
     pos = start_n + offs_n
     if MASK:
         in_ctx = pos < ctx
@@ -105,10 +109,17 @@ def _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, ctx, qp
         blk = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     slot = (pos % BLOCK_SIZE).to(tl.int64)
-    k = tl.load(k_cache + kv_off_k + blk[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_cache + kv_off_v + blk[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    if KV_QUANT == 0:
+        k = tl.load(k_cache + kv_off_k + blk[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache + kv_off_v + blk[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+    else:
+        rows = pos < ctx   # the scales' row mask (always true in unmasked tiles: one compare a row)
+        k = _load_quant_rows(k_cache + kv_off_k + blk * stride_kb + slot * stride_ks, offs_d, kv_mask, rows,
+                             q.dtype, HEAD_DIM, KV_QUANT)
+        v = _load_quant_rows(v_cache + kv_off_v + blk * stride_vb + slot * stride_vs, offs_d, kv_mask, rows,
+                             q.dtype, HEAD_DIM, KV_QUANT)
     if UPCAST:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
@@ -136,7 +147,7 @@ def _attend_range(acc, m_i, l_i, q, k_cache, v_cache, table_row, lo, hi, ctx, qp
                   window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
                   offs_n, offs_d, d_mask,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
     """Keys [lo, hi) in three segments: masked tiles at the window's edge, unmasked tiles every
     row sees in full (the bulk of a long context), masked tiles at the causal diagonal/the end.
     Requires hi <= ctx and hi <= qpos_max + 1."""
@@ -150,15 +161,23 @@ def _attend_range(acc, m_i, l_i, q, k_cache, v_cache, table_row, lo, hi, ctx, qp
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, full_lo, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
                                      qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, True, HAS_WINDOW,
-                                     PRECISION, UPCAST)
+                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, hi, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
                                      qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, False, HAS_WINDOW,
-                                     PRECISION, UPCAST)
+                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, hi, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
                                      qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, True, HAS_WINDOW,
-                                     PRECISION, UPCAST)
+                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _load_quant_rows(row, offs_d, kv_mask, row_mask, dtype, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
+    """Quantized K or V rows (pointers `row` [BLOCK_N]) -> [BLOCK_N, BLOCK_D] values in `dtype`."""
+    raw = tl.load(row[:, None] + offs_d[None, :], mask=kv_mask, other=0)
+    scale = _load_scale(row + HEAD_DIM, row_mask)
+    return _dequantize(raw, scale, KV_QUANT).to(dtype)

@@ -10,6 +10,10 @@ Batch-invariant mode (`invariant=True`): every token of the step, whatever its k
 row of its own over its prefix (context = its position + 1), in one decode section with a fixed
 partition and config. A position's attention is then the same arithmetic however its token was
 batched, chunked or verified.
+
+Quantized KV caches (`--kv-cache-dtype int8|fp8_e4m3`: int8/uint8 rows of D values + an fp16
+scale, kernels/kv_quant.py) need nothing here: each kernel reads the kind from the cache's dtype,
+store_kv quantizes the step's rows and the attention kernels dequantize in registers.
 """
 from __future__ import annotations
 

@@ -88,7 +88,9 @@ def attention_steps(block_size: int, verify_lens: tuple[int, ...]) -> list[Batch
 
 
 def record_attention(shape: AttentionShape, dtype: torch.dtype, block_size: int = 16,
-                     verify_lens: tuple[int, ...] = (2, 9, 17, 33), invariant: bool = False) -> list[Launch]:
+                     verify_lens: tuple[int, ...] = (2, 9, 17, 33), invariant: bool = False,
+                     kv_dtype: torch.dtype | None = None) -> list[Launch]:
+    """`kv_dtype`: a quantized cache's (int8, or uint8 for fp8 rows: D + 2 bytes a row); None, `dtype`."""
     backend = TritonAttentionBackend(shape.num_heads, shape.num_kv_heads, shape.head_dim, "meta", invariant=invariant,
                                      dtype=dtype)
     with record_launches() as sink:
@@ -98,7 +100,8 @@ def record_attention(shape: AttentionShape, dtype: torch.dtype, block_size: int 
             q = torch.empty(tokens, shape.num_heads, shape.head_dim, dtype=dtype, device="meta")
             # k and v arrive as views of the fused qkv projection, as the model passes them.
             kv = torch.empty(tokens, 2, shape.num_kv_heads, shape.head_dim, dtype=dtype, device="meta")
-            cache = torch.empty(1024, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device="meta")
+            width = shape.head_dim + (2 if kv_dtype is not None else 0)   # quantized rows end in an fp16 scale
+            cache = torch.empty(1024, block_size, shape.num_kv_heads, width, dtype=kv_dtype or dtype, device="meta")
             backend.forward(q, kv[:, 0], kv[:, 1], cache, cache, shape.window, meta)
     return unique(sink)
 
@@ -156,6 +159,7 @@ def all_launches() -> list[Launch]:
             for invariant in (False, True):
                 out += record_attention(shape, dtype, 16, invariant=invariant)
         out += record_attention(SHAPES["smollm2-135m"], dtype, 32)
+        out += quantized_kv_launches(dtype, full=True)
         for hidden, features in ((576, 1536), (4096, 14336), (8192, 1024)):
             out += record_batch_invariant(dtype, hidden, features)
             out += record_quant_gemm(dtype, hidden, features)
@@ -166,6 +170,7 @@ def suite_launches() -> list[Launch]:
     """The test suite's subset: the default model's shape in bf16 (every verification width, both
     modes), the fp32 worst case for shared memory (head dim 128) and a window; fp16 once."""
     out = record_attention(SHAPES["smollm2-135m"], torch.bfloat16)
+    out += quantized_kv_launches(torch.bfloat16)
     out += record_attention(SHAPES["smollm2-135m"], torch.bfloat16, invariant=True)
     out += record_attention(SHAPES["llama3-8b"], torch.float32, verify_lens=(33,))
     out += record_attention(SHAPES["mistral-7b"], torch.float16, verify_lens=())
@@ -176,3 +181,19 @@ def suite_launches() -> list[Launch]:
     out += record_quant_gemm(torch.float32, rows=(7, 300), bias=(False,))
     out += record_quant_gemm(torch.float16, rows=(300,), formats=(QuantFormat.Q4_1,), bias=(False,))
     return unique(out)
+
+
+QUANTIZED_KV = (torch.int8, torch.uint8)   # --kv-cache-dtype int8, fp8_e4m3 (kernels/kv_quant.py)
+
+
+def quantized_kv_launches(dtype: torch.dtype, full: bool = False) -> list[Launch]:
+    """Attention over quantized KV rows (the store, and K/V dequantized beside the dots). The
+    suite's: int8 in the autotuned launches, only their 8-warp configs (the widest tiles, the
+    most registers); fp8 in the invariant ones (one fixed config). `full`: every shape, both
+    modes, both kinds, every config."""
+    if not full:
+        int8 = record_attention(SHAPES["smollm2-135m"], dtype, verify_lens=(), kv_dtype=torch.int8)
+        return ([launch for launch in int8 if launch.num_warps == 8 or "store" in launch.kernel]
+                + record_attention(SHAPES["smollm2-135m"], dtype, verify_lens=(), invariant=True, kv_dtype=torch.uint8))
+    return [launch for kv in QUANTIZED_KV for shape in SHAPES.values() for invariant in (False, True)
+            for launch in record_attention(shape, dtype, invariant=invariant, kv_dtype=kv)]

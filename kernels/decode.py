@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, fp32_pruner,
                              head_block, interpreting, next_pow2)
+from kernels.kv_quant import check_row_width, kv_quant_of
 from kernels.prefill import prefill_attention
 
 MAX_ROWS = 128   # packed (query, head) rows one program holds; beyond, the prefill kernel tiles them
@@ -43,7 +44,7 @@ def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_DECODE: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, KV_QUANT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,7 +76,7 @@ def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables,
                                   kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
                                   stride_kb, stride_ks, stride_vb, stride_vs, scale * LOG2E,
                                   tl.arange(0, BLOCK_N), offs_d, d_mask,
-                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST)
+                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
     has = l_i > 0   # a row sees no key of this partition when the partition ends before it starts
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -175,6 +176,8 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
     else:
         part_o = part_lse = out   # unused
     precision, upcast = dot_flags(q.dtype)
+    quant = kv_quant_of(k_cache)   # quantized rows: dequantized in registers to q's dtype
+    check_row_width(k_cache, head_dim, quant)
     # The JIT function under the autotuner with the fixed config: no choice by shape.
     kernel, config = (_split_kv_kernel.fn, INVARIANT_CONFIG) if invariant else (_split_kv_kernel, {})
     kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -185,7 +188,7 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
         v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(rows * group)),
         BLOCK_SIZE=k_cache.shape[1], IS_DECODE=is_decode, SPLIT=split, HAS_WINDOW=window is not None,
-        PRECISION=precision, UPCAST=upcast, **config)
+        PRECISION=precision, UPCAST=upcast, KV_QUANT=quant, **config)
     if invariant:
         _ordered_merge_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d)

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels._common import (LOG2E, _attend_range, _load_q_rows, autotune_configs, dot_flags, fp32_pruner, head_block,
                              interpreting)
+from kernels.kv_quant import check_row_width, kv_quant_of
 
 
 def _configs():
@@ -56,7 +57,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, q_starts
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_map + 2 * tile)
@@ -83,7 +84,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, q_starts
                                   kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
                                   stride_kb, stride_ks, stride_vb, stride_vs, scale * LOG2E,
                                   tl.arange(0, BLOCK_N), offs_d, d_mask,
-                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST)
+                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
     o = acc / l_i[:, None]   # every real row sees at least its own key
     row_tok = (q_start + query).to(tl.int64)
     tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -114,6 +115,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_len
     if tiles.shape[0] == 0:
         return out
     precision, upcast = dot_flags(q.dtype)
+    quant = kv_quant_of(k_cache)   # quantized rows: dequantized in registers to q's dtype
+    check_row_width(k_cache, head_dim, quant)
     _prefill_kernel[(tiles.shape[0], num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens, query_starts, query_lens, tiles,
         scale, window or 0,
@@ -121,5 +124,6 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_starts, query_len
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim), BLOCK_M=block_m,
-        BLOCK_SIZE=k_cache.shape[1], HAS_WINDOW=window is not None, PRECISION=precision, UPCAST=upcast)
+        BLOCK_SIZE=k_cache.shape[1], HAS_WINDOW=window is not None, PRECISION=precision, UPCAST=upcast,
+        KV_QUANT=quant)
     return out

@@ -115,9 +115,6 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     mc, cc = models.config, config.cache
     backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                      models.kernel_plan, models.dtype, scale=mc.attention_scale)
-    if cc.kv_cache_dtype != "auto" and backend.name != "torch":
-        raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: the {backend.name} attention backend does not read "
-                         "quantized KV rows; serve with --attention-backend torch, or --kv-cache-dtype auto")
     replay = replay_factory(device, config.cuda_graphs)
     if replay is not None and config.cuda_graphs == "auto" and not backend.static_decode_ready():
         log.info("decode graphs off: the %s attention backend cannot replay static decode steps here", backend.name)

@@ -60,7 +60,7 @@ def test_every_launchable_kernel_has_a_compile_case(suite_report):
     names = {k.rsplit(".", 1)[1] for k in suite_report["kernels"]}
     # The engine's kernels today; a new one shows up in `uncovered` until it has a case.
     assert {"_split_kv_kernel", "_merge_kernel", "_ordered_merge_kernel", "_prefill_kernel", "_store_kv_kernel",
-            "_matmul_kernel", "_rms_norm_kernel", "_quant_gemm_kernel"} <= names
+            "_matmul_kernel", "_rms_norm_kernel", "_quant_gemm_kernel", "_store_quant_kernel"} <= names
 
 
 def test_the_suite_covers_what_the_backends_choose_among(suite_report):
@@ -72,6 +72,7 @@ def test_the_suite_covers_what_the_backends_choose_among(suite_report):
                                                                 (False, False)}
     assert {c["HAS_WINDOW"] for c in consts} == {True, False}
     assert {c["BLOCK_M"] for c in consts} >= {16, 32, 64}
+    assert {c["KV_QUANT"] for c in consts} == {0, 1, 2}   # plain, int8 and fp8 KV rows
     pointer_types = {dict(r["launch"]["signature"])["q_ptr"] for r in suite_report["reports"]
                      if r["launch"]["kernel"].endswith(("_split_kv_kernel", "_prefill_kernel"))}
     assert pointer_types == {"*bf16", "*fp16", "*fp32"}
