@@ -179,14 +179,14 @@ def _gguf_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Values [n, blocks, 32] (0..15) -> quant.c's 4-bit tiles: byte 4l + j of a block holds element
-    8j + l (low nibble) and 8j + 4 + l (high nibble), l, j < 4."""
-    v = q.reshape(*q.shape[:-1], 4, 2, 4)                  # [.., j, low/high, l]
-    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-1, -2)   # [.., l, j]
+    """Values [n, blocks, 32] (0..15) -> quant.c's 4-bit tiles: byte 8h + i of a block holds element
+    16h + i (low nibble) and 16h + 8 + i (high nibble), h < 2, i < 8."""
+    v = q.reshape(*q.shape[:-1], 2, 2, 8)                  # [.., h, low/high, i]
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)            # [.., h, i]
     return _tiles(packed.reshape(*q.shape[:-1], 16))
 
 
 def _unpack_nibbles(quants: torch.Tensor) -> torch.Tensor:
     """quant.c's 4-bit tiles -> values [tiles * TILE, blocks, 32] in element order."""
-    b = _untile(quants).reshape(*_untile(quants).shape[:-1], 4, 4).transpose(-1, -2)   # [.., j, l]
+    b = _untile(quants).reshape(*_untile(quants).shape[:-1], 2, 8)   # [.., h, i]
     return torch.stack([b & 15, b >> 4], dim=-2).reshape(*b.shape[:-2], 32)
