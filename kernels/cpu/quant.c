@@ -20,12 +20,19 @@
  * (sum_k x_k (d q_k + m) = d x.q + m sum x: the minimums cost one multiply-add per block for all
  * of a tile's columns). QF_INT8 accumulates x . q over all of K and scales once. So a row's
  * result is batch-invariant.
+ *
+ * Optional for QF_Q4 (fmt | Q_ACT8): activations quantized to int8 per row and block of 32 once per
+ * call (dx = max|x| / 127, xq = round(x / dx), as llama.cpp's Q8 activations), so each block's
+ * x . q is an exact integer dot product (AVX2 maddubs + madd: a third of the fp32 path's
+ * instructions); acc += (d dx) * that, and the minimum term as above from the fp32 block sums.
+ * Results differ from the fp32 path by the activation rounding (up to dx / 2 per element); still
+ * batch-invariant (a row's quantization and sums do not depend on the other rows).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2 };
+enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2, Q_ACT8 = 4 };
 #define QT 8          /* output columns per tile of the layout */
 #define QB 32         /* weights per block */
 #define Q_ROWS 8      /* activation rows converted to fp32 at a time */
@@ -230,6 +237,122 @@ static inline void min_terms(const float *mb, const float *xs, int64_t nb, float
 #endif
 }
 
+/* Int8 activations (Q_ACT8): element e of a block sits at byte P(e) of its 32, the order in which
+ * the 4-bit kernel unpacks a block's nibbles (bytes 0-15: the 16 bytes' low nibbles, 16-31: their
+ * high ones). xq [rows][blocks][32], dx [rows][blocks]. */
+static inline int act8_pos(int e) { return (e % 16 < 8 ? 0 : 16) + 8 * (e / 16) + e % 8; }
+
+static void quant_act8(const float *xf, int64_t rows, int64_t k_dim, int8_t *xq, float *dx) {
+    const int64_t nb = k_dim / QB;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = xf + r * k_dim + b * QB;
+#if defined(__AVX2__)
+            /* The same values as the loop below: max of |x| (exact in any order), x * inv rounded to
+             * nearest even by cvtps (the default rounding mode), in [-127, 127] by construction. */
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+            for (int j = 1; j < 4; j++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * j)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amx = _mm_cvtss_f32(h);
+            const __m256 iv = _mm256_set1_ps(amx > 0.f ? 127.f / amx : 0.f);
+            dx[r * nb + b] = amx / 127.f;
+            __m256i v[4];
+            for (int j = 0; j < 4; j++) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), iv));
+            /* elements 0-7, 16-23 (the low nibbles' order), then 8-15, 24-31: packs interleave 128-bit
+             * lanes, so pack (0-7, 16-23) and (8-15, 24-31) as dwords then words, and fix the order. */
+            const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[2]), _mm256_packs_epi32(v[1], v[3]));
+            /* w's dwords: [0-3, 16-19, 8-11, 24-27 | 4-7, 20-23, 12-15, 28-31] -> [0-7, 16-23, 8-15, 24-31] */
+            _mm256_storeu_si256((__m256i *)(xq + (r * nb + b) * QB),
+                                _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            continue;
+#endif
+            float amax = 0.f;
+            for (int e = 0; e < QB; e++) amax = fabsf(xb[e]) > amax ? fabsf(xb[e]) : amax;
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            dx[r * nb + b] = amax / 127.f;
+            for (int e = 0; e < QB; e++) {
+                const float v = nearbyintf(xb[e] * inv);
+                xq[(r * nb + b) * QB + act8_pos(e)] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+            }
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define Q_ACT8_SIMD 1
+/* total[r * QT + c] = the d * q part of row r, column c0 + c over a tile, with int8 activations:
+ * per block the 32 nibbles as bytes (a broadcast, a variable shift and an AND), then for each of
+ * NR rows maddubs and madd give 8 int32 partial dot products (exact), converted and added with
+ * weight d dx: acc += dd * float(isum). dd: [NR][blocks][QT]. */
+static inline ALWAYS void qtile8(const int8_t *xq, int64_t nb, const uint8_t *qt, const float *dd, int c0,
+                                 const int NR, const int NB, float *total) {
+    const __m256i low = _mm256_set1_epi8(15), sh = _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4][QT];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *qb = qt + b * QT * (QB / 2);
+        _mm_prefetch((const char *)qb + Q_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)qb + Q_PREFETCH + 64, _MM_HINT_T0);
+        for (int c = 0; c < NB; c++) {
+            const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(qb + (c0 + c) * (QB / 2))));
+            const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, sh), low);
+            for (int r = 0; r < NR; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * nb + b) * QB));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dd[(r * nb + b) * QT + c0 + c]), _mm256_cvtepi32_ps(p),
+                                            acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NB; c++) {
+            const __m256 a = acc[r][c];
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            total[r * QT + c0 + c] = _mm_cvtss_f32(t);
+        }
+}
+
+static inline ALWAYS int64_t qtile8_rows(const int8_t *xq, int64_t nb, const uint8_t *qt, const float *dd,
+                                         int64_t nr, float *total) {
+    if (nr >= 4) {
+        for (int c0 = 0; c0 < QT; c0 += 2) qtile8(xq, nb, qt, dd, c0, 4, 2, total);
+        return 4;
+    }
+    if (nr >= 2) {
+        for (int c0 = 0; c0 < QT; c0 += 4) qtile8(xq, nb, qt, dd, c0, 2, 4, total);
+        return 2;
+    }
+    qtile8(xq, nb, qt, dd, 0, 1, QT, total);
+    return 1;
+}
+#else
+/* Portable: per block the integer dot product, then acc += dd * it, block by block. */
+static inline int64_t qtile8_rows(const int8_t *xq, int64_t nb, const uint8_t *qt, const float *dd, int64_t nr,
+                                  float *total) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int c = 0; c < QT; c++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *qb = qt + (b * QT + c) * (QB / 2);
+                int32_t isum = 0;
+                for (int e = 0; e < QB; e++) {
+                    const uint8_t byte = qb[8 * (e / 16) + e % 8];
+                    isum += (e % 16 < 8 ? byte & 15 : byte >> 4) * xq[(r * nb + b) * QB + act8_pos(e)];
+                }
+                acc += dd[(r * nb + b) * QT + c] * (float)isum;
+            }
+            total[r * QT + c] = acc;
+        }
+    return nr;
+}
+#endif
+
 static inline float load_x(const void *p, int64_t i, int bf) {
     return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -239,18 +362,33 @@ static inline float load_x(const void *p, int64_t i, int bf) {
 static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const uint8_t *quants, const void *scale,
                                         const uint16_t *mins, const float *bias, int64_t t0, int64_t t1,
                                         int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride,
-                                        const int fmt, const int bf) {
+                                        const int fmt, const int bf, const int act8) {
     const int64_t nb = k_dim / QB, bpb = fmt == QF_Q4 ? QB / 2 : QB;
     float xf[Q_ROWS * k_dim], xs[fmt == QF_Q4 ? Q_ROWS * nb : 1], db[nb * QT], mb[fmt == QF_Q4 ? nb * QT : 1];
-    float total[Q_ROWS * QT], mt[QT];
+    float total[Q_ROWS * QT], mt[QT], dx[act8 ? Q_ROWS * nb : 1], dd[act8 ? Q_ROWS * nb * QT : 1];
+    int8_t xq[act8 ? Q_ROWS * k_dim : 1];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t k = 0; k < k_dim; k++) xf[r * k_dim + k] = load_x(x, r * x_stride + k, bf);
     if (fmt == QF_Q4) block_sums(xf, rows, k_dim, xs);
+    if (act8) quant_act8(xf, rows, k_dim, xq, dx);
     for (int64_t t = t0; t < t1; t++) {
         if (fmt != QF_INT8) scales_f32((const uint16_t *)scale + t * nb * QT, db, nb * QT);
         if (fmt == QF_Q4) scales_f32(mins + t * nb * QT, mb, nb * QT);
+        if (act8)   /* dd[r][b][c] = d[b][c] * dx[r][b] */
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t b = 0; b < nb; b++) {
+#ifdef Q_ACT8_SIMD
+                    _mm256_storeu_ps(dd + (r * nb + b) * QT,
+                                     _mm256_mul_ps(_mm256_loadu_ps(db + b * QT), _mm256_set1_ps(dx[r * nb + b])));
+#else
+                    for (int c = 0; c < QT; c++) dd[(r * nb + b) * QT + c] = db[b * QT + c] * dx[r * nb + b];
+#endif
+                }
         for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
-            nr = qtile_rows(xf + r0 * k_dim, k_dim, quants + t * nb * QT * bpb, db, rows - r0, fmt, total);
+            if (act8)
+                nr = qtile8_rows(xq + r0 * k_dim, nb, quants + t * nb * QT * bpb, dd + r0 * nb * QT, rows - r0, total);
+            else
+                nr = qtile_rows(xf + r0 * k_dim, k_dim, quants + t * nb * QT * bpb, db, rows - r0, fmt, total);
             for (int64_t r = 0; r < nr; r++) {
                 if (fmt == QF_Q4) min_terms(mb, xs + (r0 + r) * nb, nb, mt);
                 for (int c = 0; c < QT && t * QT + c < n_dim; c++) {
@@ -270,14 +408,18 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
 static inline ALWAYS void qlinear_tiles(const void *x, int64_t x_stride, const uint8_t *quants, const void *scale,
                                         const uint16_t *mins, const float *bias, int64_t t0, int64_t t1,
                                         int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride,
-                                        const int fmt, const int bf) {
+                                        const int fmt, const int bf, const int act8) {
     const int64_t es = bf ? 2 : 4;
+    if (rows <= Q_ROWS) {   /* one row block: x converted once for all the tiles (no chunks to keep in L2) */
+        qlinear_block(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, out_stride, fmt, bf, act8);
+        return;
+    }
     for (int64_t c0 = t0; c0 < t1; c0 += Q_COLS / QT) {
         const int64_t c1 = t1 - c0 < Q_COLS / QT ? t1 : c0 + Q_COLS / QT;
         for (int64_t r0 = 0; r0 < rows; r0 += Q_ROWS)
             qlinear_block((const char *)x + r0 * x_stride * es, x_stride, quants, scale, mins, bias, c0, c1, n_dim,
                           k_dim, rows - r0 < Q_ROWS ? rows - r0 : Q_ROWS, (char *)out + r0 * out_stride * es,
-                          out_stride, fmt, bf);
+                          out_stride, fmt, bf, act8);
     }
 }
 
@@ -286,12 +428,16 @@ static inline ALWAYS void qlinear_tiles(const void *x, int64_t x_stride, const u
 void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
                       const float *bias, int64_t t0, int64_t t1, int64_t n_dim, int64_t k_dim, int64_t rows,
                       void *out, int64_t out_stride, int fmt, int dtype) {
-#define Q_CALL(F, B) qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, \
-                                   out_stride, F, B)
+#define Q_CALL(F, B, A) qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, \
+                                      out_stride, F, B, A)
+    const int act8 = (fmt & Q_ACT8) && (fmt & ~Q_ACT8) == QF_Q4;   /* int8 activations: 4-bit weights only */
+    fmt &= ~Q_ACT8;
     if (dtype == 1) {
-        if (fmt == QF_Q4) Q_CALL(QF_Q4, 1); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 1); else Q_CALL(QF_INT8, 1);
+        if (act8) Q_CALL(QF_Q4, 1, 1);
+        else if (fmt == QF_Q4) Q_CALL(QF_Q4, 1, 0); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 1, 0); else Q_CALL(QF_INT8, 1, 0);
     } else {
-        if (fmt == QF_Q4) Q_CALL(QF_Q4, 0); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 0); else Q_CALL(QF_INT8, 0);
+        if (act8) Q_CALL(QF_Q4, 0, 1);
+        else if (fmt == QF_Q4) Q_CALL(QF_Q4, 0, 0); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 0, 0); else Q_CALL(QF_INT8, 0, 0);
     }
 #undef Q_CALL
 }
