@@ -58,7 +58,7 @@ static inline float h2f(uint16_t h) {   /* IEEE half to float, exact (the fallba
 #endif
 
 /* n halves to floats: once per tile and row block, so the block loop only broadcasts. */
-static void scales_f32(const uint16_t *h, float *f, int64_t n) {
+static inline void scales_f32(const uint16_t *h, float *f, int64_t n) {
     int64_t i = 0;
 #ifdef __F16C__
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
@@ -222,18 +222,28 @@ static void block_sums(const float *xf, int64_t rows, int64_t k_dim, float *xs) 
 }
 #endif
 
-/* mt[c] = sum_b m[b][c] * xs[b] for the tile's columns: one multiply and add per block for all
- * QT of them (8 lanes), the same order whatever the tile shape. */
-static inline void min_terms(const float *mb, const float *xs, int64_t nb, float *mt) {
+#if QV > 1
+static inline __m256 load8h(const uint16_t *h) {   /* QT = 8 halves as floats */
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    return _mm256_setr_ps(h2f(h[0]), h2f(h[1]), h2f(h[2]), h2f(h[3]), h2f(h[4]), h2f(h[5]), h2f(h[6]), h2f(h[7]));
+#endif
+}
+#endif
+
+/* mt[c] = sum_b m[b][c] * xs[b] for the tile's columns, from the fp16 minimums mh [blocks][QT]:
+ * one conversion, multiply and add per block for all QT of them (8 lanes), the same order
+ * whatever the tile shape. */
+static inline void min_terms(const uint16_t *mh, const float *xs, int64_t nb, float *mt) {
 #if QV > 1
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(mb + b * QT), _mm256_set1_ps(xs[b])));
+    for (int64_t b = 0; b < nb; b++) acc = _mm256_add_ps(acc, _mm256_mul_ps(load8h(mh + b * QT), _mm256_set1_ps(xs[b])));
     _mm256_storeu_ps(mt, acc);
 #else
     for (int c = 0; c < QT; c++) mt[c] = 0.f;
     for (int64_t b = 0; b < nb; b++)
-        for (int c = 0; c < QT; c++) mt[c] += mb[b * QT + c] * xs[b];
+        for (int c = 0; c < QT; c++) mt[c] += h2f(mh[b * QT + c]) * xs[b];
 #endif
 }
 
@@ -364,7 +374,7 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
                                         int64_t n_dim, int64_t k_dim, int64_t rows, void *out, int64_t out_stride,
                                         const int fmt, const int bf, const int act8) {
     const int64_t nb = k_dim / QB, bpb = fmt == QF_Q4 ? QB / 2 : QB;
-    float xf[Q_ROWS * k_dim], xs[fmt == QF_Q4 ? Q_ROWS * nb : 1], db[nb * QT], mb[fmt == QF_Q4 ? nb * QT : 1];
+    float xf[Q_ROWS * k_dim], xs[fmt == QF_Q4 ? Q_ROWS * nb : 1], db[act8 ? 1 : nb * QT];
     float total[Q_ROWS * QT], mt[QT], dx[act8 ? Q_ROWS * nb : 1], dd[act8 ? Q_ROWS * nb * QT : 1];
     int8_t xq[act8 ? Q_ROWS * k_dim : 1];
     for (int64_t r = 0; r < rows; r++)
@@ -372,16 +382,16 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
     if (fmt == QF_Q4) block_sums(xf, rows, k_dim, xs);
     if (act8) quant_act8(xf, rows, k_dim, xq, dx);
     for (int64_t t = t0; t < t1; t++) {
-        if (fmt != QF_INT8) scales_f32((const uint16_t *)scale + t * nb * QT, db, nb * QT);
-        if (fmt == QF_Q4) scales_f32(mins + t * nb * QT, mb, nb * QT);
-        if (act8)   /* dd[r][b][c] = d[b][c] * dx[r][b] */
+        const uint16_t *dh = (const uint16_t *)scale + t * nb * QT;
+        if (fmt != QF_INT8 && !act8) scales_f32(dh, db, nb * QT);
+        if (act8)   /* dd[r][b][c] = d[b][c] * dx[r][b], straight from the fp16 scales */
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t b = 0; b < nb; b++) {
 #ifdef Q_ACT8_SIMD
                     _mm256_storeu_ps(dd + (r * nb + b) * QT,
-                                     _mm256_mul_ps(_mm256_loadu_ps(db + b * QT), _mm256_set1_ps(dx[r * nb + b])));
+                                     _mm256_mul_ps(load8h(dh + b * QT), _mm256_set1_ps(dx[r * nb + b])));
 #else
-                    for (int c = 0; c < QT; c++) dd[(r * nb + b) * QT + c] = db[b * QT + c] * dx[r * nb + b];
+                    for (int c = 0; c < QT; c++) dd[(r * nb + b) * QT + c] = h2f(dh[b * QT + c]) * dx[r * nb + b];
 #endif
                 }
         for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
@@ -390,7 +400,7 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
             else
                 nr = qtile_rows(xf + r0 * k_dim, k_dim, quants + t * nb * QT * bpb, db, rows - r0, fmt, total);
             for (int64_t r = 0; r < nr; r++) {
-                if (fmt == QF_Q4) min_terms(mb, xs + (r0 + r) * nb, nb, mt);
+                if (fmt == QF_Q4) min_terms(mins + t * nb * QT, xs + (r0 + r) * nb, nb, mt);
                 for (int c = 0; c < QT && t * QT + c < n_dim; c++) {
                     const int64_t n = t * QT + c;
                     float v = total[r * QT + c];
