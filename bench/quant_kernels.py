@@ -2,7 +2,10 @@
 on the default model's linear shapes, at several row counts and thread counts.
 
     python bench/quant_kernels.py [--rows 1 8 32 512] [--threads 2 1] [--layers 30]
-                                  [--formats bf16 q8_0 q4_1 int8] [--budget 0.3]
+                                  [--formats bf16 q8_0 q4_1 q4_1-a8 int8] [--budget 0.3]
+
+`q4_1-a8` is Q4_1 with `act_int8=True` (activations quantized to int8 per block inside the kernel:
+not the default, its results carry the activations' rounding), timed as a format of its own.
 
 Each layer shape is held `--layers` times at distinct addresses (the 30 layers of a decode step:
 106M weights, 66 MB even in Q4_1, more than a 32 MB last-level cache), the LM head 3 times, and
@@ -40,14 +43,14 @@ def _copies(fmt: str, shape: tuple[int, int], count: int):
     if fmt == "bf16":
         w = w.to(torch.bfloat16)
         return [w.clone() for _ in range(count)], w.numel() * 2
-    qw = QuantizedWeight.quantize(w, fmt)
+    qw = QuantizedWeight.quantize(w, fmt.removesuffix("-a8"))
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
     return [QuantizedWeight(qw.format, qw.n, qw.k, clone(qw.quants), clone(qw.scales), clone(qw.mins))
             for _ in range(count)], qw.nbytes
 
 
 def _call(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
-    return cpu_ops.linear(x, w, None) if fmt == "bf16" else quant_linear(x, w)
+    return cpu_ops.linear(x, w, None) if fmt == "bf16" else quant_linear(x, w, act_int8=fmt.endswith("-a8"))
 
 
 def _time(fmt: str, x: torch.Tensor, weights: list, budget: float) -> float:
@@ -70,7 +73,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_1", "int8"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "q8_0", "q4_1", "q4_1-a8", "int8"])
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timing per measurement")
     args = ap.parse_args()
     if cpu_ops.load() is None:

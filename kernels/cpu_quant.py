@@ -32,6 +32,7 @@ class QuantFormat(enum.Enum):
     Q4_1 = "q4_1"     # blocks of 32: fp16 d, fp16 m, 32 nibbles: w = d * q + m
 
 
+ACT_INT8 = 4   # quant.c's Q_ACT8: or-ed into the format code for int8 activations
 _KERNEL_FORMAT = {QuantFormat.INT8: 0, QuantFormat.Q8_0: 1, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 2}
 _GGML_TYPES = {8: QuantFormat.Q8_0, 2: QuantFormat.Q4_0, 3: QuantFormat.Q4_1}   # GGMLQuantizationType values
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -126,17 +127,26 @@ class QuantizedWeight:
         return w.reshape(-1, self.k)[: self.n]
 
 
-def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None, *,
+                 act_int8: bool = False) -> torch.Tensor:
     """x @ w.T (+ bias) for x [..., K] float32 or bfloat16; the output has x's dtype. A decode
     step makes ~120 of these calls, so the common case (2-D x, fp32 bias or none) does little
-    Python: the weight's pointers are computed once, at construction."""
+    Python: the weight's pointers are computed once, at construction.
+
+    act_int8 (4-bit formats only): activations quantized to int8 per row and block of 32 inside
+    the kernel (dx = max|x| / 127), integer dot products per block: faster at small batch, but the
+    result carries the activations' rounding (not the default; still batch-invariant)."""
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if dtype_code is None:
         raise TypeError(f"quant_linear takes float32 or bfloat16 activations, not {x.dtype}")
     k, n = x.shape[-1], qweight.n
     if k != qweight.k:
         raise ValueError(f"activations have {k} features, the weight {qweight.k}")
+    if act_int8 and qweight.format not in (QuantFormat.Q4_0, QuantFormat.Q4_1):
+        raise ValueError(f"int8 activations need a 4-bit weight, not {qweight.format.value}")
     if cpu_ops.load() is None:   # no C compiler: correct, but dequantizes the weight at every call
+        if act_int8:
+            return act_int8_reference(x.float(), qweight, bias).to(x.dtype)
         return torch.nn.functional.linear(x.float(), qweight.dequantize(), bias).to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -146,9 +156,29 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
     quants, scales, mins, fmt = qweight._kernel_args
+    if act_int8:
+        fmt |= ACT_INT8
     cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), quants, scales, mins,
                               None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n, fmt, dtype_code)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def act_int8_reference(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What quant_linear(..., act_int8=True) computes, in float32 (x float32 [..., K], a 4-bit
+    weight): the d * q part against the int8-rounded activations, the minimum's part against x."""
+    m = _untile(qweight.mins).float()[..., None].expand(-1, -1, BLOCK).reshape(-1, qweight.k)[: qweight.n]
+    linear = torch.nn.functional.linear
+    return linear(_quantize_act_int8(x), qweight.dequantize() - m) + linear(x, m, bias)
+
+
+def _quantize_act_int8(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel's int8 activations stand for, in float32: per row and block of 32,
+    dx * round(x / dx) with dx = max|x| / 127 (x float32 [..., K])."""
+    b = x.reshape(*x.shape[:-1], -1, BLOCK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    # a true division as the kernel's (127 / amax would be amax.reciprocal() * 127: ties round apart)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
 
 
 def _check_k(k: int) -> None:
@@ -179,14 +209,14 @@ def _gguf_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Values [n, blocks, 32] (0..15) -> quant.c's 4-bit tiles: byte 4l + j of a block holds element
-    8j + l (low nibble) and 8j + 4 + l (high nibble), l, j < 4."""
-    v = q.reshape(*q.shape[:-1], 4, 2, 4)                  # [.., j, low/high, l]
-    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(-1, -2)   # [.., l, j]
+    """Values [n, blocks, 32] (0..15) -> quant.c's 4-bit tiles: byte 8h + i of a block holds element
+    16h + i (low nibble) and 16h + 8 + i (high nibble), h < 2, i < 8."""
+    v = q.reshape(*q.shape[:-1], 2, 2, 8)                  # [.., h, low/high, i]
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)            # [.., h, i]
     return _tiles(packed.reshape(*q.shape[:-1], 16))
 
 
 def _unpack_nibbles(quants: torch.Tensor) -> torch.Tensor:
     """quant.c's 4-bit tiles -> values [tiles * TILE, blocks, 32] in element order."""
-    b = _untile(quants).reshape(*_untile(quants).shape[:-1], 4, 4).transpose(-1, -2)   # [.., j, l]
+    b = _untile(quants).reshape(*_untile(quants).shape[:-1], 2, 8)   # [.., h, i]
     return torch.stack([b & 15, b >> 4], dim=-2).reshape(*b.shape[:-2], 32)

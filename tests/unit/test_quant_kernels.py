@@ -194,3 +194,88 @@ def test_without_a_compiler_the_reference_serves(monkeypatch):
     got = quant_linear(x, qw, bias)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=1e-5)   # one bf16 step apart at most
+
+
+# Int8 activations (quant_linear(..., act_int8=True), 4-bit weights): an option, not the default.
+Q4_FORMATS = [QuantFormat.Q4_0, QuantFormat.Q4_1]
+
+
+def _act8_bound(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """fp32 rounding allowance against act_int8_reference (the integer dot products are exact)."""
+    from kernels.cpu_quant import _quantize_act_int8
+    xq = _quantize_act_int8(x.float())
+    m = qw.mins.float().abs().transpose(1, 2).reshape(-1, qw.k // 32)[: qw.n].repeat_interleave(32, 1)
+    return 3e-6 * (xq.abs() @ qw.dequantize().abs().T + x.float().abs() @ (2 * m).T) + 1e-7
+
+
+@pytest.mark.parametrize("fmt", Q4_FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,k", [(577, 576), (100, 1536)])
+def test_int8_activations_match_their_reference(fmt, dtype, n, k):
+    from kernels.cpu_quant import act_int8_reference
+    qw = _weight(fmt, n, k, seed=n + 1)
+    g = torch.Generator().manual_seed(k + 1)
+    bias = torch.randn(n, generator=g)
+    for rows in (1, 2, 3, 8, 13, 64):
+        x = torch.randn(rows, k + 16, generator=g).to(dtype)[:, :k]
+        x[0, :32] = 0.0                                                  # a zero block: dx = 0
+        b = bias if rows % 2 else None
+        got = quant_linear(x, qw, b, act_int8=True)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        want = act_int8_reference(x.float(), qw, b)
+        allowed = _act8_bound(x, qw)
+        if dtype == torch.bfloat16:
+            allowed = allowed + want.abs() * 2.0 ** -8
+        err = (got.float() - want).abs()
+        assert (err <= allowed).all(), (rows, (err / allowed).max().item())
+        # and within the activation rounding of the exact product
+        exact = torch.nn.functional.linear(x.float(), qw.dequantize(), b)
+        assert (got.float() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_activations_are_batch_and_thread_invariant(dtype):
+    qw = _weight(QuantFormat.Q4_1, 45, 96, seed=3)
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([quant_linear(x[i : i + 1], qw, bias, act_int8=True) for i in range(len(x))])
+    assert torch.equal(quant_linear(x[:13], qw, bias, act_int8=True), alone[:13])
+    assert torch.equal(quant_linear(x, qw, bias, act_int8=True), alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant_linear(x, qw, bias, act_int8=True), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.equal(quant_linear(x, qw, bias), alone)             # the default path is the fp32 one
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.INT8, QuantFormat.Q8_0], ids=lambda f: f.value)
+def test_int8_activations_need_a_4bit_weight(fmt):
+    qw = QuantizedWeight.quantize(torch.randn(8, 64), fmt.value)
+    with pytest.raises(ValueError, match="4-bit"):
+        quant_linear(torch.randn(1, 64), qw, act_int8=True)
+
+
+def test_portable_build_int8_activations(tmp_path):
+    from kernels.cpu_quant import ACT_INT8, act_int8_reference
+    flags = ["-march=x86-64", "-mno-avx", "-mno-f16c"] if Path("/proc/cpuinfo").exists() and \
+        subprocess.run(["uname", "-m"], capture_output=True, text=True).stdout.strip() == "x86_64" else []
+    lib = ctypes.CDLL(str(_compile(tmp_path, *flags, shared=True)))
+    fn = lib.ss_qlinear
+    fn.argtypes, fn.restype = cpu_ops._SIGNATURES["ss_qlinear"], None
+    qw = _weight(QuantFormat.Q4_1, 21, 64, seed=11)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(12))
+    out = torch.empty(5, 21)
+    fn(x.data_ptr(), 64, qw.quants.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), None, 21, 64, 5,
+       out.data_ptr(), 21, 2 | ACT_INT8, 0)
+    assert ((out - act_int8_reference(x, qw)).abs() <= _act8_bound(x, qw)).all()
+
+
+def test_int8_activations_without_a_compiler(monkeypatch):
+    qw = _weight(QuantFormat.Q4_0, 20, 64, seed=9)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    want = quant_linear(x, qw, act_int8=True)
+    monkeypatch.setattr(cpu_ops, "load", lambda folder=None: None)
+    got = quant_linear(x, qw, act_int8=True)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -7, atol=1e-5)
