@@ -10,7 +10,7 @@ The K loop steps one block of 32 weights. Quants are decoded in registers to the
 (small integers: exact in fp16/bf16) and multiplied by x on the tensor cores; the block's scale
 applies to that fp32 partial, as the CPU kernel does: per block d * (x . q), plus m * sum(x) for
 4-bit (Q4_0 is stored as Q4_1 with m = -8d). INT8's one scale per row applies once, at the end.
-The 4-bit bytes hold elements out of order (byte 4l + j: element 8j + l low, 8j + 4 + l high), so
+The 4-bit bytes hold elements out of order (byte 8h + i: element 16h + i low, 16h + 8 + i high), so
 the x columns are gathered in that order instead of shuffling nibbles: a dot's sum does not care.
 
 Leaf module: torch and triton only (through `_common`); the weight is read by attribute.
@@ -61,10 +61,10 @@ def _block_8bit(x_rows, m_mask, q_cols, n_mask, kb, PRECISION: tl.constexpr, UPC
 def _block_4bit(x_rows, m_mask, q_cols, n_mask, kb, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """(x . q, sum of x) over block kb of 32 nibbles: fp32 [BLOCK_M, BLOCK_N] and [BLOCK_M]."""
     offs_b = tl.arange(0, 16)
-    # Byte b = 4l + j holds element 8j + l (low nibble) and 8j + 4 + l (high nibble).
-    elem_lo = 8 * (offs_b % 4) + offs_b // 4
+    # Byte b = 8h + i holds element 16h + i (low nibble) and 16h + 8 + i (high nibble).
+    elem_lo = 16 * (offs_b // 8) + offs_b % 8
     x_lo = tl.load(x_rows + kb * 32 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
-    x_hi = tl.load(x_rows + kb * 32 + 4 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
+    x_hi = tl.load(x_rows + kb * 32 + 8 + elem_lo[None, :], mask=m_mask[:, None], other=0.0)
     q = tl.load(q_cols[None, :] + kb * 128 + offs_b[:, None], mask=n_mask[None, :], other=0)
     part = tl.zeros([x_lo.shape[0], q.shape[1]], dtype=tl.float32)
     part = _dot_q(x_lo, q & 15, part, PRECISION, UPCAST)
