@@ -24,7 +24,10 @@ llama.cpp also reports its own timings (llama_perf_context: prompt-eval and eval
 its eval ms per generated token, outside Python's loop, is printed beside. Each child's row also
 says how busy the machine was with anything else meanwhile ("others' CPU", in cores, from
 /proc/stat less the child's own CPU time): on a shared 2-core machine a figure taken beside
-another process is not a figure of the engine (llama.cpp's OpenMP threads suffer most).
+another process is not a figure of the engine (llama.cpp's OpenMP threads suffer most). Then,
+per engine, --repeats more runs with every decode step timed alone (ours: `engine.step()`;
+llama.cpp: argmax + `eval` of one token): the median step, and the best step, which is the figure
+least moved by anything else running on the machine.
 
 The llama.cpp child is this file run with the venv's Python (`--child llama`): at that point it
 imports only the standard library and llama_cpp (numpy through it), nothing from splitserve.
@@ -65,6 +68,13 @@ def timed(generate, new: int, repeats: int) -> dict:
             "decode_tok_s": (new - 1) / (tn - t1) if tn > t1 else None}
 
 
+def step_stats(times: list[float]) -> dict:
+    """Single decode steps, timed one by one (all of --repeats runs): their median and their best.
+    The best step is the figure least moved by other work on the machine."""
+    times = sorted(times)
+    return {"step_ms_median": 1e3 * times[len(times) // 2], "step_ms_min": 1e3 * times[0], "steps": len(times)}
+
+
 # --------------------------------------------------------------------------- children
 
 def child_ours(args) -> None:
@@ -86,6 +96,20 @@ def child_ours(args) -> None:
         assert len(out.token_ids) == n and out.num_cached_tokens == 0, (len(out.token_ids), out.num_cached_tokens)
         last[:] = out.token_ids
     rec = timed(generate, args.new_tokens, args.repeats)
+    steps = []
+    for _ in range(args.repeats):                     # the same request, one engine.step() at a time
+        rid = engine.add_request(ids, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0,
+                                                     cache_salt=f"c{next(salts)}"))
+        done, first = False, True
+        while not done:
+            t0 = time.perf_counter()
+            deltas = engine.step()
+            dt = time.perf_counter() - t0
+            if not first:                             # the first step is the prefill (and the first token)
+                steps.append(dt)
+            first = False
+            done = any(d.request_id == rid and d.finished for d in deltas)
+    rec.update(step_stats(steps))
     print(MARK + json.dumps({"engine": "ours", **rec, "tokens": list(last), "torch_threads": torch.get_num_threads(),
                              "plan": engine.compute_setup().plan.describe()}), flush=True)
 
@@ -119,6 +143,16 @@ def child_llama(args) -> None:
                      "n_eval": p.n_eval})
         last[:] = out
     rec = timed(generate, args.new_tokens, args.repeats)
+    steps = []
+    for _ in range(args.repeats):                     # the same loop, each eval of one token timed
+        llm.reset()
+        llm.eval(ids)
+        for _ in range(args.new_tokens - 1):
+            t0 = time.perf_counter()
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(vocab,))
+            llm.eval([int(np.argmax(logits))])
+            steps.append(time.perf_counter() - t0)
+    rec.update(step_stats(steps))
     full = [p for p in perf if p["n"] == args.new_tokens][-args.repeats:]     # the timed N-token runs
     eval_ms = min(p["t_eval_ms"] / p["n_eval"] for p in full if p["n_eval"])
     print(MARK + json.dumps({"engine": "llama.cpp", **rec, "tokens": list(last),
@@ -237,17 +271,23 @@ def main() -> None:
     print(f"\nllama-cpp-python {lc['llama_cpp_python']}; {lc['system_info']}")
     print(f"our plan: {rows[-1]['ours']['plan']}")
     print("\n| round | ours decode tok/s | llama.cpp decode tok/s | ours / llama.cpp | ours prefill ms "
-          "| llama.cpp prefill ms | llama.cpp own eval ms/token | others' CPU (ours / llama.cpp) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| llama.cpp prefill ms | llama.cpp own eval ms/token | step ms median, ours / llama.cpp | best step ms, ours / llama.cpp "
+          "| others' CPU, cores (ours / llama.cpp) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r, row in enumerate(rows):
         o, l = row["ours"], row["llama"]
-        print(f"| {r + 1} | {o['decode_tok_s']:.1f} | {l['decode_tok_s']:.1f} | "
-              f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x | {o['prefill_ms']:.1f} | {l['prefill_ms']:.1f} | "
-              f"{l['own_eval_ms_per_token']:.2f} | {o['others_cpu']:.2f} / {l['others_cpu']:.2f} |")
-    ratios = [row["ours"]["decode_tok_s"] / row["llama"]["decode_tok_s"] for row in rows]
+        ratio = f"{o['decode_tok_s'] / l['decode_tok_s']:.2f}x" if o["decode_tok_s"] and l["decode_tok_s"] else "n/a"
+        print(f"| {r + 1} | {o['decode_tok_s'] or float('nan'):.1f} | {l['decode_tok_s'] or float('nan'):.1f} | "
+              f"{ratio} | {o['prefill_ms']:.1f} | {l['prefill_ms']:.1f} | "
+              f"{l['own_eval_ms_per_token']:.2f} | {o['step_ms_median']:.2f} / {l['step_ms_median']:.2f} | "
+              f"{o['step_ms_min']:.2f} / {l['step_ms_min']:.2f} | {o['others_cpu']:.2f} / {l['others_cpu']:.2f} |")
+    ratios = [row["ours"]["decode_tok_s"] / row["llama"]["decode_tok_s"] for row in rows
+              if row["ours"]["decode_tok_s"] and row["llama"]["decode_tok_s"]] or [float("nan")]
     print(f"| median | {med('ours', 'decode_tok_s'):.1f} | {med('llama', 'decode_tok_s'):.1f} | "
           f"{statistics.median(ratios):.2f}x | {med('ours', 'prefill_ms'):.1f} | {med('llama', 'prefill_ms'):.1f} | "
-          f"{med('llama', 'own_eval_ms_per_token'):.2f} | |")
+          f"{med('llama', 'own_eval_ms_per_token'):.2f} | {med('ours', 'step_ms_median'):.2f} / "
+          f"{med('llama', 'step_ms_median'):.2f} | {min(r['ours']['step_ms_min'] for r in rows):.2f} / "
+          f"{min(r['llama']['step_ms_min'] for r in rows):.2f} | |")
     print(f"\ngreedy tokens equal to llama.cpp's for the first {same} of {args.new_tokens} "
           f"(our bf16 activations against llama.cpp's 8-bit quantized ones)")
     if args.out:
