@@ -1,7 +1,7 @@
 """Where an engine step's time goes: the mean decode step, then the torch profiler's table.
 
-    python bench/profile_step.py [--model DIR] [--dtype bfloat16|float32] [--batch 8]
-        [--prompt-len 256] [--threads N] [--rows 22]
+    python bench/profile_step.py [--model DIR|FILE.gguf] [--dtype bfloat16|float32] [--batch 8]
+        [--prompt-len 256] [--threads N] [--rows 22] [--quantization none|int8|int4|gguf]
 
 Runs the engine in this process on random prompts (greedy, eos ignored): a warm-up, the mean
 decode step from t(65 tokens) - t(1 token), then 32 decode steps (and their prefill) under
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--quantization", default="none", help="the engine's --quantization (gguf: a .gguf --model)")
     args = ap.parse_args()
     from torch.profiler import profile
 
@@ -35,7 +36,7 @@ def main() -> None:
     from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                    cache=CacheConfig(memory_budget_bytes=4 << 30),
+                                    quantization=args.quantization, cache=CacheConfig(memory_budget_bytes=4 << 30),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=4096)))
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
@@ -47,7 +48,7 @@ def main() -> None:
         return time.perf_counter() - t0
     run(8)
     step = (run(65) - run(1)) / 64
-    print(f"{args.dtype} batch {args.batch}, {args.threads} threads: decode step {step * 1e3:.2f} ms "
+    print(f"{args.dtype} {args.quantization} batch {args.batch}, {args.threads} threads: decode step {step * 1e3:.2f} ms "
           f"({args.batch / step:.0f} tok/s); plan: {engine.compute_setup().plan.describe()}")
     with profile() as prof:
         run(33)
