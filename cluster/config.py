@@ -327,6 +327,10 @@ class EngineConfig:
                                         "32, scale and minimum) quantized at load; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
                                         "tensors served as stored; none: the weights in --dtype (docs/quantization.md)",
                                 choices=QUANTIZATIONS)
+    quantized_activations: str = setting("none", "int8: 4-bit weights (--quantization int4 or gguf) multiply "
+                                                 "activations rounded to int8 per row and block of 32, with integer "
+                                                 "dot products (llama.cpp's way): faster at small batch, lossy "
+                                                 "(docs/quantization.md)", choices=("none", "int8"))
     device: str = setting("cpu", "torch device of the model and KV cache (cpu, cuda; cuda:N for generate)")
     attention_backend: str = setting("auto", "attention kernels (auto: triton on CUDA when available, else torch)",
                                      choices=ATTENTION_BACKENDS)
@@ -364,6 +368,10 @@ class EngineConfig:
         require(self.kernels in KERNELS, "kernels", f"must be auto or torch, got {self.kernels!r}")
         require(self.quantization in QUANTIZATIONS, "quantization",
                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        require(self.quantized_activations in ("none", "int8"), "quantized_activations",
+                f"must be none or int8, got {self.quantized_activations!r}")
+        require(self.quantized_activations == "none" or self.quantization in ("int4", "gguf"), "quantized_activations",
+                "int8 activations go with 4-bit weights: add --quantization int4 (or gguf for a GGUF model)")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                 f"must be >= 2, got {self.max_model_len}")
         require(self.num_threads is None or self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")

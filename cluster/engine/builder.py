@@ -53,7 +53,8 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
     dtype = None if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
     mc, model = load_model(config.model, dtype=dtype, device=device, max_positions=config.max_model_len)
     dtype = model.embed_tokens.weight.dtype
-    quant = quantize_model(model, mc, Quantization(config.quantization), config.model)
+    quant = quantize_model(model, mc, Quantization(config.quantization), config.model,
+                           act_int8=config.quantized_activations == "int8")
     plan = engine_config_plan(config)
     log.info("kernel plan: %s", plan.describe())
     apply_kernel_plan(model, plan)
@@ -63,6 +64,7 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
                          f"max_position_embeddings {mc.max_position_embeddings}")
     # Quantized weights compute other KV: the layout hash tells a P/D peer with other weights apart.
     model_id = mc.model_id + (f"+w:{quant.scheme.value}" if quant is not None else "")
+    model_id += "+a:int8" if config.quantized_activations == "int8" else ""
     return Models(mc, model, dtype, plan, max_model_len, _layout(mc, model_id, mc.num_layers, config, dtype))
 
 

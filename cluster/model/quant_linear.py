@@ -16,6 +16,7 @@ class QuantLinear(nn.Module):
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.qweight = qweight
+        self.act_int8 = False     # CPU, 4-bit weights: int8 activations per block (--quantized-activations)
         self.in_features = qweight.k
         self.out_features = qweight.n
         # The packed tensors as (non-persistent) buffers, so the engine's memory plan counts them.
@@ -34,7 +35,7 @@ class QuantLinear(nn.Module):
         if x.is_cuda:
             from kernels.quant_gemm import triton_quant_linear  # noqa: PLC0415 - triton only where it runs
             return triton_quant_linear(x, qweight, self.bias)
-        return quant_linear(x, qweight, self.bias)
+        return quant_linear(x, qweight, self.bias, act_int8=self.act_int8)
 
     def _moved_weight(self) -> QuantizedWeight:
         """The weight over the buffers where they are now: `.to(device)` replaces the buffers, not

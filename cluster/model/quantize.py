@@ -70,8 +70,10 @@ def gguf_source(model_dir: Path) -> Path | None:
     return Path(json.loads(meta.read_text())["gguf"])
 
 
-def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, model_dir: Path) -> QuantReport | None:
-    """Replace `model`'s linear layers by quantized ones; None for `none`."""
+def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, model_dir: Path,
+                   act_int8: bool = False) -> QuantReport | None:
+    """Replace `model`'s linear layers by quantized ones; None for `none`. `act_int8`: the 4-bit
+    layers multiply int8-quantized activations (`--quantized-activations int8`)."""
     if scheme is Quantization.NONE:
         return None
     from kernels.cpu_quant import QuantFormat, QuantizedWeight  # noqa: PLC0415 - builds the C library on first use
@@ -81,7 +83,20 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, mod
     else:
         at_load = QuantFormat.INT8 if scheme is Quantization.INT8 else QuantFormat.Q4_1
         weights = {name: QuantizedWeight.quantize(mod.weight, at_load) for name, mod in _linears(model)}
-    return _install(model, scheme, weights)
+    report = _install(model, scheme, weights)
+    if act_int8:
+        _int8_activations(model)
+    return report
+
+
+def _int8_activations(model: nn.Module) -> None:
+    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
+    from kernels.cpu_quant import QuantFormat  # noqa: PLC0415
+    four_bit = [m for m in model.modules() if isinstance(m, QuantLinear)
+                and m.qweight.format in (QuantFormat.Q4_0, QuantFormat.Q4_1)]
+    for m in four_bit:
+        m.act_int8 = True
+    log.info("activations: int8 per block of 32 into %d 4-bit linear layers", len(four_bit))
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:

@@ -92,3 +92,30 @@ def test_gguf_quantization_of_a_checkpoint_that_is_not_gguf_names_the_fix(tiny_m
     with pytest.raises(ValueError, match="run on CPU here; on cuda serve the model with --quantization none"):
         check_quantization(Quantization.INT8, "cuda", tiny_model_dir("llama"))
     assert QUANTIZATIONS == tuple(q.value for q in Quantization)      # the config's choices are the schemes
+
+
+def test_int8_activations_track_the_float_activations(smollm2):
+    """`--quantized-activations int8`: the 4-bit layers round activations to int8 per block of 32
+    (the kernel against its reference: tests/unit/test_quant_kernels.py). Lossy: greedy may part on
+    one of the three prompts; before any parting, chosen-token logprobs within 0.3 (measured on a
+    Zen 3: equal on all three)."""
+    quant, ref = _engine(smollm2, "gguf", quantized_activations="int8"), _engine(smollm2, "gguf")
+    layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
+    assert {m.act_int8 for m in layers if m.qweight.format.value == "q4_1"} == {True}
+    assert not any(m.act_int8 for m in layers if m.qweight.format.value == "q8_0")
+    prompts = [quant.tokenizer.encode(q).ids for q in QUESTIONS]
+    params = SamplingParams(max_tokens=24, logprobs=0)
+    got, want = quant.generate(prompts, params), ref.generate(prompts, params)
+    parted = [i for i, (g, w) in enumerate(zip(got, want)) if g.token_ids != w.token_ids]
+    assert len(parted) <= 1, f"greedy parts on {parted}"
+    for g, w in zip(got, want):
+        same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
+        worst = max((abs(a.logprob - b.logprob) for a, b in list(zip(g.logprobs, w.logprobs))[:same]), default=0.0)
+        assert worst <= 0.3, f"chosen-token logprobs differ by {worst:.3f}"
+    assert quant.layout.layout_hash() != ref.layout.layout_hash()
+
+
+def test_int8_activations_need_4_bit_weights(smollm2):
+    from cluster.config import ConfigError
+    with pytest.raises(ConfigError, match="--quantization int4"):
+        EngineConfig(model=smollm2, quantization="int8", quantized_activations="int8")
