@@ -86,6 +86,7 @@ def child_ours(args) -> None:
     from cluster.types import SamplingParams
     ids = json.loads(args.prompt_ids)
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization="gguf",
+                                    quantized_activations=args.quantized_activations,
                                     num_threads=args.threads, cache=CacheConfig(num_blocks=1024)))
     salts = iter(range(1 << 30))
     last: list = []
@@ -220,6 +221,8 @@ def main() -> None:
                     help="a venv with llama-cpp-python (outside this repository)")
     ap.add_argument("--model", type=Path, default=None, help="a .gguf file (default: the default model's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantized-activations", choices=["none", "int8"], default="none",
+                    help="ours: int8 activations into the 4-bit layers (llama.cpp quantizes its own to 8 bits)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each one child per engine, alternating")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per t(n) in each child (best taken)")
@@ -242,6 +245,7 @@ def main() -> None:
         return
     ids = prompt_ids(args.model)
     common = ["--model", str(args.model), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+              "--quantized-activations", args.quantized_activations,
               "--repeats", str(args.repeats), "--prompt-ids", json.dumps(ids)]
     venv_py = args.llama_venv / "bin" / "python"
     if not venv_py.exists():
