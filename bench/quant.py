@@ -2,8 +2,9 @@
 
     python bench/quant.py [--model DIR|FILE.gguf] [--schemes none int8 int4 gguf none/int8 ...] [--threads 2]
 
-A scheme is WEIGHTS or WEIGHTS/KV: `--quantization` (cluster/model/quantize.py) and, after the
-slash, `--kv-cache-dtype` (cluster/kv/kv_quant.py; auto when omitted). Each is built in a child
+A scheme is WEIGHTS or WEIGHTS/KV: `--quantization` (cluster/model/quantize.py), `+a8` after it
+for `--quantized-activations int8` (gguf+a8, int4+a8), and after the slash `--kv-cache-dtype`
+(cluster/kv/kv_quant.py; auto when omitted). Each is built in a child
 process of its own (one engine's memory never hides behind another's), bfloat16 activations, the
 engine's default kernel plan. Per scheme:
 
@@ -48,8 +49,10 @@ def child(args) -> None:
     from perplexity import windows
     from vllm_offline import measure, prompts
     weights, _, kv = args.child.partition("/")
+    weights, a8, _ = weights.partition("+a8")
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=weights,
+                                    quantized_activations="int8" if a8 == "+a8" else "none",
                                     num_threads=args.threads, cache=CacheConfig(num_blocks=1024,
                                                                                 kv_cache_dtype=kv or "auto")))
     load_s = time.perf_counter() - t0
