@@ -9,7 +9,7 @@ plain decoding on the way.
 
     python bench/speculative.py                       # all proposers, k in 2 4 6 and auto
     python bench/speculative.py --methods ngram --ks 4 auto --batches 1
-    python bench/speculative.py --model default --methods quantspec --ks 4 auto --batches 1
+    PYTHONPATH=. python bench/speculative.py --model default --dtype bfloat16 --methods quantspec --ks 4 auto --batches 1
 
 `--model default` is the project's default model (SmolLM2-135M-Instruct) instead of stdlib-coder;
 its bf16 verification rows may part from plain decoding after a few dozen tokens outside the
@@ -76,17 +76,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
     ap.add_argument("--model", default=None, help="a model directory, or 'default' (default: stdlib-coder)")
+    ap.add_argument("--dtype", default="auto", help="the engines' --dtype (auto: the checkpoint's)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = STDLIB_CODER_DIR if args.model is None else default_model_dir() if args.model == "default" else args.model
     prompts = heldout_windows(str(model), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
-    engines = {"off": LLMEngine(EngineConfig(model=model, num_threads=args.threads), speculator_factory=make_speculator)}
+    engines = {"off": LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype),
+                                speculator_factory=make_speculator)}
     for m in methods:
-        engines[m] = LLMEngine(EngineConfig(model=model, num_threads=args.threads, speculative=SpeculativeConfig(method=m)),
-                               speculator_factory=make_speculator)
+        engines[m] = LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype,
+                                            speculative=SpeculativeConfig(method=m)), speculator_factory=make_speculator)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, bf16")
+          f"{args.threads} threads, {next(iter(engines.values())).dtype}")
     print(f"{'batch':>5} {'method':>6} {'k':>4} {'accept':>7} {'tok/step':>8} {'tok/s':>8} {'vs plain':>8}")
     for batch in args.batches:
         groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]

@@ -40,18 +40,7 @@ enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2, Q_ACT8 = 4 };
 #define ALWAYS __attribute__((always_inline))
 
 #include "bf16.h"
-
-static inline float h2f(uint16_t h) {   /* IEEE half to float, exact (the fallback for no F16C) */
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-    float f;
-    if (exp == 31) {
-        const uint32_t u = sign | 0x7f800000u | (man << 13);
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    f = exp ? ldexpf((float)(man | 1024), (int)exp - 25) : ldexpf((float)man, -24);
-    return sign ? -f : f;
-}
+#include "f16.h"   /* h2f: the fallback for no F16C */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
