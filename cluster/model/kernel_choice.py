@@ -105,21 +105,25 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
         plan = replace(plan, linear=LinearPath.PLAIN, linear_c_rows=0)
-    if config.cache.kv_cache_dtype == "auto":
-        return plan
-    return quantized_kv_plan(plan, config.kernels, config.device.split(":")[0], plan_dtype(config))
+    device_type = config.device.split(":")[0]
+    if config.cache.kv_cache_dtype != "auto":
+        return fused_decode_plan(plan, config.kernels, device_type, plan_dtype(config), "a quantized KV cache")
+    if config.cuda_graphs == "on" and device_type == "cpu":   # replays read static tables: the C kernel's
+        return fused_decode_plan(plan, config.kernels, device_type, plan_dtype(config), "decode graphs on CPU")
+    return plan
 
 
-def quantized_kv_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype) -> KernelPlan:
-    """The plan for an engine (or a draft) on a quantized KV cache: decode attention on the fused C
-    kernel wherever it builds, which reads the rows in place, where the SDPA path would gather and
-    dequantize every step's whole context (`--kernels torch` keeps that torch path: correct, slower)."""
+def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype, why: str) -> KernelPlan:
+    """Decode attention on the fused C kernel wherever it builds, whatever the measurement chose:
+    a quantized KV cache is read in place there (the SDPA path would gather and dequantize every
+    step's whole context), and CPU decode graphs replay only on it. `--kernels torch` keeps the
+    torch path."""
     if kernels == "torch" or device_type != "cpu" or plan.decode_attention is AttentionPath.FUSED_C:
         return plan
     from kernels import cpu_ops  # noqa: PLC0415
     if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(dtype):
         return plan
-    log.info("quantized KV cache: decode attention on the fused C kernel (it reads the rows in place)")
+    log.info("%s: decode attention on the fused C kernel", why)
     return replace(plan, decode_attention=AttentionPath.FUSED_C)
 
 

@@ -20,7 +20,7 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
-from cluster.model.kernel_choice import quantized_kv_plan
+from cluster.model.kernel_choice import fused_decode_plan
 from cluster.model.model_config import ModelConfig
 from decode.spec.lookahead import DraftBatch, StopRule
 from decode.spec.memory import draft_layout, lookahead_blocks
@@ -51,7 +51,8 @@ class DraftModelProposer:
         num_blocks = engine.pool.num_blocks + lookahead_blocks(engine.config)
         plan = engine.kernel_plan
         if kv_dtype != "auto":
-            plan = quantized_kv_plan(plan, engine.config.kernels, engine.device.type, engine.dtype)
+            plan = fused_decode_plan(plan, engine.config.kernels, engine.device.type, engine.dtype,
+                                     "the draft's quantized KV cache")
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
                                          mc.head_dim, engine.device, plan, engine.dtype, scale=mc.attention_scale)
         graphed = engine.graph_replay is not None and backend.static_decode_ready()
