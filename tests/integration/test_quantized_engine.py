@@ -98,7 +98,7 @@ def test_int8_activations_track_the_float_activations(smollm2):
     """`--quantized-activations int8`: the 4-bit layers round activations to int8 per block of 32
     (the kernel against its reference: tests/unit/test_quant_kernels.py). Lossy: greedy may part on
     one of the three prompts; before any parting, chosen-token logprobs within 0.3 (measured on a
-    Zen 3: equal on all three)."""
+    Zen 3: equal on two of three, over 24 tokens)."""
     quant, ref = _engine(smollm2, "gguf", quantized_activations="int8"), _engine(smollm2, "gguf")
     layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
     assert {m.act_int8 for m in layers if m.qweight.format.value == "q4_1"} == {True}
