@@ -79,25 +79,20 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         v = v.contiguous()
     quant = kv_quant_of(k_cache)
     if quant:
-        return _store_quant(k, v, k_cache, v_cache, slot_mapping, quant)
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), num_warps=4 if num_heads * head_dim >= 1024 else 1)
+        check_row_width(k_cache, head_dim, quant)
+        _launch(_store_quant_kernel, k, v, k_cache, v_cache, slot_mapping, KV_QUANT=quant, MAX=MAX_VALUE[quant])
+    else:
+        _launch(_store_kv_kernel, k, v, k_cache, v_cache, slot_mapping)
 
 
-
-def _store_quant(k, v, k_cache, v_cache, slot_mapping, quant: int) -> None:
+def _launch(kernel, k, v, k_cache, v_cache, slot_mapping, **constants) -> None:
+    """One program per token, plain or quantizing: the same strides and tiles."""
     num_tokens, num_heads, head_dim = k.shape
-    check_row_width(k_cache, head_dim, quant)
-    _store_quant_kernel[(num_tokens,)](
+    kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), KV_QUANT=quant, MAX=MAX_VALUE[quant],
-        num_warps=4 if num_heads * head_dim >= 1024 else 1)
+        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        **constants)

@@ -260,12 +260,11 @@ class TorchAttentionBackend:
     def _store(self, k, v, k_cache, v_cache, k_flat, v_flat, slots) -> None:
         """The pass's K/V rows at their slots; a quantized cache quantizes them as they go in (the
         C store where the fused ops are built, the torch reference otherwise: the same bytes)."""
-        quantized = cache_kind(k_cache).quantized
-        c_store = self._fused() or (quantized and self.device.type == "cpu" and cpu_ops.load() is not None)
+        kind = cache_kind(k_cache)
+        c_store = self._fused() or (kind.quantized and self.device.type == "cpu" and cpu_ops.load() is not None)
         if c_store and k.stride(-1) == 1 and k.stride(-2) == self.head_dim:
             cpu_ops.store_kv(k, v, slots, k_cache, v_cache)
-        elif quantized:
-            kind = cache_kind(k_cache)
+        elif kind.quantized:
             k_flat.index_copy_(0, slots, quantize_rows(k, kind))
             v_flat.index_copy_(0, slots, quantize_rows(v, kind))
         else:
