@@ -10,6 +10,7 @@ plain decoding on the way.
     python bench/speculative.py                       # all proposers, k in 2 4 6 and auto
     python bench/speculative.py --methods ngram --ks 4 auto --batches 1
     PYTHONPATH=. python bench/speculative.py --model default --dtype bfloat16 --methods quantspec --ks 4 auto --batches 1
+    PYTHONPATH=. python bench/speculative.py --model default --dtype bfloat16 --methods quantspec --kv-cache-dtype int8
 
 `--model default` is the project's default model (SmolLM2-135M-Instruct) instead of stdlib-coder;
 its bf16 verification rows may part from plain decoding after a few dozen tokens outside the
@@ -22,7 +23,8 @@ import time
 
 import torch
 
-from cluster.config import DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig, default_model_dir
+from cluster.config import (DEFAULT_EAGLE_DIR, STDLIB_CODER_DIR, CacheConfig, EngineConfig, SpeculativeConfig,
+                            default_model_dir)
 from cluster.engine.engine import LLMEngine
 from bench.spec_training.evaluate import heldout_windows
 from cluster.types import SamplingParams
@@ -77,6 +79,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
     ap.add_argument("--model", default=None, help="a model directory, or 'default' (default: stdlib-coder)")
     ap.add_argument("--dtype", default="auto", help="the engines' --dtype (auto: the checkpoint's)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the speculative engines' KV cache (int8: quantspec's hierarchical cache); plain "
+                         "decoding, the baseline, keeps the model's dtype")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = STDLIB_CODER_DIR if args.model is None else default_model_dir() if args.model == "default" else args.model
@@ -86,9 +91,11 @@ def main() -> None:
                                 speculator_factory=make_speculator)}
     for m in methods:
         engines[m] = LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype,
+                                            cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
                                             speculative=SpeculativeConfig(method=m)), speculator_factory=make_speculator)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, {next(iter(engines.values())).dtype}")
+          f"{args.threads} threads, {next(iter(engines.values())).dtype}, speculative engines' KV cache "
+          f"{args.kv_cache_dtype}")
     print(f"{'batch':>5} {'method':>6} {'k':>4} {'accept':>7} {'tok/step':>8} {'tok/s':>8} {'vs plain':>8}")
     for batch in args.batches:
         groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]

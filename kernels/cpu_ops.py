@@ -206,22 +206,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                     lens: torch.Tensor, window: int | None, scale: float, int4_view: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D]
     in q's dtype, or quantized rows [.., Hkv, D + 2] (cluster/kv/kv_quant.py); tables int64
-    [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]."""
+    [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]. `int4_view`: int8 rows read as int4."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     out = torch.empty((b, hq, d), dtype=q.dtype)
     _fns["ss_decode_attention"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                              tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
-                             out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache))
+                             out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache, int4_view))
     return out
 
 
-def kv_code(cache: torch.Tensor) -> int:
-    """kv_quant.h's code of a cache tensor: 0 in the activation dtype, 1 int8 rows, 2 E4M3 rows."""
-    return _KV_CODES.get(cache.dtype, 0)
+def kv_code(cache: torch.Tensor, int4_view: bool = False) -> int:
+    """kv_quant.h's code of a cache tensor: 0 in the activation dtype, 1 int8 rows, 2 E4M3 rows;
+    3 int8 rows read through their int4 view (cluster/kv/kv_quant.py's int4_values)."""
+    code = _KV_CODES.get(cache.dtype, 0)
+    return 3 if int4_view and code == 1 else code
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -244,7 +246,7 @@ def has_decode_block() -> bool:
 def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int, window: int | None,
-                 scale: float) -> torch.Tensor:
+                 scale: float, int4_view: bool = False) -> torch.Tensor:
     """RoPE + K/V store + decode attention of one layer of a pure-decode pass (one row per
     sequence of the fused qkv projection [B, *]); returns [B, heads * head_dim]."""
     b = qkv.shape[0]
@@ -252,5 +254,5 @@ def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     _fns["ss_decode_block"](qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                             tables.shape[1], lens.data_ptr(), b, heads, kv_heads, head_dim, k_cache.shape[1],
-                            window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype], kv_code(k_cache))
+                            window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype], kv_code(k_cache, int4_view))
     return out

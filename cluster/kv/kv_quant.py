@@ -67,13 +67,21 @@ def quantize_rows(x: torch.Tensor, kind: KVCacheDType) -> torch.Tensor:
     return torch.cat([values, scale16.view(kind.arena_dtype)], dim=-1)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 2] quantized rows (int8 or E4M3 bytes) -> [..., D] in `dtype` (value * scale in fp32)."""
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype, int4_view: bool = False) -> torch.Tensor:
+    """[..., D + 2] quantized rows (int8 or E4M3 bytes) -> [..., D] in `dtype` (value * scale in fp32).
+    `int4_view`: int8 rows read through their int4 view (int4_values)."""
     kind = cache_kind(rows)
     values = rows[..., :-SCALE_BYTES]
     scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
     if kind is KVCacheDType.INT8:
-        xf = values.float()
+        xf = int4_values(values) if int4_view else values.float()
     else:
         xf = values.contiguous().view(torch.float8_e4m3fn).float()
     return (xf * scale).to(dtype)
+
+
+def int4_values(values: torch.Tensor) -> torch.Tensor:
+    """The int4 view of int8 values (QuantSpec's hierarchical KV cache): each value's top nibble,
+    at the middle of its 16-wide step, so |error| <= 8 steps of the int8 scale. A draft reading the
+    target's int8 cache through it sees a 4-bit cache; the target reads all eight bits."""
+    return ((values.to(torch.int16) & -16) + 8).float()

@@ -111,8 +111,11 @@ class TorchAttentionBackend:
     table_dtype = torch.long   # of the tables and lengths the C kernel reads
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 plan: KernelPlan | None = None, scale: float | None = None):
-        self.plan = plan          # its decode_attention choice, per bucket of decode rows
+                 plan: KernelPlan | None = None, scale: float | None = None, int4_view: bool = False):
+        self.plan = plan
+        # Reads an int8 cache through its int4 view (QuantSpec's draft over the target's cache);
+        # what it stores is plain int8 either way.
+        self.int4_view = int4_view          # its decode_attention choice, per bucket of decode rows
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -153,7 +156,7 @@ class TorchAttentionBackend:
         b = qkv.shape[0]
         return cpu_ops.decode_block(qkv, positions, rotary.cos, rotary.sin, meta.slot_mapping, k_cache, v_cache,
                                     dm.block_table.view(b, -1), dm.lens, self.num_heads, self.num_kv_heads,
-                                    self.head_dim, window, self.scale)
+                                    self.head_dim, window, self.scale, self.int4_view)
 
     def _fused(self) -> bool:
         return self.plan is not None and self.plan.decode_attention is AttentionPath.FUSED_C
@@ -274,13 +277,13 @@ class TorchAttentionBackend:
     def _rows(self, cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `index` of a cache viewed as [slots or blocks, ...], dequantized to `dtype` if quantized."""
         rows = cache.index_select(0, index)
-        return dequantize_rows(rows, dtype) if cache_kind(cache).quantized else rows
+        return dequantize_rows(rows, dtype, self.int4_view) if cache_kind(cache).quantized else rows
 
     def _decode(self, q, k_cache, v_cache, window, dm: _TorchDecodeMeta) -> torch.Tensor:
         b = dm.query_pos.shape[0]
         if dm.fused:   # reads the paged cache in place: no gather, no mask
             return cpu_ops.decode_attention(q, k_cache, v_cache, dm.block_table.view(b, -1), dm.lens, window,
-                                            self.scale)
+                                            self.scale, self.int4_view)
         length = dm.key_pos.shape[1]
         mask = dm.masks.get((window, q.dtype))
         if mask is None:
@@ -303,7 +306,8 @@ class TorchAttentionBackend:
         masked by its own position (causal among the drafts, over the sequence's context)."""
         if vm.fused_tables is not None:
             rows = q[vm.first_row:vm.first_row + vm.num_rows]
-            return cpu_ops.decode_attention(rows, k_cache, v_cache, vm.fused_tables, vm.fused_lens, window, self.scale)
+            return cpu_ops.decode_attention(rows, k_cache, v_cache, vm.fused_tables, vm.fused_lens, window, self.scale,
+                                            self.int4_view)
         b, width = vm.query_pos.shape[:2]
         length = vm.key_pos.shape[-1]
         mask = vm.masks.get((window, q.dtype))
@@ -352,18 +356,20 @@ class TorchAttentionBackend:
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                            device: torch.device, plan: KernelPlan | None = None,
-                           dtype: torch.dtype | None = None, scale: float | None = None) -> AttentionBackend:
+                           dtype: torch.dtype | None = None, scale: float | None = None,
+                           int4_view: bool = False) -> AttentionBackend:
     """Registry with lazy imports: optional backends load only when chosen. The torch backend
     follows `plan`'s decode-attention choice; both follow its batch-invariant mode. `dtype`, the
     KV cache's, sizes the Triton prefill tiles (smaller in fp32). `scale`: the softmax scale
-    (None: head_dim ** -0.5; a model's is `ModelConfig.attention_scale`)."""
+    (None: head_dim ** -0.5; a model's is `ModelConfig.attention_scale`). `int4_view`: read an int8
+    cache through its int4 view (the torch backend's; the Triton kernels read the int8 values)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
         if plan is not None and plan.batch_invariant and device.type != "cpu":
             raise ValueError("deterministic mode on a GPU runs the triton attention backend "
                              "(--attention-backend triton or auto), not torch")
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan, scale=scale)
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan, scale=scale, int4_view=int4_view)
     if name == "triton":
         try:
             from kernels.backend import TritonAttentionBackend  # noqa: PLC0415

@@ -20,7 +20,6 @@ from cluster.engine.speculation import Draft
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.model.attention import make_attention_backend
-from cluster.model.kernel_choice import fused_decode_plan
 from cluster.model.model_config import ModelConfig
 from decode.spec.lookahead import DraftBatch, StopRule
 from decode.spec.memory import draft_layout, lookahead_blocks
@@ -32,12 +31,45 @@ class _DraftState:
     computed: int = 0        # leading tokens of the request whose KV the draft holds
 
 
+class DraftPasses:
+    """The autoregressive drafting loop over a runner (and its decode graphs) that proposers share:
+    one pass over each sequence's first span, then one token per sequence per pass, rows
+    stopping by their own length or the dynamic stop rule."""
+
+    def __init__(self, runner: ModelRunner, graphs):
+        self.runner, self.graphs = runner, graphs
+
+    def draft(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
+              spans: list[tuple[list[int], int, list[int]]], on_pass=None) -> list[Draft]:
+        """spans[i]: (tokens, first position, block ids) of the first pass; `on_pass(active, spans)`
+        is told what each pass wrote."""
+        batch = DraftBatch(seqs, ks, stop_rules)
+        blocks = [span[2] for span in spans]
+        active = list(range(len(seqs)))
+        for _ in range(max(ks)):
+            logits = self._run(spans)
+            if on_pass is not None:
+                on_pass(active, spans)
+            open_rows = batch.step(active, logits)
+            if not open_rows:
+                break
+            active = [active[j] for j in open_rows]
+            spans = [([batch.tokens[i][-1]], seqs[i].num_tokens + len(batch.tokens[i]) - 1, blocks[i]) for i in active]
+        return batch.drafts()
+
+    def _run(self, spans) -> torch.Tensor:
+        bucket = None
+        if self.graphs is not None and all(len(tokens) == 1 for tokens, _, _ in spans):
+            bucket = self.graphs.fits(len(spans))
+        if bucket is None:
+            return self.runner.run_spans(spans)
+        return self.graphs.run_rows([(tokens[0], start, blocks) for tokens, start, blocks in spans], bucket)
+
+
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module,
-                 kv_dtype: str = "auto", method: str = "draft"):
-        self.method = method     # "draft", or "quantspec": the target's own weights in 4 bits (loading.py)
+    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module):
         self.engine = engine
         self.config = config
         # Loaded with the target, before its memory plan, on the target's kernel plan (loading.py).
@@ -45,23 +77,21 @@ class DraftModelProposer:
         mc = self.model_config
         bs = engine.layout.block_size
         self.block_size = bs
-        self.layout = draft_layout(mc, bs, engine.layout.dtype, kv_dtype)
+        self.layout = draft_layout(mc, bs, engine.layout.dtype)
         # As many blocks as the target's pool plus room for every sequence's lookahead: the draft
         # never runs out before the target does (memory.py planned them).
         num_blocks = engine.pool.num_blocks + lookahead_blocks(engine.config)
-        plan = engine.kernel_plan
-        if kv_dtype != "auto":
-            plan = fused_decode_plan(plan, engine.config.kernels, engine.device.type, engine.dtype,
-                                     "the draft's quantized KV cache")
         backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                         mc.head_dim, engine.device, plan, engine.dtype, scale=mc.attention_scale)
+                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
+                                         scale=mc.attention_scale)
         graphed = engine.graph_replay is not None and backend.static_decode_ready()
         # With decode graphs, one more block than the pool's: their pad rows write there.
         self.cache = PagedKVCache(self.layout, num_blocks + (1 if graphed else 0), engine.device)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, self.cache.arena, backend, bs, engine.device)
+        runner = ModelRunner(self.model, self.cache.arena, backend, bs, engine.device)
         # The k - 1 passes after the catch-up are one token per sequence: replayed from graphs.
-        self.graphs = engine.decode_graphs(self.model, self.cache.arena, backend, num_blocks) if graphed else None
+        graphs = engine.decode_graphs(self.model, self.cache.arena, backend, num_blocks) if graphed else None
+        self.passes = DraftPasses(runner, graphs)
         self._states: dict[Sequence, _DraftState] = {}
 
     def _reserve(self, state: _DraftState, num_tokens: int) -> None:
@@ -78,27 +108,11 @@ class DraftModelProposer:
             self._reserve(state, seq.num_tokens + k - 1)
             spans.append((seq.token_ids[state.computed:], state.computed, state.block_ids))
             states.append(state)
-        batch = DraftBatch(seqs, ks, stop_rules)
-        active = list(range(len(seqs)))
-        for _ in range(max(ks)):
-            logits = self._run(spans)
-            for j, i in enumerate(active):
-                states[i].computed += len(spans[j][0])
-            open_rows = batch.step(active, logits)
-            if not open_rows:
-                break
-            active = [active[j] for j in open_rows]
-            spans = [([batch.tokens[i][-1]], seqs[i].num_tokens + len(batch.tokens[i]) - 1, states[i].block_ids)
-                     for i in active]
-        return batch.drafts()
 
-    def _run(self, spans) -> torch.Tensor:
-        bucket = None
-        if self.graphs is not None and all(len(tokens) == 1 for tokens, _, _ in spans):
-            bucket = self.graphs.fits(len(spans))
-        if bucket is None:
-            return self.runner.run_spans(spans)
-        return self.graphs.run_rows([(tokens[0], start, blocks) for tokens, start, blocks in spans], bucket)
+        def advance(active, pass_spans):
+            for j, i in enumerate(active):
+                states[i].computed += len(pass_spans[j][0])
+        return self.passes.draft(seqs, ks, stop_rules, spans, advance)
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq, None)

@@ -7,8 +7,9 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
  - draft: the draft model, only on an engine that proposes; its KV and weights are planned with
    the target's (memory.py);
  - quantspec: the target's own checkpoint as its draft (no second model): its linears in 4 bits
-   (a GGUF model's own blocks, else int4 quantized at load) and its KV in int8, run as a draft
-   model (draft_model.py); the full-precision target verifies;
+   (a GGUF model's own blocks, else int4 quantized at load), drafting over the target's own KV
+   cache (quantspec.py: through the int4 view of an int8 cache); the full-precision target
+   verifies. Only its weights are planned beside the target's;
  - ngram and off: nothing.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cluster.config import EngineConfig
 from cluster.engine.builder import Models
 from cluster.engine.speculation import SpecFootprint
 from cluster.model.kernel_choice import apply_kernel_plan
+from cluster.kv.paged_cache import resident_bytes
 from cluster.model.loader import load_model
 from cluster.model.model_config import ModelConfig
 from decode.spec.compat import check_speculative_models
@@ -36,8 +38,7 @@ class SpecModels:
     footprint: SpecFootprint
     eagle: torch.nn.Module | None = None         # an EagleHead
     draft_config: ModelConfig | None = None      # a draft model (draft_model.py runs it)
-    draft_model: torch.nn.Module | None = None
-    draft_kv_dtype: str = "auto"                 # the draft's own KV cache (int8 for quantspec)
+    draft_model: torch.nn.Module | None = None   # quantspec: the target's checkpoint, 4-bit linears
 
 
 def load_spec_models(config: EngineConfig, target: Models, device: torch.device, proposing: bool) -> SpecModels:
@@ -54,14 +55,15 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
     if spec.method in ("draft", "quantspec") and proposing:
         source = spec.draft_dir if spec.method == "draft" else config.model
         draft_config, draft = load_model(source, dtype=target.dtype, device=device, max_positions=target.max_model_len)
-        kv_dtype = "auto"
         if spec.method == "quantspec":
             _four_bit_draft(draft, draft_config, config)
-            kv_dtype = "int8"
         apply_kernel_plan(draft, target.kernel_plan)
-        per_block, extra = draft_footprint(draft, draft_config, config, target.layout.dtype, kv_dtype)
-        footprint = SpecFootprint(bytes_per_block=per_block, extra_bytes=extra, max_draft_tokens=widest)
-        return SpecModels(footprint, draft_config=draft_config, draft_model=draft, draft_kv_dtype=kv_dtype)
+        if spec.method == "quantspec":    # drafts over the target's KV: its weights are all it adds
+            footprint = SpecFootprint(extra_bytes=resident_bytes(draft), max_draft_tokens=widest)
+        else:
+            per_block, extra = draft_footprint(draft, draft_config, config, target.layout.dtype)
+            footprint = SpecFootprint(bytes_per_block=per_block, extra_bytes=extra, max_draft_tokens=widest)
+        return SpecModels(footprint, draft_config=draft_config, draft_model=draft)
     return SpecModels(SpecFootprint(max_draft_tokens=widest))
 
 

@@ -15,10 +15,10 @@ from cluster.model.model_config import ModelConfig
 from cluster.types import KVLayout
 
 
-def draft_layout(draft_config: ModelConfig, block_size: int, dtype: str, kv_dtype: str = "auto") -> KVLayout:
+def draft_layout(draft_config: ModelConfig, block_size: int, dtype: str) -> KVLayout:
     return KVLayout(model_id=draft_config.model_id, num_layers=draft_config.num_layers,
                     num_kv_heads=draft_config.num_kv_heads, head_dim=draft_config.head_dim, block_size=block_size,
-                    dtype=dtype, kv_dtype=kv_dtype)
+                    dtype=dtype)
 
 
 def lookahead_blocks(config: EngineConfig) -> int:
@@ -28,8 +28,8 @@ def lookahead_blocks(config: EngineConfig) -> int:
 
 
 def draft_footprint(draft_model: torch.nn.Module, draft_config: ModelConfig, config: EngineConfig,
-                    dtype: str, kv_dtype: str = "auto") -> tuple[int, int]:
+                    dtype: str) -> tuple[int, int]:
     """Bytes per draft KV block (one for every target block), and the draft's weights plus its
     lookahead blocks."""
-    per_block = draft_layout(draft_config, config.cache.block_size, dtype, kv_dtype).bytes_per_block()
+    per_block = draft_layout(draft_config, config.cache.block_size, dtype).bytes_per_block()
     return per_block, resident_bytes(draft_model) + lookahead_blocks(config) * per_block

@@ -6,6 +6,7 @@ beside the target (loading.py), the EAGLE head's pass over the target's hidden s
 features (eagle_head.py), and the per-step policy below. Proposers:
  - `ngram`: prompt lookup, model-free, always available;
  - `draft`: a small model of the same tokenizer with its own paged KV (draft_model.py);
+ - `quantspec`: the target's checkpoint in 4 bits over the target's own KV (quantspec.py);
  - `eagle`: a head over the target's last hidden states whose KV shares the target's blocks
    (eagle.py).
 Verification keeps the target's output distribution: greedy requests accept the longest prefix
@@ -82,11 +83,13 @@ class SpecDecoder:
         if not self.proposing:
             return
         self.proposers["ngram"] = NgramDrafts(self.config)
-        if loaded.draft_model is not None:
+        if loaded.draft_model is not None and self.config.method == "quantspec":
+            from decode.spec.quantspec import QuantSpecProposer  # noqa: PLC0415
+            self.proposers["quantspec"] = QuantSpecProposer(engine, self.config, loaded.draft_config,
+                                                            loaded.draft_model)
+        elif loaded.draft_model is not None:
             from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
-            proposer = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model,
-                                          loaded.draft_kv_dtype, method=self.config.method)
-            self.proposers[proposer.method] = proposer
+            self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
         elif loaded.eagle is not None:
             from decode.spec.eagle import EagleProposer  # noqa: PLC0415
             self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle)

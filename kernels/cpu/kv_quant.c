@@ -40,6 +40,7 @@ static inline uint8_t e4m3_encode(float x) {
 }
 
 static inline void quantize_head(const float *x, int64_t dim, int kvq, uint8_t *out) {
+    if (kvq == 3) kvq = 1;   /* the int4 view is a way of reading int8 rows; they are stored as int8 */
     float amax = 0.f;
     for (int64_t i = 0; i < dim; i++) amax = fmaxf(amax, fabsf(x[i]));
     const uint16_t s16 = f2h(amax / (kvq == 1 ? 127.0f : 448.0f));

@@ -95,3 +95,28 @@ def test_ngram_speculation_on_int8_kv_equals_plain_decoding(tiny_model_dir):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
     spec.pool.check_idle()
+
+
+def test_quantspec_drafts_over_the_targets_int8_cache_and_changes_no_token():
+    """QuantSpec's hierarchical cache: the 4-bit draft reads the target's own int8 KV through its
+    int4 view (no KV of its own: its footprint is its weights) and greedy output equals plain
+    decoding on the same cache, token for token (deterministic mode: a verification row is the
+    decode row of its token)."""
+    from decode.spec.speculator import make_speculator  # noqa: PLC0415
+    kw = {"model": default_model_dir(), "dtype": "bfloat16", "deterministic": True}
+    plain = _engine("int8", **kw)
+    prompts = [plain.tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n").ids
+               for q in QUESTIONS[:3]]
+    params = SamplingParams(max_tokens=24)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    del plain
+    spec = LLMEngine(EngineConfig(num_threads=2, cache=CacheConfig(num_blocks=256, kv_cache_dtype="int8"),
+                                  speculative=SpeculativeConfig(method="quantspec", num_speculative_tokens=3), **kw),
+                     speculator_factory=make_speculator)
+    proposer = spec.speculator.proposers["quantspec"]
+    assert proposer.int4_view and proposer.passes.runner.kv_arena is spec.kv_cache.arena
+    assert spec.speculator.models.footprint.bytes_per_block == 0
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    counts = spec.speculator.stats()["quantspec"]
+    assert counts["steps"] > 0 and counts["accepted"] > 0, counts
+    spec.pool.check_idle()

@@ -138,3 +138,56 @@ def test_a_peer_with_another_kv_dtype_is_refused_by_name():
     with pytest.raises(LayoutMismatch, match="kv_dtype: local 'int8', peer 'auto'"):
         check_compatible(KVLayout(**base, kv_dtype="int8"), "tcp", wire)
     check_compatible(KVLayout(**base), "tcp", wire)
+
+
+def test_int4_view_is_the_top_nibble_at_the_middle_of_its_step():
+    from cluster.kv.kv_quant import int4_values
+    q = torch.arange(-127, 128, dtype=torch.int8)
+    view = int4_values(q)
+    assert torch.equal(view, torch.tensor([((v >> 4) * 16 + 8) for v in range(-127, 128)], dtype=torch.float32))
+    assert (view - q.float()).abs().max() <= 8
+    assert len(set(view.tolist())) == 16                   # 4 bits of information
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_decode_through_the_int4_view_equals_sdpa_on_the_view(dtype):
+    """QuantSpec's draft reads the target's int8 cache through its int4 view: the C kernel (decode
+    and decode_block) against SDPA on the view dequantized; and the view is not the int8 read."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim, bs, lens = 6, 2, 64, 16, [5, 40]
+    k_q, v_q = _caches(g, KVCacheDType.INT8, 6, bs, kv_heads, dim, dtype)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    q = torch.randn(2, heads, dim, generator=g).to(dtype)
+    backend = TorchAttentionBackend(heads, kv_heads, dim, torch.device("cpu"), int4_view=True)
+    batch = AttentionBatch(num_decode=2, decode_context_lens=tuple(lens), decode_block_tables=((0, 1, 2), (3, 4, 5)),
+                           prefills=(), slot_mapping=torch.zeros(2, dtype=torch.long), block_size=bs)
+    meta = backend.prepare(batch).decode
+    want = backend._decode(q.float(), dequantize_rows(k_q, torch.float32, int4_view=True),
+                           dequantize_rows(v_q, torch.float32, int4_view=True), None, meta)
+    lens_t = torch.tensor(lens)
+    got = cpu_ops.decode_attention(q, k_q, v_q, tables, lens_t, None, dim ** -0.5, int4_view=True)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(backend._decode(q, k_q, v_q, None, meta).float(), want, rtol=3 * tol, atol=3 * tol)
+    full = cpu_ops.decode_attention(q, k_q, v_q, tables, lens_t, None, dim ** -0.5)
+    assert not torch.equal(full, got)
+    # decode_block under the view stores plain int8 rows (the bytes of the int8 store) and attends
+    # through the view.
+    from cluster.model.llama import RotaryTable
+    from cluster.model.model_config import RopeConfig
+    rotary = RotaryTable(RopeConfig(kind="default", theta=10000.0), dim, 256)
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    positions = lens_t - 1
+    slots = tables[torch.arange(2), positions // bs] * bs + positions % bs
+    k2, v2, qkv2 = k_q.clone(), v_q.clone(), qkv.clone()
+    got = cpu_ops.decode_block(qkv, positions, rotary.cos, rotary.sin, slots, k_q, v_q, tables, lens_t, heads,
+                               kv_heads, dim, None, dim ** -0.5, int4_view=True)
+    cpu_ops.rope_(qkv2, positions, rotary.cos, rotary.sin, heads + kv_heads, dim)
+    k = qkv2[:, heads * dim:(heads + kv_heads) * dim].view(2, kv_heads, dim)
+    v = qkv2[:, (heads + kv_heads) * dim:].view(2, kv_heads, dim)
+    cpu_ops.store_kv(k, v, slots, k2, v2)
+    assert torch.equal(k_q, k2) and torch.equal(v_q, v2)
+    want = cpu_ops.decode_attention(qkv2[:, :heads * dim].view(2, heads, dim), k2, v2, tables, lens_t, None,
+                                    dim ** -0.5, int4_view=True)
+    assert torch.equal(got, want.view(2, -1))

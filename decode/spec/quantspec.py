@@ -1,0 +1,67 @@
+"""QuantSpec's proposer: the target's own checkpoint with 4-bit linears drafts over the target's
+own KV cache (no second model to load, no second cache, nothing to catch up on).
+
+The hierarchical KV cache: with `--kv-cache-dtype int8` every value the target stores carries an
+int4 view (its top nibble, cluster/kv/kv_quant.py's int4_values); the draft attends through that
+view and the target's verification reads all eight bits. With an unquantized or fp8 cache the draft
+reads the values as they are. On the Triton backend the draft reads the int8 values (the view is
+the C kernels' and the torch reference's).
+
+Why sharing is safe: a draft pass writes K/V only at the positions the following verification
+writes again (the pending token's and the drafts fed back, all inside the blocks the scheduler
+reserved for the lookahead, none shared with another sequence or the prefix cache: those hold
+computed tokens only). The target overwrites them with its own K/V before any of its queries reads
+them, and rejected positions are past the sequence's length, rewritten before they are read.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cluster.config import SpeculativeConfig
+from cluster.engine.runner import ModelRunner
+from cluster.engine.sequence import Sequence
+from cluster.engine.speculation import Draft
+from cluster.kv.kv_quant import KVCacheDType
+from cluster.model.attention import make_attention_backend
+from cluster.model.model_config import ModelConfig
+from decode.spec.draft_model import DraftPasses
+from decode.spec.lookahead import StopRule
+
+log = logging.getLogger(__name__)
+
+
+class QuantSpecProposer:
+    method = "quantspec"
+
+    def __init__(self, engine, config: SpeculativeConfig, model_config: ModelConfig, model: torch.nn.Module):
+        self.engine, self.config = engine, config
+        self.model_config, self.model = model_config, model      # 4-bit linears (loading.py)
+        mc = model_config
+        backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
+                                         scale=mc.attention_scale)
+        kind = KVCacheDType(engine.config.cache.kv_cache_dtype)
+        self.int4_view = kind is KVCacheDType.INT8 and hasattr(backend, "int4_view")
+        if self.int4_view:
+            backend.int4_view = True
+        log.info("quantspec: 4-bit draft over the target's %s KV cache%s", kind.value,
+                 " through its int4 view" if self.int4_view else "")
+        arena = engine.kv_cache.arena
+        runner = ModelRunner(model, arena, backend, engine.layout.block_size, engine.device)
+        graphs = None
+        if engine.graph_replay is not None and backend.static_decode_ready():
+            # Pad rows write to the block past the pool's, as the engine's own graphs do.
+            graphs = engine.decode_graphs(model, arena, backend, engine.memory_plan.num_blocks)
+        self.passes = DraftPasses(runner, graphs)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None]) -> list[Draft]:
+        # The first pass feeds each sequence's tokens past its computed KV (the pending token), at
+        # their positions in the sequence's own blocks, which the scheduler reserved up to
+        # num_tokens + k - 1 (scheduler.lookahead_room).
+        spans = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_ids) for seq in seqs]
+        return self.passes.draft(seqs, ks, stop_rules, spans)
+
+    def release(self, seq: Sequence) -> None:
+        pass    # no state of its own: the target's blocks are the target's
