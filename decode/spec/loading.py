@@ -23,7 +23,6 @@ from cluster.config import EngineConfig
 from cluster.engine.builder import Models
 from cluster.engine.speculation import SpecFootprint
 from cluster.model.kernel_choice import apply_kernel_plan
-from cluster.kv.paged_cache import resident_bytes
 from cluster.model.loader import load_model
 from cluster.model.model_config import ModelConfig
 from decode.spec.compat import check_speculative_models
@@ -57,9 +56,11 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
         draft_config, draft = load_model(source, dtype=target.dtype, device=device, max_positions=target.max_model_len)
         if spec.method == "quantspec":
             _four_bit_draft(draft, draft_config, config)
+            if draft.embed_tokens.weight.dtype == target.model.embed_tokens.weight.dtype:
+                draft.embed_tokens = target.model.embed_tokens    # a lookup of one row a token: share it
         apply_kernel_plan(draft, target.kernel_plan)
-        if spec.method == "quantspec":    # drafts over the target's KV: its weights are all it adds
-            footprint = SpecFootprint(extra_bytes=resident_bytes(draft), max_draft_tokens=widest)
+        if spec.method == "quantspec":    # drafts over the target's KV: its own weights are all it adds
+            footprint = SpecFootprint(extra_bytes=_unshared_bytes(draft, target.model), max_draft_tokens=widest)
         else:
             per_block, extra = draft_footprint(draft, draft_config, config, target.layout.dtype)
             footprint = SpecFootprint(bytes_per_block=per_block, extra_bytes=extra, max_draft_tokens=widest)
@@ -68,16 +69,32 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
 
 
 def _four_bit_draft(draft: torch.nn.Module, draft_config: ModelConfig, config: EngineConfig) -> None:
-    """QuantSpec's draft weights: a GGUF model's own 4-bit blocks where it has them, else int4."""
+    """QuantSpec's draft weights: a GGUF model's own 4-bit blocks where it has them, else int4;
+    every linear in 4 bits, the LM head too (a GGUF's is often Q8_0: at 49k rows it was half of a
+    draft pass), multiplying int8 activations. The draft's precision only moves its acceptance,
+    never the output: the target verifies."""
+    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
     from cluster.model.quantize import Quantization, gguf_source, quantize_model  # noqa: PLC0415
+    from kernels.cpu_quant import QuantFormat  # noqa: PLC0415
     scheme = Quantization.GGUF if gguf_source(config.model) is not None else Quantization.INT4
     if config.quantization != "none":
         log.warning("--speculative quantspec drafts with 4-bit weights, and the target already serves "
                     "--quantization %s: the draft saves little over the target", config.quantization)
+    float_head = draft.lm_head
     try:
-        quantize_model(draft, draft_config, scheme, config.model)
+        quantize_model(draft, draft_config, scheme, config.model, act_int8=True)
     except ValueError as exc:   # a GGUF whose fused projections mix block types: quantize at load
         if scheme is not Quantization.GGUF:
             raise
         log.info("quantspec draft: %s; int4 at load instead", exc)
-        quantize_model(draft, draft_config, Quantization.INT4, config.model)
+        quantize_model(draft, draft_config, Quantization.INT4, config.model, act_int8=True)
+    if draft.lm_head.qweight.format not in (QuantFormat.Q4_0, QuantFormat.Q4_1):
+        draft.lm_head = QuantLinear.from_linear(float_head, QuantFormat.Q4_1)
+        draft.lm_head.act_int8 = True
+
+
+def _unshared_bytes(draft: torch.nn.Module, target: torch.nn.Module) -> int:
+    """The draft's resident bytes less the tensors it shares with the target."""
+    shared = {id(t) for t in [*target.parameters(), *target.buffers()]}
+    return sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()]
+               if id(t) not in shared)

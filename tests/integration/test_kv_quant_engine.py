@@ -99,7 +99,7 @@ def test_ngram_speculation_on_int8_kv_equals_plain_decoding(tiny_model_dir):
 
 def test_quantspec_drafts_over_the_targets_int8_cache_and_changes_no_token():
     """QuantSpec's hierarchical cache: the 4-bit draft reads the target's own int8 KV through its
-    int4 view (no KV of its own: its footprint is its weights) and greedy output equals plain
+    int4 view (no KV of its own: its footprint is its 4-bit weights) and greedy output equals plain
     decoding on the same cache, token for token (deterministic mode: a verification row is the
     decode row of its token)."""
     from decode.spec.speculator import make_speculator  # noqa: PLC0415
@@ -116,6 +116,12 @@ def test_quantspec_drafts_over_the_targets_int8_cache_and_changes_no_token():
     proposer = spec.speculator.proposers["quantspec"]
     assert proposer.int4_view and proposer.passes.runner.kv_arena is spec.kv_cache.arena
     assert spec.speculator.models.footprint.bytes_per_block == 0
+    # Every draft linear is 4-bit on int8 activations, the LM head too; the embedding is the target's.
+    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
+    linears = [m for m in proposer.model.modules() if isinstance(m, QuantLinear)]
+    assert proposer.model.lm_head in linears and all(m.act_int8 and m.qweight.format.value in ("q4_0", "q4_1")
+                                                     for m in linears)
+    assert proposer.model.embed_tokens is spec.model.embed_tokens
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     counts = spec.speculator.stats()["quantspec"]
     assert counts["steps"] > 0 and counts["accepted"] > 0, counts
