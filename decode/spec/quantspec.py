@@ -2,10 +2,12 @@
 own KV cache (no second model to load, no second cache, nothing to catch up on).
 
 The hierarchical KV cache: with `--kv-cache-dtype int8` every value the target stores carries an
-int4 view (its top nibble, cluster/kv/kv_quant.py's int4_values); the draft attends through that
-view and the target's verification reads all eight bits. With an unquantized or fp8 cache the draft
-reads the values as they are. On the Triton backend the draft reads the int8 values (the view is
-the C kernels' and the torch reference's).
+int4 view (its top nibble, cluster/kv/kv_quant.py's int4_values), and `--quantspec-kv-view int4`
+has the draft attend through it while the target's verification reads all eight bits. The view
+reads the same bytes here (a row's nibbles are not stored apart), and it cost a quarter of the
+draft's acceptance (0.99 -> 0.74, docs/quantization.md), so by default (`full`) the draft reads the
+cache as the target does, whatever its dtype. The view is the C kernels' and the torch
+reference's, not the Triton kernels'.
 
 Why sharing is safe: a draft pass writes K/V only at the positions the following verification
 writes again (the pending token's and the drafts fed back, all inside the blocks the scheduler
@@ -43,9 +45,12 @@ class QuantSpecProposer:
                                          mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
                                          scale=mc.attention_scale)
         kind = KVCacheDType(engine.config.cache.kv_cache_dtype)
-        self.int4_view = kind is KVCacheDType.INT8 and hasattr(backend, "int4_view")
-        if self.int4_view:
-            backend.int4_view = True
+        self.int4_view = config.quantspec_kv_view == "int4"
+        if self.int4_view and (kind is not KVCacheDType.INT8 or not hasattr(backend, "int4_view")):
+            raise ValueError(f"--quantspec-kv-view int4 reads an int8 KV cache through its int4 view: it needs "
+                             f"--kv-cache-dtype int8 (this engine's is {kind.value}) on the C kernels or the torch "
+                             f"attention backend (not {backend.name})")
+        backend.int4_view = self.int4_view
         log.info("quantspec: 4-bit draft over the target's %s KV cache%s", kind.value,
                  " through its int4 view" if self.int4_view else "")
         arena = engine.kv_cache.arena

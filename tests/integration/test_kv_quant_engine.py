@@ -111,18 +111,27 @@ def test_quantspec_drafts_over_the_targets_int8_cache_and_changes_no_token():
     want = [o.token_ids for o in plain.generate(prompts, params)]
     del plain
     spec = LLMEngine(EngineConfig(num_threads=2, cache=CacheConfig(num_blocks=256, kv_cache_dtype="int8"),
-                                  speculative=SpeculativeConfig(method="quantspec", num_speculative_tokens=3), **kw),
+                                  speculative=SpeculativeConfig(method="quantspec", num_speculative_tokens=3,
+                                                                quantspec_kv_view="int4"), **kw),
                      speculator_factory=make_speculator)
     proposer = spec.speculator.proposers["quantspec"]
     assert proposer.int4_view and proposer.passes.runner.kv_arena is spec.kv_cache.arena
     assert spec.speculator.models.footprint.bytes_per_block == 0
-    # Every draft linear is 4-bit on int8 activations, the LM head too; the embedding is the target's.
+    # Every draft linear is 4-bit on int8 activations, the LM head 8-bit; the embedding is the target's.
     from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
-    linears = [m for m in proposer.model.modules() if isinstance(m, QuantLinear)]
-    assert proposer.model.lm_head in linears and all(m.act_int8 and m.qweight.format.value in ("q4_0", "q4_1")
-                                                     for m in linears)
+    linears = [m for m in proposer.model.modules() if isinstance(m, QuantLinear) and m is not proposer.model.lm_head]
+    assert all(m.act_int8 and m.qweight.format.value in ("q4_0", "q4_1") for m in linears)
+    assert proposer.model.lm_head.qweight.format.value == "q8_0"
     assert proposer.model.embed_tokens is spec.model.embed_tokens
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     counts = spec.speculator.stats()["quantspec"]
     assert counts["steps"] > 0 and counts["accepted"] > 0, counts
     spec.pool.check_idle()
+
+
+def test_the_int4_view_needs_an_int8_cache(tiny_model_dir):
+    from decode.spec.speculator import make_speculator  # noqa: PLC0415
+    with pytest.raises(ValueError, match="needs --kv-cache-dtype int8 .this engine's is auto"):
+        LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=2, cache=CacheConfig(num_blocks=64),
+                               speculative=SpeculativeConfig(method="quantspec", quantspec_kv_view="int4")),
+                  speculator_factory=make_speculator)
