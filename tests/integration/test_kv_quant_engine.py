@@ -6,7 +6,8 @@ bits (at most 6 of 8), the mismatches counted in the message; before a divergenc
 tokens' logprobs stay within 0.5. Measured on a Zen 3 over 24 tokens: int8 0 of 8 diverge (largest
 logprob change 0.22), fp8 4 of 8 (at tokens 0, 6, 13 and 23; 0.34). The rest is exact: the prefix cache reuses quantized blocks
 (the same tokens as the first run); in deterministic mode a request's tokens do not depend on
-its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; pools end
+its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; a pool too
+small for the batch preempts and recomputes into fresh int8 blocks with the same tokens; pools end
 empty. (Kernel-level exactness: tests/unit/test_kv_quant.py.)"""
 from __future__ import annotations
 
