@@ -6,7 +6,8 @@ bits (at most 6 of 8), the mismatches counted in the message; before a divergenc
 tokens' logprobs stay within 0.5. Measured on a Zen 3 over 24 tokens: int8 0 of 8 diverge (largest
 logprob change 0.22), fp8 4 of 8 (at tokens 0, 6, 13 and 23; 0.34). The rest is exact: the prefix cache reuses quantized blocks
 (the same tokens as the first run); in deterministic mode a request's tokens do not depend on
-its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; pools end
+its batch or its prefill chunking; n-gram speculation leaves greedy output unchanged; a pool too
+small for the batch preempts and recomputes into fresh int8 blocks with the same tokens; pools end
 empty. (Kernel-level exactness: tests/unit/test_kv_quant.py.)"""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig, default_model_dir
 from cluster.engine.engine import LLMEngine
-from cluster.types import SamplingParams
+from cluster.types import FinishReason, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain why the sky is blue in two sentences.", "Who wrote Romeo and Juliet?", "What is 12 times 7?",
@@ -135,3 +136,39 @@ def test_the_int4_view_needs_an_int8_cache(tiny_model_dir):
         LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=2, cache=CacheConfig(num_blocks=64),
                                speculative=SpeculativeConfig(method="quantspec", quantspec_kv_view="int4")),
                   speculator_factory=make_speculator)
+
+
+@pytest.mark.parametrize("method", ["off", "ngram"])
+def test_preemption_on_int8_kv_keeps_greedy_tokens_and_frees_the_pool(tiny_model_dir, method):
+    """Six concurrent requests of up to 6 blocks each on a pool of 12: the scheduler preempts
+    (frees a request's int8 blocks and recomputes its prompt and tokens so far into fresh ones,
+    partly from the prefix cache), and every request still yields the tokens of the same engine
+    with room for all, whose scheduler never preempts. With n-gram drafts (n from 1: a draft on
+    most steps, few accepted), their lookahead blocks come and go with the preemptions too, and the
+    tokens still equal plain decoding's. The pool ends empty."""
+    from decode.spec.speculator import make_speculator  # noqa: PLC0415
+    model = tiny_model_dir("llama")
+
+    def engine(num_blocks: int, method: str) -> LLMEngine:
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=4, ngram_min=1)
+        return LLMEngine(EngineConfig(model=model, num_threads=2, dtype="float32", speculative=spec,
+                                      cache=CacheConfig(num_blocks=num_blocks, kv_cache_dtype="int8")),
+                         speculator_factory=make_speculator if method != "off" else None)
+
+    g = torch.Generator().manual_seed(5)
+    # Each prompt a random run of 7 to 12 tokens, three times over (21 to 36 tokens).
+    prompts = [torch.randint(5, 300, (int(n),), generator=g).tolist() * 3 for n in (7, 9, 11, 8, 10, 12)]
+    params = SamplingParams(max_tokens=56, ignore_eos=True)
+    roomy, tight = engine(256, "off"), engine(12, method)
+    want = roomy.generate(prompts, params)
+    assert roomy.scheduler.num_preemptions == 0
+    got = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0, "the small pool never preempted: the test proves nothing"
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.token_ids) == 56 and o.finish_reason == FinishReason.LENGTH for o in got)
+    if method == "ngram":
+        counts = tight.speculator.stats()["ngram"]
+        assert counts["steps"] > 0 and counts["accepted"] > 0, counts
+    tight.pool.check_idle()
+    assert tight.pool.num_free == 12
+    roomy.pool.check_idle()
