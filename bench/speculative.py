@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N runs per configuration (noise)")
     ap.add_argument("--model", default=None, help="a model directory, or 'default' (default: stdlib-coder)")
     ap.add_argument("--dtype", default="auto", help="the engines' --dtype (auto: the checkpoint's)")
+    ap.add_argument("--deterministic", action="store_true", help="every engine in the batch-invariant mode "
+                                                                 "(greedy output equal to plain decoding, bf16 too)")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the speculative engines' KV cache (int8: quantspec's hierarchical cache); plain "
                          "decoding, the baseline, keeps the model's dtype")
@@ -87,15 +89,16 @@ def main() -> None:
     model = STDLIB_CODER_DIR if args.model is None else default_model_dir() if args.model == "default" else args.model
     prompts = heldout_windows(str(model), args.prompts, args.prompt_len, room=1)
     methods = [m for m in args.methods if m != "eagle" or DEFAULT_EAGLE_DIR.is_dir()]
-    engines = {"off": LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype),
+    engines = {"off": LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype,
+                                             deterministic=args.deterministic),
                                 speculator_factory=make_speculator)}
     for m in methods:
         engines[m] = LLMEngine(EngineConfig(model=model, num_threads=args.threads, dtype=args.dtype,
-                                            cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
+                                            deterministic=args.deterministic, cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
                                             speculative=SpeculativeConfig(method=m)), speculator_factory=make_speculator)
     print(f"{len(prompts)} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens, "
           f"{args.threads} threads, {next(iter(engines.values())).dtype}, speculative engines' KV cache "
-          f"{args.kv_cache_dtype}")
+          f"{args.kv_cache_dtype}{', deterministic mode' if args.deterministic else ''}")
     print(f"{'batch':>5} {'method':>6} {'k':>4} {'accept':>7} {'tok/step':>8} {'tok/s':>8} {'vs plain':>8}")
     for batch in args.batches:
         groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
