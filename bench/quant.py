@@ -1,6 +1,7 @@
 """Quantized weights and KV cache on the default model: memory, latency and quality in one table.
 
     python bench/quant.py [--model DIR|FILE.gguf] [--schemes none int8 int4 gguf none/int8 ...] [--threads 2]
+                          [--rounds 3]
 
 A scheme is WEIGHTS or WEIGHTS/KV: `--quantization` (cluster/model/quantize.py), `+a8` after it
 for `--quantized-activations int8` (gguf+a8, int4+a8), and after the slash `--kv-cache-dtype`
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -94,6 +96,14 @@ def run(args, scheme: str) -> dict:
     raise RuntimeError(f"{scheme}: no result (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
+def _median_of_rounds(records: list[dict]) -> dict:
+    """One record of a scheme's rounds: the median of each speed and of TTFT (the rest is equal)."""
+    out = dict(records[-1])
+    out["decode_tok_s"] = {k: statistics.median(r["decode_tok_s"][k] for r in records) for k in out["decode_tok_s"]}
+    out["ttft_512_ms"] = statistics.median(r["ttft_512_ms"] for r in records)
+    return out
+
+
 def table(rows: list[dict]) -> str:
     base = rows[0]
     lines = ["| scheme | formats | weight MiB | resident MiB | decode b1 tok/s | vs base | decode b8 tok/s | vs base "
@@ -116,6 +126,8 @@ def main() -> None:
     ap.add_argument("--schemes", nargs="+", default=["none", "int8", "int4", "gguf"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="run the schemes round-robin N times (one child each "
+                                                          "time); speed and TTFT are the medians of the rounds")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens for perplexity")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -126,10 +138,12 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    rows = []
-    for scheme in args.schemes:
-        rows.append(run(args, scheme))
-        print(json.dumps(rows[-1]), flush=True)
+    runs: dict[str, list[dict]] = {s: [] for s in args.schemes}
+    for _ in range(args.rounds):     # round-robin: machine noise lands on every scheme alike
+        for scheme in args.schemes:
+            runs[scheme].append(run(args, scheme))
+            print(json.dumps(runs[scheme][-1]), flush=True)
+    rows = [_median_of_rounds(runs[s]) for s in args.schemes]
     import platform
     print(f"\n{args.model.name}, {args.threads} threads, {platform.processor() or ''}".rstrip())
     print(table(rows))

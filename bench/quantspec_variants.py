@@ -70,6 +70,7 @@ def main() -> None:
             draft.lm_head = heads[head]
             for m in [*four_bit, heads["q4_1"]]:
                 m.act_int8 = acts == "int8"
+            draft.invalidate_fused_layers()     # the layers' C calls hold the format codes
             engine.speculator.counts.clear()
             tps = tokens_per_second(engine, prompts, args.new_tokens)
             c = engine.speculator.stats()["quantspec"]

@@ -52,7 +52,30 @@ LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of r
 _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                         _P, _INT, _INT),
+    "ss_decode_layer": (_P, _P, _P, _P, _P),
 }
+
+
+class SsQWeight(ctypes.Structure):
+    """parallel.cpp's SsQWeight: a quantized linear layer's packed tensors and format code."""
+    _fields_ = [("quants", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("n", _I64), ("fmt", _I64)]
+
+
+class SsLayer(ctypes.Structure):
+    """parallel.cpp's SsLayer: one decoder layer's weights for ss_decode_layer."""
+    _fields_ = [("ln1", _P), ("ln2", _P), ("eps", ctypes.c_double), ("window", _I64), ("cos_t", _P),
+                ("sin_t", _P), ("qkv", SsQWeight), ("o", SsQWeight), ("gate_up", SsQWeight), ("down", SsQWeight)]
+
+
+class SsDecodePass(ctypes.Structure):
+    """parallel.cpp's SsDecodePass: a pure-decode pass's shapes, metadata and scratch rows."""
+    _fields_ = [(name, _I64) for name in ("batch", "hidden", "hq", "hkv", "dim", "inter", "block_size",
+                                          "max_blocks", "kvq", "dtype")] + \
+               [("scale", ctypes.c_double)] + \
+               [(name, _P) for name in ("positions", "slots", "tables", "lens", "h", "qkv", "attn", "y", "gate_up",
+                                        "act")]
+
+
 _fns: dict[str, ctypes._CFuncPtr] = {}   # op name -> the parallel entry point where built, else the serial one
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -256,3 +279,13 @@ def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                             tables.shape[1], lens.data_ptr(), b, heads, kv_heads, head_dim, k_cache.shape[1],
                             window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype], kv_code(k_cache, int4_view))
     return out
+
+
+def has_decode_layer() -> bool:
+    return "ss_decode_layer" in _fns
+
+
+def decode_layer(layer: SsLayer, step: SsDecodePass, x: int, k_cache: int, v_cache: int) -> None:
+    """One decoder layer of a pure-decode pass on quantized weights (parallel.cpp's
+    ss_decode_layer), x's rows updated in place; pointers as ints (cluster/model/fused_layer.py)."""
+    _fns["ss_decode_layer"](ctypes.byref(layer), ctypes.byref(step), x, k_cache, v_cache)

@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from cluster.model import fused_layer
 from cluster.model.attention import AttentionBackend
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import ModelConfig, RopeConfig
@@ -150,6 +151,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._fused_layers: list | None = None
         self.build_rotary(max_positions)
         self.kernel_plan: KernelPlan | None = None   # set by cluster.model.kernels.apply_kernel_plan
         self._embed_scales: dict[torch.dtype, float] = {}
@@ -162,6 +164,7 @@ class CausalLM(nn.Module):
         def table(rope: RopeConfig) -> RotaryTable:   # computed where torch's default device is, then moved
             t = RotaryTable(rope, cfg.head_dim, max_positions)
             return t if device is None else t.to(device)
+        self._fused_layers = None   # they point at the tables
         self.rotary = table(cfg.rope)
         self.local_rotary = None if cfg.local_rope is None else table(cfg.local_rope)
 
@@ -174,11 +177,25 @@ class CausalLM(nn.Module):
         every row with `return_hidden`)."""
         x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
+        fused = fused_layer.prepare(self, x, fp, kv_cache) if fp.fused_block else None
         for i, layer in enumerate(self.layers):
-            layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
+            if fused is None or not fused.run(i):
+                layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
         logits = self.logits(x.index_select(0, logits_indices), fp)
         # The last layer's output before the norm: what an EAGLE head reads.
         return (logits, x) if return_hidden else logits
+
+    def fused_layer_args(self) -> list:
+        """Each layer's weights for one C call per layer (fused_layer.py), built at the first pure
+        decode pass; None for a layer that does not qualify. Whoever swaps a layer's modules or
+        flags after that calls invalidate_fused_layers()."""
+        if self._fused_layers is None:
+            self._fused_layers = [fused_layer.layer_args(layer, self.rotary, self.local_rotary or self.rotary)
+                                  for layer in self.layers]
+        return self._fused_layers
+
+    def invalidate_fused_layers(self) -> None:
+        self._fused_layers = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings [T, H] (a new tensor), scaled where the family scales them."""

@@ -119,3 +119,28 @@ def test_int8_activations_need_4_bit_weights(smollm2):
     from cluster.config import ConfigError
     with pytest.raises(ConfigError, match="--quantization int4"):
         EngineConfig(model=smollm2, quantization="int8", quantized_activations="int8")
+
+
+@pytest.mark.parametrize("dtype,kv,activations", [("bfloat16", "auto", "none"), ("float32", "int8", "int8")])
+def test_whole_layer_c_calls_equal_the_layer_by_layer_path(smollm2, monkeypatch, dtype, kv, activations):
+    """A pure-decode pass on quantized weights runs each decoder layer as one C call
+    (cluster/model/fused_layer.py): the same entry points in the same order, so the same bits as
+    the layer-by-layer calls. Tokens and logprobs equal exactly, over batched decode steps."""
+    from cluster.model import fused_layer
+    from kernels import cpu_ops
+    calls = []
+    real = cpu_ops.decode_layer
+    monkeypatch.setattr(cpu_ops, "decode_layer", lambda *a: calls.append(1) or real(*a))
+    engine = LLMEngine(EngineConfig(model=smollm2, dtype=dtype, quantization="gguf", num_threads=2,
+                                    quantized_activations=activations,
+                                    cache=CacheConfig(num_blocks=128, kv_cache_dtype=kv)))
+    prompts = [engine.tokenizer.encode(q).ids for q in QUESTIONS]
+    params = SamplingParams(max_tokens=16, logprobs=0, ignore_eos=True)
+    fused = engine.generate(prompts, params)
+    assert len(calls) == 30 * 15, len(calls)                      # every layer of every decode step
+    monkeypatch.setattr(fused_layer, "ENABLED", False)
+    layered = engine.generate(prompts, params)
+    assert len(calls) == 30 * 15
+    assert [o.token_ids for o in fused] == [o.token_ids for o in layered]
+    assert [[lp.logprob for lp in o.logprobs] for o in fused] == [[lp.logprob for lp in o.logprobs] for o in layered]
+    engine.pool.check_idle()
