@@ -116,25 +116,27 @@ def test_auto_leaves_graphs_off_where_the_backend_cannot_replay():
     assert not cpu_sdpa.static_decode_ready()
 
 
-def test_draft_model_passes_replay_their_own_graphs():
+@pytest.mark.parametrize("method", ["draft", "quantspec"])
+def test_draft_model_passes_replay_their_own_graphs(method):
     """Draft speculation with decode graphs on (the target's plain steps and the draft's
-    one-token passes both replayed) gives the tokens of graphs off."""
+    one-token passes both replayed; quantspec's over the target's own arena) gives the tokens of
+    graphs off."""
     from cluster.config import SpeculativeConfig
     from decode.spec.speculator import make_speculator
     prompts = [p for p in _prompts(4, 8000, seed=6)]
-    sp = SamplingParams(max_tokens=16, ignore_eos=True, speculative="draft", num_speculative_tokens=3)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True, speculative=method, num_speculative_tokens=3)
     outs, engines = [], []
     for graphs in ("off", "on"):
         engine = LLMEngine(EngineConfig(dtype="float32", cuda_graphs=graphs, cache=CacheConfig(num_blocks=128),
-                                        speculative=SpeculativeConfig(method="draft", num_speculative_tokens=3)),
+                                        speculative=SpeculativeConfig(method=method, num_speculative_tokens=3)),
                            speculator_factory=make_speculator)
         outs.append([o.token_ids for o in engine.generate(prompts, sp)])
         engine.pool.check_idle()
         engines.append(engine)
     assert outs[0] == outs[1]
-    draft = engines[1].speculator.proposers["draft"]
-    assert draft.graphs is not None and draft.graphs.replays > 0
-    assert engines[0].speculator.proposers["draft"].graphs is None
+    draft = engines[1].speculator.proposers[method]
+    assert draft.passes.graphs is not None and draft.passes.graphs.replays > 0
+    assert engines[0].speculator.proposers[method].passes.graphs is None
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
