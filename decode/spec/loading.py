@@ -8,8 +8,8 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
    the target's (memory.py);
  - quantspec: the target's own checkpoint as its draft (no second model): its linears in 4 bits
    (a GGUF model's own blocks, else int4 quantized at load), drafting over the target's own KV
-   cache (quantspec.py: through the int4 view of an int8 cache); the full-precision target
-   verifies. Only its weights are planned beside the target's;
+   cache (quantspec.py; `--quantspec-kv-view int4` reads an int8 cache through its int4 view);
+   the full-precision target verifies. Only its weights are planned beside the target's;
  - ngram and off: nothing.
 """
 from __future__ import annotations

@@ -117,7 +117,7 @@ extern "C" void ss_qlinear_par(const void *x, int64_t x_stride, const void *quan
 // formats) in one call: norm, qkv, the decode block (RoPE, K/V store, attention), o, add-norm,
 // gate_up, SiLU-times-up, down, and the residual add, each by the same entry point the separate
 // Python calls reach, in the same order: the same bits, without ~8 Python round trips per layer
-// (a third of a 4-bit step at batch 1 was the interpreter's). cpu_ops.py's decode_layer mirrors
+// (about half of a 4-bit step at batch 1 went to them). cpu_ops.py's decode_layer mirrors
 // these structs with ctypes; every integer is int64 and every float a double (no padding).
 struct SsQWeight {
     const void *quants, *scales, *mins;
