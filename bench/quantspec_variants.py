@@ -20,12 +20,7 @@ from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig, default
 from cluster.engine.engine import LLMEngine
 from cluster.model.quant_linear import QuantLinear
 from decode.spec.speculator import make_speculator
-from kernels.cpu_quant import QuantFormat
-
-
-class _Weight:     # what QuantLinear.from_linear reads of a linear layer
-    def __init__(self, weight):
-        self.weight, self.bias = weight, None
+from kernels.cpu_quant import QuantFormat, QuantizedWeight
 
 
 def tokens_per_second(engine: LLMEngine, prompts, new_tokens: int) -> float:
@@ -54,8 +49,8 @@ def main() -> None:
                        speculator_factory=make_speculator)
     proposer = engine.speculator.proposers["quantspec"]
     draft, backend = proposer.model, proposer.passes.runner.backend
-    heads = {"q8_0": draft.lm_head, "q4_1": QuantLinear.from_linear(_Weight(engine.model.embed_tokens.weight),
-                                                                    QuantFormat.Q4_1)}
+    heads = {"q8_0": draft.lm_head,
+             "q4_1": QuantLinear(QuantizedWeight.quantize(engine.model.embed_tokens.weight, QuantFormat.Q4_1))}
     four_bit = [m for m in draft.modules() if isinstance(m, QuantLinear)
                 and m.qweight.format in (QuantFormat.Q4_0, QuantFormat.Q4_1)]
     views = ["full", "int4"] if args.kv_cache_dtype == "int8" else ["full"]

@@ -112,10 +112,10 @@ class TorchAttentionBackend:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  plan: KernelPlan | None = None, scale: float | None = None, int4_view: bool = False):
-        self.plan = plan
+        self.plan = plan          # its decode_attention choice, per bucket of decode rows
         # Reads an int8 cache through its int4 view (QuantSpec's draft over the target's cache);
         # what it stores is plain int8 either way.
-        self.int4_view = int4_view          # its decode_attention choice, per bucket of decode rows
+        self.int4_view = int4_view
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -362,7 +362,7 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
     follows `plan`'s decode-attention choice; both follow its batch-invariant mode. `dtype`, the
     KV cache's, sizes the Triton prefill tiles (smaller in fp32). `scale`: the softmax scale
     (None: head_dim ** -0.5; a model's is `ModelConfig.attention_scale`). `int4_view`: read an int8
-    cache through its int4 view (the torch backend's; the Triton kernels read the int8 values)."""
+    cache through its int4 view (the torch backend's only)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and _triton_available() else "torch"
     if name == "torch":
@@ -371,6 +371,9 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
                              "(--attention-backend triton or auto), not torch")
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device, plan, scale=scale, int4_view=int4_view)
     if name == "triton":
+        if int4_view:
+            raise ValueError("the int4 view of an int8 KV cache (--quantspec-kv-view int4) is read by the C kernels "
+                             "and the torch attention backend, not triton")
         try:
             from kernels.backend import TritonAttentionBackend  # noqa: PLC0415
         except ImportError as exc:

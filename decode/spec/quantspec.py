@@ -41,16 +41,14 @@ class QuantSpecProposer:
         self.engine, self.config = engine, config
         self.model_config, self.model = model_config, model      # 4-bit linears (loading.py)
         mc = model_config
-        backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
-                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
-                                         scale=mc.attention_scale)
         kind = KVCacheDType(engine.config.cache.kv_cache_dtype)
         self.int4_view = config.quantspec_kv_view == "int4"
-        if self.int4_view and (kind is not KVCacheDType.INT8 or not hasattr(backend, "int4_view")):
+        if self.int4_view and kind is not KVCacheDType.INT8:
             raise ValueError(f"--quantspec-kv-view int4 reads an int8 KV cache through its int4 view: it needs "
-                             f"--kv-cache-dtype int8 (this engine's is {kind.value}) on the C kernels or the torch "
-                             f"attention backend (not {backend.name})")
-        backend.int4_view = self.int4_view
+                             f"--kv-cache-dtype int8 (this engine's is {kind.value})")
+        backend = make_attention_backend(engine.config.attention_backend, mc.num_heads, mc.num_kv_heads,
+                                         mc.head_dim, engine.device, engine.kernel_plan, engine.dtype,
+                                         scale=mc.attention_scale, int4_view=self.int4_view)
         log.info("quantspec: 4-bit draft over the target's %s KV cache%s", kind.value,
                  " through its int4 view" if self.int4_view else "")
         arena = engine.kv_cache.arena

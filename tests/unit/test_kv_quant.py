@@ -191,3 +191,10 @@ def test_c_decode_through_the_int4_view_equals_sdpa_on_the_view(dtype):
     want = cpu_ops.decode_attention(qkv2[:, :heads * dim].view(2, heads, dim), k2, v2, tables, lens_t, None,
                                     dim ** -0.5, int4_view=True)
     assert torch.equal(got, want.view(2, -1))
+
+
+def test_the_triton_backend_refuses_the_int4_view():
+    from cluster.model.attention import make_attention_backend
+    with pytest.raises(ValueError, match="int4 view .* not triton"):
+        make_attention_backend("triton", 4, 2, 64, torch.device("cpu"), int4_view=True)
+    assert make_attention_backend("torch", 4, 2, 64, torch.device("cpu"), int4_view=True).int4_view
