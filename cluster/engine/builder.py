@@ -128,6 +128,7 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device)
     if speculator is not None and footprint.hidden_states:
         runner.hidden_hook = speculator.after_forward
+        runner.hidden_layers = footprint.hidden_layers
         pool.on_allocate = speculator.invalidate
         scheduler.hit_filter = speculator.usable_hits
     return Core(backend, replay, kv_cache, pool, scheduler, runner)

@@ -66,6 +66,7 @@ class ModelRunner:
         # hidden_hook(plan, input_ids, positions, hidden, meta): the target's pre-norm hidden states
         # of every token of the step (a speculator's pass over them); None: the model returns none.
         self.hidden_hook: Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None] | None = None
+        self.hidden_layers: tuple[int, ...] = ()   # the hook's layers (outputs side by side); (): the last's
         self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
         # Prompt logprobs of the last step: (seq, first position, fp32 logits of positions from there).
         self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
@@ -111,7 +112,7 @@ class ModelRunner:
         meta = self.backend.prepare(batch)
         out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                         return_hidden=self.hidden_hook is not None)
+                         return_hidden=self.hidden_hook is not None, hidden_layers=self.hidden_layers)
         logits, hidden = out if self.hidden_hook is not None else (out, None)
         if spans:
             self.prompt_logits = [(seq, first, logits[row:row + n]) for seq, first, row, n in spans]

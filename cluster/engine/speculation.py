@@ -57,6 +57,7 @@ class SpecFootprint:
     # It runs over the target's hidden states after every pass (`after_forward`; decode graphs
     # off) and keeps state per block (prefix hits go through `usable_hits`, allocations reset it).
     hidden_states: bool = False
+    hidden_layers: tuple[int, ...] = ()   # whose outputs it reads, side by side (): the last layer's
     max_draft_tokens: int = 0    # the widest draft a verification checks (0: it never proposes)
 
 

@@ -171,19 +171,26 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend: AttentionBackend, meta, logits_indices: torch.Tensor,
-                return_hidden: bool = False):
+                return_hidden: bool = False, hidden_layers: tuple[int, ...] = ()):
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, Hkv, D].
-        Returns fp32 logits for the rows in `logits_indices` (and the pre-norm hidden states of
-        every row with `return_hidden`)."""
+        Returns fp32 logits for the rows in `logits_indices` (and, with `return_hidden`, the hidden
+        states of every row: the last layer's output before the norm, or the outputs of
+        `hidden_layers` side by side, [T, len * H])."""
         x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
         fused = fused_layer.prepare(self, x, fp, kv_cache) if fp.fused_block else None
+        last = len(self.layers) - 1
+        kept = []
         for i, layer in enumerate(self.layers):
             if fused is None or not fused.run(i):
                 layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
+            if i in hidden_layers:   # the layers update x in place: keep a copy (the last needs none)
+                kept.append(x if i == last else x.clone())
         logits = self.logits(x.index_select(0, logits_indices), fp)
-        # The last layer's output before the norm: what an EAGLE head reads.
-        return (logits, x) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        # An EAGLE head reads the last layer's output; an EAGLE-3 head three depths of it.
+        return logits, (torch.cat(kept, dim=-1) if hidden_layers else x)
 
     def fused_layer_args(self) -> list:
         """Each layer's weights for one C call per layer (fused_layer.py), built at the first pure

@@ -18,19 +18,71 @@ def _sha(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
+def weights_fingerprint(model_dir: Path) -> str:
+    """What a draft head records of the weights it was trained on, so that a head trained for other
+    weights (a fine-tune, a new release) is refused instead of silently drafting badly: a GGUF's
+    sha256 for a converted GGUF directory, else the sha256 of the safetensors files' bytes (cached
+    under ~/.cache/splitserve by path, size and mtime: 0.5 GB hashes in seconds)."""
+    model_dir = Path(model_dir)
+    source = model_dir / "gguf_source.json"
+    if source.is_file():
+        return "gguf-sha256:" + json.loads(source.read_text())["sha256"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no safetensors weights to fingerprint")
+    key = hashlib.sha256(repr([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+                               for f in files]).encode()).hexdigest()[:32]
+    cache = Path.home() / ".cache" / "splitserve" / "fingerprints" / key
+    if cache.is_file():
+        return cache.read_text()
+    digest = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+    value = "safetensors-sha256:" + digest.hexdigest()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(value)
+    return value
+
+
 def read_eagle_config(head_dir: Path) -> dict:
     path = Path(head_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"EAGLE head directory {head_dir} has no config.json")
     raw = json.loads(path.read_text())
-    if raw.get("model_type") != "splitserve_eagle":
+    if raw.get("model_type") not in EAGLE_MODEL_TYPES:
         raise ValueError(f"{head_dir} is not an EAGLE head (model_type {raw.get('model_type')!r}, "
-                         "expected 'splitserve_eagle')")
+                         f"expected one of {', '.join(EAGLE_MODEL_TYPES)})")
     return raw
 
 
-_SHIPPED = ("; the shipped draft model and EAGLE head are stdlib-coder's (--model stdlib-coder): give this model "
-            "its own (--draft-model, --eagle-head), or use --speculative ngram")
+EAGLE_MODEL_TYPES = ("splitserve_eagle", "splitserve_eagle3")
+
+
+def is_eagle3(raw: dict) -> bool:
+    return raw.get("model_type") == "splitserve_eagle3"
+
+
+def _check_head_target(head_dir: Path, head: dict, model: Path, num_layers: int) -> None:
+    """A head is trained on one set of target weights: a fine-tune or a new release of the same
+    architecture would keep every shape and silently lose the acceptance (the trackers' "drafts
+    that go stale after a weight update"), so a recorded fingerprint must match."""
+    recorded = head.get("target_fingerprint")
+    if recorded:
+        actual = weights_fingerprint(Path(model))
+        if actual != recorded:
+            raise ValueError(f"EAGLE head {head_dir} was trained for other weights ({head.get('target_model')}, "
+                             f"{recorded}) than the target's ({model}, {actual}); train a head for these weights "
+                             f"(bench/spec_training/README.md) or use --speculative ngram or quantspec")
+    layers = head.get("feature_layers", ())
+    if is_eagle3(head) and (len(layers) != 3 or not all(0 <= i < num_layers for i in layers)):
+        raise ValueError(f"EAGLE head {head_dir} reads the outputs of layers {layers}, but the target has "
+                         f"{num_layers} layers")
+
+
+_SHIPPED = ("; the shipped EAGLE heads are stdlib-coder's and the default model's, and the shipped draft model is "
+            "stdlib-coder's: give this model its own (--draft-model, --eagle-head), or use --speculative ngram")
 
 
 def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
@@ -46,14 +98,16 @@ def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
                              f"({cfg.model}/tokenizer.json): its tokens would mean something else"
                              f"{_SHIPPED if spec.draft_model is None else ''}")
         return
-    head = read_eagle_config(spec.eagle_dir)
+    head_dir = spec.eagle_dir_for(cfg.model)
+    head = read_eagle_config(head_dir)
     if head.get("vocab_size") != target.vocab_size or head.get("hidden_size") != target.hidden_size:
-        raise ValueError(f"EAGLE head {spec.eagle_dir} was built for a model with hidden size "
+        raise ValueError(f"EAGLE head {head_dir} was built for a model with hidden size "
                          f"{head.get('hidden_size')} and vocab {head.get('vocab_size')}, but the target has "
                          f"{target.hidden_size} and {target.vocab_size}{_SHIPPED if spec.eagle_head is None else ''}")
     head_kv = (head.get("num_key_value_heads"), head.get("head_dim"))
     if head_kv != (target.num_kv_heads, target.head_dim):
         where = " and across the P/D handoff" if disaggregated else ""
-        raise ValueError(f"EAGLE head {spec.eagle_dir} has KV shape {head_kv} (kv heads, head dim) but the target's "
+        raise ValueError(f"EAGLE head {head_dir} has KV shape {head_kv} (kv heads, head dim) but the target's "
                          f"is {(target.num_kv_heads, target.head_dim)}: the head's KV rides in the target's KV "
                          f"blocks through the prefix cache{where}, so the shapes must match")
+    _check_head_target(head_dir, head, cfg.model, target.num_layers)

@@ -25,19 +25,31 @@ from torch import nn
 
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.model.llama import CausalLM, DecoderLayer
+from cluster.model.llama import CausalLM, DecoderLayer, RMSNorm
 from cluster.model.loader import LazyCheckpoint, TensorTaker, layer_state_dict
 from cluster.model.model_config import ModelConfig
-from decode.spec.compat import read_eagle_config
+from decode.spec.compat import is_eagle3, read_eagle_config
 
 
 class EagleHead(nn.Module):
-    def __init__(self, layer_cfg: ModelConfig, target: CausalLM):
+    """EAGLE (`draft_vocab` 0): f is the last layer's output, logits the target's own norm and LM
+    head. EAGLE-3 (bench/spec_training/eagle3.py): f = fuse(three depths of the target's outputs),
+    and the head's own norm and LM head over a draft vocabulary (`d2t`: draft id -> target id)."""
+
+    def __init__(self, layer_cfg: ModelConfig, target: CausalLM, draft_vocab: int = 0):
         super().__init__()
         h = layer_cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(layer_cfg, None)
         self.target = [target]   # not a submodule: its weights are the target's, not the head's
+        self.fuse = nn.Linear(3 * h, h, bias=False) if draft_vocab else None
+        self.norm = RMSNorm(h, layer_cfg.rms_norm_eps) if draft_vocab else None
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False) if draft_vocab else None
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """f from what the target's forward returned (the hidden hook's rows)."""
+        return hidden if self.fuse is None else self.fuse.forward(hidden)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor,
@@ -49,7 +61,14 @@ class EagleHead(nn.Module):
         g = self.layer.forward(u, fp, kv_layer[0], kv_layer[1])
         if logits_indices is None:
             return g, None
-        return g, target.logits(g.index_select(0, logits_indices), fp)
+        rows = g.index_select(0, logits_indices)
+        if self.lm_head is None:
+            return g, target.logits(rows, fp)
+        # Over the target's vocabulary, -inf outside the draft's: a draft token is a target id,
+        # and a sampled draft's q is 0 where the head cannot propose.
+        draft = self.lm_head.forward(fp.norm(rows, self.norm.weight, self.norm.eps)).float()
+        logits = draft.new_full((len(rows), target.cfg.vocab_size), float("-inf"))
+        return g, logits.index_copy_(1, self.d2t, draft)
 
 
 def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,
@@ -66,11 +85,25 @@ def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, d
                         sandwich_norm=False, local_rope=None, local_layers=())
     take = TensorTaker(LazyCheckpoint(Path(head_dir)))
     state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
+    draft_vocab = int(raw["draft_vocab_size"]) if is_eagle3(raw) else 0
+    if draft_vocab:
+        state.update({name: take(name) for name in ("fuse.weight", "norm.weight", "lm_head.weight", "d2t")})
     if take.missing:
         raise ValueError(f"EAGLE head {head_dir} is missing tensors: {', '.join(take.missing)}")
-    head = EagleHead(layer_cfg, target)
-    head.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    d2t = state.pop("d2t", None)
+    if d2t is not None and (d2t.shape != (draft_vocab,) or int(d2t.min()) < 0 or int(d2t.max()) >= target_cfg.vocab_size):
+        raise ValueError(f"EAGLE head {head_dir}: d2t must map {draft_vocab} draft ids to target ids "
+                         f"(0..{target_cfg.vocab_size - 1})")
+    head = EagleHead(layer_cfg, target, draft_vocab)
+    state = {k: v.to(dtype) for k, v in state.items()}
+    head.load_state_dict({**state, "d2t": head.d2t if d2t is None else d2t.long()}, strict=True)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def eagle_feature_layers(head_dir: Path) -> tuple[int, ...]:
+    """The target layers whose outputs the head reads, side by side (): the last layer's alone."""
+    raw = read_eagle_config(head_dir)
+    return tuple(int(i) for i in raw["feature_layers"]) if is_eagle3(raw) else ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +136,7 @@ class EagleFeatures:
 
     def after_forward(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
         """The head over the step's tokens with the true features: input j pairs x_j with f_{j-1}."""
+        hidden = self.head.features(hidden)
         bs = self.block_size
         total = hidden.shape[0]
         carry, src, ends_rows, ends_blocks = [], [], [], []

@@ -45,11 +45,13 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
     spec = config.speculative
     widest = spec.max_speculative_tokens if proposing else 0
     if spec.method == "eagle":
-        from decode.spec.eagle_head import load_eagle_head  # noqa: PLC0415
-        head = load_eagle_head(spec.eagle_dir, target.config, target.model, target.dtype, device)
+        from decode.spec.eagle_head import eagle_feature_layers, load_eagle_head  # noqa: PLC0415
+        head_dir = spec.eagle_dir_for(config.model)
+        head = load_eagle_head(head_dir, target.config, target.model, target.dtype, device)
         apply_kernel_plan(head, target.kernel_plan)
-        footprint = SpecFootprint(extra_kv_layers=1, model_id_suffix=f"+eagle:{spec.eagle_dir.name}",
-                                  hidden_states=True, max_draft_tokens=widest)
+        footprint = SpecFootprint(extra_kv_layers=1, model_id_suffix=f"+eagle:{head_dir.name}",
+                                  hidden_states=True, hidden_layers=eagle_feature_layers(head_dir),
+                                  extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
         return SpecModels(footprint, eagle=head)
     if spec.method in ("draft", "quantspec") and proposing:
         source = spec.draft_dir if spec.method == "draft" else config.model
