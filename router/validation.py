@@ -57,7 +57,7 @@ class Limits:
     max_model_len: int
     max_tokens_limit: int        # the most a request may ask for
     default_max_tokens: int = 256
-    spec_methods: tuple[str, ...] = ("off", "ngram")   # what the decode workers have loaded
+    spec_methods: tuple[str, ...] = ("off", "ngram", "jacobi")   # what the decode workers have loaded
     max_speculative_tokens: int = 8
     bounds: RequestBounds = field(default_factory=RequestBounds)
     max_token_bytes: int = 0     # the vocabulary's longest token in UTF-8 bytes (0: unknown)

@@ -144,3 +144,22 @@ def unrolled_losses(head: Eagle3Head, tokens, feats3, labels, loss_mask, tp, pas
         losses.append(F.cross_entropy(logits, y, ignore_index=-100))
         accs.append(float((logits.argmax(-1) == y).float().mean()))
     return losses, accs
+
+
+@torch.no_grad()
+def draft_greedy3(head: Eagle3Head, tp, tokens: list[int], feats3: torch.Tensor, k: int) -> list[int]:
+    """Dense reference drafting: k target ids after `tokens` (x_0..x_n), given the target's three
+    depths of features at positions 0..n-1 (feats3 [>= n, 3H])."""
+    n = len(tokens) - 1
+    dt = next(head.parameters()).dtype
+    toks = torch.tensor(tokens)[None]
+    f = head.fused(feats3[:n].to(dt))
+    feats = torch.cat([f.new_zeros(1, f.shape[-1]), f])[None]       # f_{-1} = 0
+    out = []
+    for _ in range(k):
+        g = head(toks, feats, tp)
+        d = int(head.d2t[head.draft_logits(g[:, -1]).argmax(-1)])
+        out.append(d)
+        toks = torch.cat([toks, torch.tensor([[d]])], dim=1)
+        feats = torch.cat([feats, g[:, -1:]], dim=1)
+    return out

@@ -94,8 +94,8 @@ class Speculator(Protocol):
     def check_request(self, sampling: SamplingParams) -> None:
         """Raise ValueError when this speculator cannot serve what `sampling` asks for."""
 
-    def lookahead(self, seq: Sequence) -> int:
-        """Tokens to propose for `seq` this step (0: a plain decode step)."""
+    def lookaheads(self, plan: StepPlan) -> list[int]:
+        """Tokens to propose for each of `plan.decodes` this step (0: a plain decode)."""
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Drafts of at most ks[i] tokens, each continuing seqs[i].token_ids."""
@@ -117,8 +117,7 @@ SpeculatorFactory = Callable[[EngineConfig], Speculator]
 def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) -> dict[Sequence, Draft]:
     """Turn the plan's decodes that get a draft into verifications; returns the drafts by sequence."""
     chunks, ks = [], []
-    for chunk in plan.decodes:
-        k = speculator.lookahead(chunk.seq)
+    for chunk, k in zip(list(plan.decodes), speculator.lookaheads(plan)):
         if k > 0:
             k = scheduler.lookahead_room(chunk.seq, k, plan)
         if k > 0:

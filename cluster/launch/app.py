@@ -363,7 +363,7 @@ def _limits(cfg: ClusterConfig) -> Limits:
     return Limits(model_id=cfg.served_model_name or mc.model_id, vocab_size=mc.vocab_size,
                   max_model_len=cfg.engine.max_model_len or mc.max_position_embeddings,
                   max_tokens_limit=cfg.max_tokens_limit,
-                  spec_methods=tuple(dict.fromkeys(("off", "ngram", spec.method))),
+                  spec_methods=tuple(dict.fromkeys(("off", "ngram", "jacobi", spec.method))),
                   max_speculative_tokens=spec.max_speculative_tokens,
                   default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), bounds=cfg.bounds,
                   max_token_bytes=_max_token_bytes(load_tokenizer(cfg.engine.model)))

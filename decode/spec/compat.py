@@ -87,7 +87,7 @@ _SHIPPED = ("; the shipped EAGLE heads are stdlib-coder's and the default model'
 
 def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
     spec = cfg.speculative
-    if spec.method in ("off", "ngram", "quantspec"):   # quantspec drafts with the target's own weights
+    if spec.method in ("off", "ngram", "jacobi", "quantspec"):   # model-free, or the target's own weights
         return
     target = load_model_config(cfg.model)
     if spec.method == "draft":

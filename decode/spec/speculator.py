@@ -32,8 +32,13 @@ from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
 from decode.spec.acceptance import accept_greedy, accept_sampled
 from decode.spec.loading import SpecModels, load_spec_models
+from decode.spec.jacobi import JacobiProposer
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
+from decode.spec.step_policy import StepLookahead
+
+
+MODEL_FREE = ("ngram", "jacobi")   # drafting costs next to nothing: no draft time to measure
 
 
 class NgramDrafts:
@@ -63,12 +68,15 @@ class SpecDecoder:
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
-        self.tau = {"ngram": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior,
+        self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior,
                     "quantspec": config.draft_cost_prior}
         self._t_draft: dict[str, float] = {}
         self._t_target: float | None = None
         self._proposed_at: float | None = None
         self.calibration = defaultdict(Calibration)
+        self.max_k = config.max_speculative_tokens
+        self.step_policy = StepLookahead(config.max_speculative_tokens)
+        self._step_extra = 0        # accepted draft tokens of the current step
 
     # --- building ---------------------------------------------------------------------------
     def load(self, target: Models, device: torch.device) -> SpecFootprint:
@@ -83,6 +91,7 @@ class SpecDecoder:
         if not self.proposing:
             return
         self.proposers["ngram"] = NgramDrafts(self.config)
+        self.proposers["jacobi"] = JacobiProposer(self.config)
         if loaded.draft_model is not None and self.config.method == "quantspec":
             from decode.spec.quantspec import QuantSpecProposer  # noqa: PLC0415
             self.proposers["quantspec"] = QuantSpecProposer(engine, self.config, loaded.draft_config,
@@ -101,6 +110,8 @@ class SpecDecoder:
     def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
         if self.features is not None:
             self.features.keep(forks)
+        self.step_policy.observe(self._step_extra)
+        self._step_extra = 0
 
     def usable_hits(self, hits: list[int]) -> list[int]:
         return hits if self.features is None else self.features.usable_hits(hits)
@@ -144,11 +155,18 @@ class SpecDecoder:
         return self._method[seq], look
 
     # --- the engine's protocol --------------------------------------------------------------
-    def lookahead(self, seq: Sequence) -> int:
+    def lookaheads(self, plan: StepPlan) -> list[int]:
+        """Per decode of the plan: its own k (fixed, or dynamic from its acceptance), within the
+        step's cap for dynamic ones (step_policy.py: measured at this batch size)."""
         if not self.proposing:
-            return 0
-        method, look = self._state(seq)
-        return 0 if method == "off" else look.next_k(self.tau[method])
+            return [0] * len(plan.decodes)
+        states = [self._state(c.seq) for c in plan.decodes]
+        cap = self.max_k
+        if any(look.dynamic and method != "off" for method, look in states):
+            cap = self.step_policy.cap(len(plan.decodes), measured=not plan.prefills)
+        self._step_extra = 0
+        return [0 if method == "off" else min(look.next_k(self.tau[method]), cap if look.dynamic else self.max_k)
+                for method, look in states]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         by_method: dict[str, list[int]] = defaultdict(list)
@@ -161,7 +179,7 @@ class SpecDecoder:
             stop_rules = [rule if self._lookahead[s].dynamic else None for s in group]
             t0 = time.perf_counter()
             out = self.proposers[method].propose(group, [ks[i] for i in idx], stop_rules)
-            if method != "ngram":
+            if method not in MODEL_FREE:
                 self._observe_draft_cost(method, (time.perf_counter() - t0) / max(1, max(len(d) for d in out)))
             for i, d in zip(idx, out):
                 drafts[i] = d
@@ -198,6 +216,9 @@ class SpecDecoder:
                 tokens = accept_sampled(target, proposal, list(draft.tokens), seq.generator)
         method, look = self._state(seq)
         accepted = len(tokens) - 1
+        if method == "jacobi":
+            self.proposers["jacobi"].observe(seq, seq.token_ids, draft.tokens, logits.argmax(-1).tolist(), len(tokens))
+        self._step_extra += accepted
         look.after_verify(len(draft), accepted)
         if look.dynamic and draft.confidences:
             self.calibration[method].observe(draft.confidences, accepted)

@@ -1,0 +1,69 @@
+"""The step's lookahead cap follows measured throughput per batch size: where speculation pays it
+is used, where it does not (large batches) the batch decodes plainly, apart from a small share of
+exploring steps; a step with prompt chunks is neither timed nor explored."""
+import pytest
+
+from decode.spec import step_policy
+from decode.spec.step_policy import StepLookahead, batch_bucket
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _machine(batch: int, cap: int) -> tuple[float, int]:
+    """(seconds, extra tokens) of a step: at batch 1 each verified row is nearly free and 3 of 4
+    drafts are accepted; at batch 32 every row costs a decode's share of the step, and 6 of 10
+    drafts are accepted."""
+    if batch == 1:
+        return 0.025 * (1 + 0.05 * cap), round(0.75 * cap)
+    return 0.004 * batch * (1 + cap), int(0.6 * cap * batch)
+
+
+def _run(policy, clock, batch: int, steps: int) -> list[int]:
+    caps = []
+    for _ in range(steps):
+        cap = policy.cap(batch, measured=True)
+        seconds, extra = _machine(batch, cap)
+        clock.now += seconds
+        policy.observe(extra)
+        caps.append(cap)
+    return caps
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(step_policy.time, "perf_counter", c)
+    return c
+
+
+def test_speculates_where_it_pays_and_decodes_plainly_where_it_does_not(clock):
+    policy = StepLookahead(k_max=8, explore=0.05, seed=0)
+    small = _run(policy, clock, 1, 400)[-300:]
+    large = _run(policy, clock, 32, 400)[-300:]
+    assert sum(c == 8 for c in small) >= 0.9 * len(small)
+    assert sum(c == 0 for c in large) >= 0.9 * len(large)
+    assert 0 < sum(c != 0 for c in large) <= 0.1 * len(large)     # it keeps exploring, a little
+    table = policy.table()
+    assert table[1][8] > 1.5 * table[1][0] and table[32][0] > 1.2 * table[32][1] > 0
+
+
+def test_steps_with_prompt_chunks_use_the_best_cap_and_are_not_measured(clock):
+    policy = StepLookahead(k_max=4, explore=0.5, seed=1)
+    _run(policy, clock, 32, 60)
+    before = {k: (a.samples, a.rate) for k, a in policy.arms.items()}
+    assert {policy.cap(32, measured=False) for _ in range(50)} == {0}
+    clock.now += 5.0
+    policy.observe(0)
+    assert {k: (a.samples, a.rate) for k, a in policy.arms.items()} == before
+
+
+def test_buckets_and_caps():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [0, 1, 2, 2, 3, 3, 4, 5, 6]
+    assert StepLookahead(k_max=3).caps == [0, 1, 2, 3]
+    assert StepLookahead(k_max=8).caps == [0, 1, 2, 4, 8]
