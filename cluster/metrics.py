@@ -95,6 +95,12 @@ _SPEC_COUNTERS = (
     ("spec_verify_steps", "verification passes (one per drafted sequence)", "steps"),
     ("spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)", "emitted"),
 )
+# Per speculative method and draft position (1 = the first drafted token): acceptance by position.
+_SPEC_POSITION_COUNTERS = (
+    ("spec_position_draft_tokens", "drafted tokens at this draft position", "drafted_at"),
+    ("spec_position_accepted_tokens", "drafted tokens at this draft position that verification accepted",
+     "accepted_at"),
+)
 
 
 def _families(kind, series, labels: list[str]) -> list[tuple]:
@@ -121,6 +127,8 @@ class _WorkerCollector:
         discarded = _families(CounterMetricFamily, (_DISCARDED,), ["worker", "role", "model_name"])
         handoff = _families(CounterMetricFamily, _HANDOFF_COUNTERS, ["worker", "transport", "model_name"])
         spec = _families(CounterMetricFamily, _SPEC_COUNTERS, ["worker", "method", "model_name"])
+        by_position = _families(CounterMetricFamily, _SPEC_POSITION_COUNTERS,
+                                ["worker", "method", "position", "model_name"])
         queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
                                       "time requests waited on a worker for their first schedule",
                                       labels=["worker", "role", "model_name"])
@@ -135,9 +143,12 @@ class _WorkerCollector:
             for counts in s.spec:
                 for family, field in spec:
                     family.add_metric([s.name, counts.method, model], getattr(counts, field))
+                for family, field in by_position:
+                    for i, value in enumerate(getattr(counts, field)):
+                        family.add_metric([s.name, counts.method, str(i + 1), model], value)
         yield from (f for f, _ in by_role)
         yield queue
-        yield from (f for f, _ in (*handoff, *discarded, *spec))
+        yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position))
 
 
 class RequestTracker:

@@ -130,6 +130,8 @@ class SpecStats:
     accepted: int = 0
     steps: int = 0
     emitted: int = 0
+    drafted_at: tuple[int, ...] = ()    # [i]: drafts with a token at position i + 1
+    accepted_at: tuple[int, ...] = ()   # [i]: of those, verifications that accepted it
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,9 @@ _SCALAR_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _scalar(cls, name: str, value):
+    if cls.__dataclass_fields__[name].type == "tuple[int, ...]":
+        _need(type(value) in (list, tuple) and all(type(v) is int for v in value), f"{cls.__name__}.{name}: ints")
+        return tuple(value)
     want = _SCALAR_TYPES[cls.__dataclass_fields__[name].type]
     ok = type(value) is want or (want is float and type(value) is int)
     _need(ok, f"{cls.__name__}.{name}: a {want.__name__}")

@@ -183,7 +183,7 @@ def train(a) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        rec = {"step": step, "loss": round(float(loss), 4), "acc": [round(x, 3) for x in accs],
+        rec = {"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(x, 3) for x in accs],
                "elapsed_s": round(time.time() - t0, 1)}
         if step % 100 == 0 or step == total:
             rec["val_acc"] = evaluate(head, tp, val, t2d, a.passes)

@@ -66,7 +66,8 @@ class SpecDecoder:
         self.features = None            # an EagleFeatures, with an EAGLE head
         self._lookahead: dict[Sequence, Lookahead] = {}
         self._method: dict[Sequence, str] = {}
-        self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0})
+        self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0,
+                                           "drafted_at": [], "accepted_at": []})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
         self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior,
                     "quantspec": config.draft_cost_prior}
@@ -227,6 +228,11 @@ class SpecDecoder:
         c["accepted"] += accepted
         c["steps"] += 1
         c["emitted"] += len(tokens)
+        for at, n in (("drafted_at", len(draft)), ("accepted_at", accepted)):
+            counts = c[at]
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
         return tokens
 
     def release(self, seq: Sequence) -> None:
@@ -236,7 +242,7 @@ class SpecDecoder:
             proposer.release(seq)
 
     def stats(self) -> dict:
-        return {m: dict(c) for m, c in self.counts.items()}
+        return {m: {k: tuple(v) if isinstance(v, list) else v for k, v in c.items()} for m, c in self.counts.items()}
 
 
 def _one_hot(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:

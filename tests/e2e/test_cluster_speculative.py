@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import urllib.request
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from cluster.launch.app import ClusterConfig, start_cluster
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
-from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
+from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig, default_model_file
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
@@ -31,16 +32,23 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
-def _engine_config(method="draft"):
+def _engine_config(method="draft", model=None):
     # A fixed k: dynamic lookahead reacts to measured timings, so two runs may draft differently.
-    return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512),
+    # `model` None: the tests' default (stdlib-coder); "default": SmolLM2-135M-Instruct, whose
+    # EAGLE head is the EAGLE-3-style one (three depths of features, fused, shipped fused).
+    extra = {} if model is None else {"model": default_model_file()}
+    return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512), **extra,
                         speculative=SpeculativeConfig(method=method, num_speculative_tokens=4))
+
+
+def _reference(model=None):
+    engine = LLMEngine(replace(_engine_config(model=model), speculative=SpeculativeConfig()))
+    return [list(c.token_ids) for c in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    engine = LLMEngine(EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512)))
-    return [list(c.token_ids) for c in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
+    return _reference()
 
 
 def _scrape(cluster: ClusterThread) -> dict:
@@ -64,7 +72,7 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     """Requests one at a time, so both modes batch them alike; returns outputs and the mean
     accepted length per verification step over them."""
     client = Client(cluster.target)
-    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram", "eagle")}
+    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram", "jacobi", "eagle")}
     outs = [list(client.generate(p, max_tokens=MAX_TOKENS, **sampling).token_ids) for p in PROMPTS]
     method = sampling.get("speculative", "draft")
     cluster.wait_idle()
@@ -73,9 +81,12 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     return outs, emitted / steps
 
 
-@pytest.mark.parametrize("configured,methods", [("draft", ("draft", "ngram")), ("eagle", ("eagle",))])
-def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods):
-    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured),
+@pytest.mark.parametrize("configured,methods,model", [("draft", ("draft", "ngram", "jacobi"), None),
+                                                      ("eagle", ("eagle",), None), ("eagle", ("eagle",), "default")])
+def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model):
+    if model is not None:
+        reference = _reference(model)
+    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model),
                                      data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                      router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
     try:
@@ -99,7 +110,7 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
         assert scraped == want
     finally:
         pd.stop()
-    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured), colocated=True, port=0))
+    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model), colocated=True, port=0))
     try:
         colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
     finally:

@@ -93,3 +93,27 @@ def test_a_head_reading_layers_the_target_lacks_is_refused(tmp_path):
     cfg = EngineConfig(model=STDLIB_CODER_DIR, speculative=SpeculativeConfig(method="eagle", eagle_head=head_dir))
     with pytest.raises(ValueError, match=r"reads the outputs of layers \[0, 2, 9\], but the target has 6 layers"):
         check_speculative_models(cfg, disaggregated=False)
+
+
+def test_the_default_models_shipped_head_drafts_well_and_changes_nothing():
+    """SmolLM2-135M-Instruct with its shipped EAGLE-3-style head, on chat questions it was not
+    trained on: the greedy answers equal plain decoding's, and the head earns its keep."""
+    from transformers import AutoTokenizer
+
+    from cluster.config import DEFAULT_MODEL_EAGLE_DIR, default_model_file
+    from bench.spec_training.smollm_data import chat_ids
+    model = default_model_file()
+    plain = LLMEngine(EngineConfig(model=model, num_threads=2))
+    spec = LLMEngine(EngineConfig(model=model, num_threads=2, speculative=SpeculativeConfig(
+        method="eagle", num_speculative_tokens=4)), speculator_factory=make_speculator)
+    assert spec.speculator.models.footprint.hidden_layers == (1, 14, 26)
+    assert DEFAULT_MODEL_EAGLE_DIR.name in spec.layout.model_id
+    tok = AutoTokenizer.from_pretrained(plain.config.model)
+    prompts = [chat_ids(tok, q) for q in ("What is the difference between a list and a tuple in Python?",
+                                          "Write a Python function that checks whether a number is prime.")]
+    sp = SamplingParams(max_tokens=64)
+    want = [c.token_ids for c in plain.generate(prompts, sp)]
+    assert [c.token_ids for c in spec.generate(prompts, sp)] == want
+    c = spec.speculator.stats()["eagle"]
+    assert c["accepted"] / c["drafted"] > 0.4, c
+    spec.pool.check_idle()

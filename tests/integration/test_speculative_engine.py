@@ -51,7 +51,8 @@ def mean_accepted_length(engine, method):
     return c["emitted"] / c["steps"]
 
 
-@pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto"), ("draft", 3), ("draft", "auto"),
+@pytest.mark.parametrize("method,k", [("ngram", 4), ("ngram", "auto"), ("jacobi", 4), ("jacobi", "auto"),
+                                      ("draft", 3), ("draft", "auto"),
                                       ("eagle", 3), ("eagle", "auto"), ("quantspec", "auto")])
 def test_greedy_output_unchanged_in_mixed_batches(method, k, reference):
     engine = spec_engine(method, k, deterministic=True)

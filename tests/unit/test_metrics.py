@@ -141,3 +141,15 @@ def test_scheduler_counts_preemptions_and_queue_time_once_per_request():
     assert s.num_preemptions == sum(q.num_preemptions for q in seqs) > 0
     assert s.queue_count == 2 == dict(s.queue_time_buckets())[QUEUE_TIME_BUCKETS[-1]]
     assert s.pool.num_free == 4
+
+
+def test_acceptance_by_draft_position_is_a_series_per_position():
+    from cluster.worker_messages import SpecStats
+    m = ClusterMetrics("nixl", MODEL)
+    m.update_worker(_decode_stats(spec=(SpecStats("eagle", 7, 4, 3, 7, drafted_at=(3, 3, 1), accepted_at=(3, 1, 0)),)))
+    _, samples = _scrape(m)
+    at = {p: (_value(samples, "splitserve_spec_position_draft_tokens_total", worker="decode-0", method="eagle", position=p),
+              _value(samples, "splitserve_spec_position_accepted_tokens_total", worker="decode-0", method="eagle",
+                         position=p))
+          for p in ("1", "2", "3")}
+    assert at == {"1": (3, 3), "2": (3, 1), "3": (1, 0)}

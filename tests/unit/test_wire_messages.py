@@ -118,7 +118,7 @@ def _full_stats() -> WorkerStats:
     from cluster.worker_messages import HandoffStats, PrefillStats, SpecStats
     return WorkerStats(name="w", role="decode", incarnation="i", ready=True, pid=7, steps=3, has_work=True,
                        blocks_used=2, blocks_free=5, blocks_total=7, kv_limit="--kv-cache-bytes", queue_seconds=1,
-                       queue_time_buckets=((0.1, 1), (1.0, 2)), spec=(SpecStats("ngram", 4, 2, 1, 3),),
+                       queue_time_buckets=((0.1, 1), (1.0, 2)), spec=(SpecStats("ngram", 4, 2, 1, 3, (1, 1, 1, 1), (1, 1, 0, 0)),),
                        prefill=PrefillStats(1), handoff=HandoffStats(1, 2, 3, 4, 0.5))
 
 
@@ -130,6 +130,7 @@ def test_worker_stats_cross_the_token_stream_strictly():
     assert type(frame) is StatsFrame and stats_from_wire(frame.body) == stats
     body = frame.body          # as it arrives: msgpack lists where the dataclass has tuples
     for change, message in [({"blocks_used": "2"}, "blocks_used"), ({"spec": [{"method": 1}]}, "SpecStats.method"),
+                            ({"spec": [{"method": "ngram", "accepted_at": [1.5]}]}, "SpecStats.accepted_at"),
                             ({"handoff": {"bytes": 1.5}}, "HandoffStats.bytes"), ({"extra": 1}, "unknown"),
                             ({"version": 2}, "version 2"), ({"queue_time_buckets": [[1.0]]}, "queue_time_buckets")]:
         with pytest.raises(ValueError, match=message):
