@@ -47,22 +47,21 @@ class JacobiProposer:
         return [Draft(tuple(self.draft(s, k))) for s, k in zip(seqs, ks)]
 
     def draft(self, seq: Sequence, k: int) -> list[int]:
-        state = self.states.get(seq)
+        """Prompt lookup first (a repeat of the request's own text is the surest guess), continued
+        by the pool; where nothing repeats, the pool and the refined guesses."""
         tokens = list(seq.token_ids)
+        out = self.lookup.propose(tokens, k)
+        state = self.states.get(seq)
         if state is None:
-            return self.lookup.propose(tokens, k)
-        out: list[int] = []
-        guess = state.guess if state.guess_at == len(tokens) else []
+            return out
+        guess = state.guess if state.guess_at == len(tokens) and not out else []
         while len(out) < k:
-            key = tuple((tokens + out)[-(POOL_N - 1):])
-            nxt = state.pool.get(key)
+            nxt = state.pool.get(tuple((tokens + out)[-(POOL_N - 1):]))
             if nxt is None and len(out) < len(guess):
                 nxt = guess[len(out)]
             if nxt is None:
                 break
             out.append(nxt)
-        if not out:
-            return self.lookup.propose(tokens, k)
         return out
 
     def observe(self, seq: Sequence, context: list[int], draft: tuple[int, ...], best: list[int], kept: int) -> None:
