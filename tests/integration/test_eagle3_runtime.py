@@ -115,5 +115,7 @@ def test_the_default_models_shipped_head_drafts_well_and_changes_nothing():
     want = [c.token_ids for c in plain.generate(prompts, sp)]
     assert [c.token_ids for c in spec.generate(prompts, sp)] == want
     c = spec.speculator.stats()["eagle"]
-    assert c["accepted"] / c["drafted"] > 0.4, c
+    # An untrained head, or one for other weights, accepts next to nothing (first position ~0);
+    # this one accepts about 4 in 10 first tokens on such questions (its model card).
+    assert c["accepted_at"][0] / c["drafted_at"][0] > 0.25, c
     spec.pool.check_idle()
