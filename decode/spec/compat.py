@@ -76,9 +76,10 @@ def _check_head_target(head_dir: Path, head: dict, model: Path, num_layers: int)
                              f"{recorded}) than the target's ({model}, {actual}); train a head for these weights "
                              f"(bench/spec_training/README.md) or use --speculative ngram or quantspec")
     layers = head.get("feature_layers", ())
-    if is_eagle3(head) and (len(layers) != 3 or not all(0 <= i < num_layers for i in layers)):
+    if is_eagle3(head) and (len(layers) != 3 or not all(0 <= i < num_layers for i in layers)
+                            or list(layers) != sorted(set(layers))):
         raise ValueError(f"EAGLE head {head_dir} reads the outputs of layers {layers}, but the target has "
-                         f"{num_layers} layers")
+                         f"{num_layers} layers (three distinct layers, in ascending order)")
 
 
 _SHIPPED = ("; the shipped EAGLE heads are stdlib-coder's and the default model's, and the shipped draft model is "

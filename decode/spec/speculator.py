@@ -31,8 +31,8 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
 from decode.spec.acceptance import accept_greedy, accept_sampled
-from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.jacobi import JacobiProposer
+from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
 from decode.spec.step_policy import StepLookahead
@@ -69,8 +69,8 @@ class SpecDecoder:
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0,
                                            "drafted_at": [], "accepted_at": []})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
-        self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior, "eagle": config.draft_cost_prior,
-                    "quantspec": config.draft_cost_prior}
+        self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior,
+                    "eagle": config.draft_cost_prior, "quantspec": config.draft_cost_prior}
         self._t_draft: dict[str, float] = {}
         self._t_target: float | None = None
         self._proposed_at: float | None = None
@@ -242,7 +242,8 @@ class SpecDecoder:
             proposer.release(seq)
 
     def stats(self) -> dict:
-        return {m: {k: tuple(v) if isinstance(v, list) else v for k, v in c.items()} for m, c in self.counts.items()}
+        return {m: {k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}
+                for m, c in self.counts.items()}
 
 
 def _one_hot(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:

@@ -86,8 +86,8 @@ def _scrape_spec(served: ClusterThread, method: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
     port = served.cluster.metrics_server[0].server_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.startswith("splitserve_spec_") and s.labels.get("worker") == "decode-0"
+    return {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name.startswith("splitserve_spec_") and s.labels.get("worker") == "decode-0"
             and s.labels.get("method") == method}
 
 
@@ -121,7 +121,10 @@ def test_quantspec_on_the_decode_worker_across_the_handoff(reference, served):
     assert grew["accepted"] >= grew["drafted"] / 2, grew
     # The router's copy of an idle worker's stats is at most one idle poll (2 s) behind (as in
     # test_cluster_speculative): wait for the scraped counters to reach the worker's own.
-    expected = {f"splitserve_spec_{name}_total": float(getattr(now, key)) for name, key in SPEC_COUNTERS}
+    expected = {(f"splitserve_spec_{name}_total", None): float(getattr(now, key)) for name, key in SPEC_COUNTERS}
+    for name, key in (("draft", "drafted_at"), ("accepted", "accepted_at")):   # acceptance by draft position
+        expected |= {(f"splitserve_spec_position_{name}_tokens_total", str(i + 1)): float(v)
+                     for i, v in enumerate(getattr(now, key))}
     deadline = time.monotonic() + 10
     while (scraped := _scrape_spec(served, "quantspec")) != expected and time.monotonic() < deadline:
         time.sleep(0.25)
