@@ -7,9 +7,9 @@ for one row and extra rows are nearly free; at batch 32 the step is compute-boun
 verified row costs about as much as a decoded one. The trackers show what a fixed cost model does
 there (vLLM's dynamic speculation collapsing throughput past a batch-size threshold). So the step
 itself is measured: for each batch-size bucket, a few caps on the lookahead of `auto` requests
-(0 is plain decoding) are tried, their tokens per second are kept as decayed means over pure
-decode steps, and the best one is used, with a small share of steps exploring the others so the
-choice follows the workload (acceptance changes with the text) and the machine. Where speculation
+(0 is plain decoding) are tried, their tokens per second are kept as decayed ratios over pure
+decode steps, and the best one is used, with a small share of steps exploring its neighbours so
+the choice follows the workload (acceptance changes with the text) and the machine. Where speculation
 does not pay, cap 0 wins and the batch decodes plainly, losing at most the exploration share.
 
 Requests with a fixed k (the server's `--num-speculative-tokens K`, or the request's own) are left
@@ -29,15 +29,22 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class Arm:
-    rate: float = 0.0     # decayed mean tokens per second of its steps
+    """Decayed sums of a cap's tokens and seconds: their ratio is its throughput. (A mean of
+    per-step rates would overrate it: a step that accepts all its drafts is also a short one.)"""
+    tokens: float = 0.0
+    seconds: float = 0.0
     samples: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class StepLookahead:
     """The lookahead cap of each step's `auto` requests, from measured tokens per second."""
 
-    TRIES = 3          # steps each cap gets at a bucket before the best is exploited
-    DECAY = 0.85       # weight of the old mean per new step
+    TRIES = 4          # steps each cap gets at a bucket before the best is exploited
+    DECAY = 0.95       # weight of the old sums per new step (about the last 20 steps count)
 
     def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0):
         self.caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
@@ -52,12 +59,15 @@ class StepLookahead:
         bucket = batch_bucket(batch)
         arms = [self.arms.setdefault((bucket, c), Arm()) for c in self.caps]
         untried = [c for c, a in zip(self.caps, arms) if a.samples < self.TRIES]
+        best = max(range(len(self.caps)), key=lambda i: (arms[i].samples > 0, arms[i].rate))
         if measured and untried:
             cap = untried[-1]
         elif measured and self.rng.random() < self.explore:
-            cap = self.rng.choice(self.caps)
+            # A neighbour of the best: a cap far from it (8 where 0 is best) can cost a step or
+            # two of throughput, while the neighbours are what the choice can drift to.
+            cap = self.caps[self.rng.choice([i for i in (best - 1, best + 1) if 0 <= i < len(self.caps)])]
         else:
-            cap = max(zip(self.caps, arms), key=lambda ca: (ca[1].samples > 0, ca[1].rate))[0]
+            cap = self.caps[best]
         self._open = (bucket, cap, time.perf_counter(), batch) if measured else None
         return cap
 
@@ -71,8 +81,8 @@ class StepLookahead:
         if seconds <= 0:
             return
         arm = self.arms[(bucket, cap)]
-        rate = (decodes + extra_tokens) / seconds
-        arm.rate = rate if arm.samples == 0 else self.DECAY * arm.rate + (1 - self.DECAY) * rate
+        arm.tokens = self.DECAY * arm.tokens + decodes + extra_tokens
+        arm.seconds = self.DECAY * arm.seconds + seconds
         arm.samples += 1
 
     def table(self) -> dict[int, dict[int, float]]:
