@@ -10,8 +10,9 @@ tokens later. Here the verification pass is the Jacobi iteration, so it costs no
    guess there; they become the next step's guesses for the positions after the corrected token
    (the refined iterate), continued by the pool;
  - every row also gives an n-gram, (the n-1 tokens it was conditioned on) -> (its argmax), which
-   goes into the request's pool; a proposal follows the pool greedily from the sequence's last
-   n-1 tokens, falls back to the refined guesses, and then to prompt lookup (ngram.py).
+   goes into the request's pool. A proposal starts with prompt lookup (ngram.py: a repeat of the
+   request's own text is the surest guess) and continues it by the pool; where nothing repeats,
+   it follows the pool from the sequence's last n-1 tokens, and the refined guesses.
 The pool and guesses are the request's own (never shared across requests or tenants) and are
 dropped with it. Drafts are deterministic guesses (q one-hot), so the usual acceptance rules keep
 the output exact.
