@@ -164,8 +164,11 @@ def generate(out: Path, limit: int, new_tokens: int, batch: int, threads: int, d
     with out.open("a") as f:
         for i in range(0, len(todo), batch):
             group = todo[i:i + batch]
-            prompts = {engine.add_request(chat_ids(tok, p.text)[:768], sp): p for p in group}
-            ids = {rid: chat_ids(tok, p.text)[:768] for rid, p in prompts.items()}
+            prompts, ids = {}, {}
+            for p in group:   # the chat template rendered once a prompt
+                prompt_ids = chat_ids(tok, p.text)[:768]
+                rid = engine.add_request(prompt_ids, sp)
+                prompts[rid], ids[rid] = p, prompt_ids
             answers = {rid: [] for rid in prompts}
             while engine.has_unfinished():
                 for d in engine.step():
