@@ -294,6 +294,11 @@ class SpeculativeConfig:
     # proposers), and the cost of one more verified position (n-gram, which drafts for free).
     draft_cost_prior: float = setting(0.25, "'auto': a draft step's cost relative to a target step until measured")
     ngram_cost: float = setting(0.1, "'auto': the cost of one more verified position with the n-gram proposer")
+    spec_tree_budget: int = setting(0, "token-tree verification: rows per step the quantspec drafter may add as "
+                                       "the runner-up token beside its least certain drafts (greedy requests), "
+                                       "verified in the same pass; 0: chains only")
+    spec_tree_min_gain: float = setting(0.05, "a tree row is verified only if it is expected to add at least this "
+                                              "many tokens (the draft's chance of reaching it times the runner-up's)")
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
@@ -310,6 +315,10 @@ class SpeculativeConfig:
                 f"must be >= 1 and <= ngram_max ({self.ngram_max}), got {self.ngram_min}")
         require(self.draft_cost_prior > 0, "draft_cost_prior", f"must be > 0, got {self.draft_cost_prior}")
         require(self.ngram_cost > 0, "ngram_cost", f"must be > 0, got {self.ngram_cost}")
+        require(isinstance(self.spec_tree_budget, int) and 0 <= self.spec_tree_budget <= 64, "spec_tree_budget",
+                f"must be an integer in [0, 64], got {self.spec_tree_budget!r}")
+        require(0 <= self.spec_tree_min_gain <= 1, "spec_tree_min_gain",
+                f"must be in [0, 1], got {self.spec_tree_min_gain}")
         for name in ("draft_model", "eagle_head"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))

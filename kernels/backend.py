@@ -55,6 +55,7 @@ class TritonMeta:
 class TritonAttentionBackend:
     name = "triton"
     table_dtype = torch.int32   # of the tables and lengths the kernels read
+    verifies_trees = False      # token-tree verifications: not yet (the speculator grows chains only)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None,
@@ -80,6 +81,8 @@ class TritonAttentionBackend:
         if self.invariant:
             return self._prepare_every_row(batch)
         bs = batch.block_size
+        if any(getattr(s, "tree", ()) for s in batch.verifies):
+            raise ValueError("token-tree verification is not in the triton kernels (verifies_trees is False)")
         groups = _span_groups(batch)
         seqs = [s for _, spans in groups for s in spans]
         if not seqs:
@@ -132,7 +135,9 @@ class TritonAttentionBackend:
         the step (the constructor's, else INVARIANT_PARTITION)."""
         if not batch.slot_mapping.numel():
             return TritonMeta(batch.slot_mapping, [])
-        tables, lens, max_context = every_token_rows(batch, torch.int32)
+        tables, lens, max_context, tails = every_token_rows(batch, torch.int32)
+        if tails is not None:
+            raise ValueError("token-tree verification is not in the triton kernels (verifies_trees is False)")
         row, width = tables.shape
         flat = torch.cat([tables.reshape(-1), lens]).to(self.device, non_blocking=True)
         ctx_lens = flat[row * width:]

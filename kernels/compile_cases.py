@@ -50,6 +50,7 @@ class Span:
     query_len: int
     context_len: int
     block_table: tuple[int, ...]
+    tree: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ _I64, _F32, _P, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c
 _SIGNATURES = {
     "ss_rms_norm": (_P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT),
     "ss_rope": (_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT),
-    "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT, _INT),
+    "ss_decode_attention": (_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                            _INT, _INT),
     "ss_store_kv": (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _INT),
     "ss_store_kv_q": (_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _INT),
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
@@ -229,16 +230,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, window: int | None, scale: float, int4_view: bool = False) -> torch.Tensor:
+                     lens: torch.Tensor, window: int | None, scale: float, int4_view: bool = False,
+                     tails: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (row-strided allowed, heads contiguous); caches [blocks, block_size, Hkv, D]
     in q's dtype, or quantized rows [.., Hkv, D + 2] (cluster/kv/kv_quant.py); tables int64
-    [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]. `int4_view`: int8 rows read as int4."""
+    [B, max_blocks]; lens int64 [B]. Returns [B, Hq, D]. `int4_view`: int8 rows read as int4.
+    `tails`: token-tree rows (int64 [B, 1 + W], contiguous): row b's last tails[b, 0] keys sit at
+    the flat slots tails[b, 1:] (its ancestors, then itself), the keys before through the table."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     out = torch.empty((b, hq, d), dtype=q.dtype)
+    tail_width = 0 if tails is None else tails.shape[1] - 1
     _fns["ss_decode_attention"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                             tables.shape[1], lens.data_ptr(), b, hq, hkv, d, block_size, window or 0, scale,
-                             out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache, int4_view))
+                             tables.shape[1], lens.data_ptr(), _ptr(tails), tail_width, b, hq, hkv, d, block_size,
+                             window or 0, scale, out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache, int4_view))
     return out
 
 

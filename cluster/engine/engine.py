@@ -24,7 +24,8 @@ from cluster.engine.outputs import Requests
 from cluster.engine.sampler import record_prompt_logprobs
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens
+from cluster.engine.speculation import (Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens,
+                                        compact_trees)
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -217,6 +218,7 @@ class LLMEngine:
     def _update(self, plan: StepPlan, logits: torch.Tensor, sampled: list[Sequence],
                 drafts: dict[Sequence, Draft]) -> list[TokenDelta]:
         tokens, forked = choose_tokens(logits, sampled, drafts, self.speculator) if sampled else ({}, {})
+        compact_trees(self.kv_cache.arena, drafts, tokens, self.layout.block_size)
         before = {seq: seq.num_tokens for seq in tokens}
         parents = {seq: list(seq.forks) for seq in tokens if seq.forks}
         spawned = spawn_forks(self, list(parents), forked)

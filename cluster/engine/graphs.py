@@ -134,8 +134,8 @@ class DecodeGraphs:
         """A step of decodes and verifications (no prefill chunk) fits by its number of rows."""
         if plan.prefills or not (plan.decodes or plan.verifies):
             return None
-        if any(c.draft or not c.samples for c in plan.decodes):
-            return None
+        if any(c.draft or not c.samples for c in plan.decodes) or any(c.tree for c in plan.verifies):
+            return None   # a token tree's rows read their ancestors' slots: the eager path's tails
         return self.fits(len(plan.decodes) + sum(1 + len(c.draft) for c in plan.verifies))
 
     def run(self, plan: StepPlan, bucket: DecodeBucket) -> tuple[torch.Tensor, list[Sequence]]:

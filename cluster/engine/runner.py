@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from cluster.engine import draft_tree
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
@@ -29,19 +30,23 @@ class BatchLayout:
         self.prefills: list[PrefillSpan] = []
         self.verifies: list[PrefillSpan] = []
 
-    def add(self, tokens, start: int, blocks, kind: str = "decode") -> int:
+    def add(self, tokens, start: int, blocks, kind: str = "decode", tree: tuple[int, ...] = ()) -> int:
         """Tokens at positions start.. with their KV in `blocks`; kind is decode (one token),
-        verify or prefill. Returns the row of the first token."""
+        verify or prefill. A verification's `tree` (the drafts' parents) puts each draft at the
+        position of its depth, its KV still at the next slot. Returns the row of the first token."""
         bs, n, offset = self.block_size, len(tokens), len(self.input_ids)
         self.input_ids.extend(tokens)
-        self.positions.extend(range(start, start + n))
+        if tree:
+            self.positions.extend([start, *(start + d for d in draft_tree.depths(tree))])
+        else:
+            self.positions.extend(range(start, start + n))
         self.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         if kind == "decode":
             self.decode_lens.append(start + 1)
             self.decode_tables.append(tuple(blocks))
         else:
             (self.verifies if kind == "verify" else self.prefills).append(
-                PrefillSpan(offset, n, start + n, tuple(blocks)))
+                PrefillSpan(offset, n, start + n, tuple(blocks), tuple(tree)))
         return offset
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -87,7 +92,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             if chunk.draft:
-                offset = layout.add([seq.token_ids[start], *chunk.draft], start, seq.block_ids, "verify")
+                offset = layout.add([seq.token_ids[start], *chunk.draft], start, seq.block_ids, "verify", chunk.tree)
                 logits_rows.extend(range(offset, offset + n))
                 sampled.append(seq)
                 continue

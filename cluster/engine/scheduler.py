@@ -45,6 +45,7 @@ class ScheduledChunk:
     start: int        # first token position computed this step
     num_tokens: int
     draft: tuple[int, ...] = ()   # proposed tokens verified after the last one (num_tokens = 1 + k)
+    tree: tuple[int, ...] = ()    # the draft's parents when it is a token tree (draft_tree.py); () a chain
 
     @property
     def samples(self) -> bool:
@@ -194,10 +195,13 @@ class Scheduler:
         plan.budget_left -= k
         return k
 
-    def attach_draft(self, plan: StepPlan, chunk: ScheduledChunk, draft: tuple[int, ...]) -> None:
-        """Turn a scheduled decode into a verification of its pending token plus `draft`."""
+    def attach_draft(self, plan: StepPlan, chunk: ScheduledChunk, draft: tuple[int, ...],
+                     tree: tuple[int, ...] = ()) -> None:
+        """Turn a scheduled decode into a verification of its pending token plus `draft` (a chain,
+        or a token tree by its parents)."""
         plan.decodes.remove(chunk)
         chunk.draft = tuple(draft)
+        chunk.tree = tuple(tree)
         chunk.num_tokens = 1 + len(draft)
         plan.verifies.append(chunk)
 

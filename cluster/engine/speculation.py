@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from cluster.config import EngineConfig
+from cluster.engine import draft_tree
 from cluster.engine.sampler import logprob_entry, sample
 from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.sequence import Sequence
@@ -42,6 +43,7 @@ class Draft:
     tokens: tuple[int, ...]
     probs: torch.Tensor | None = None   # [k, V] what each token was drawn from; None: a deterministic guess
     confidences: tuple[float, ...] = ()  # the proposer's top probability per token (dynamic lookahead)
+    parents: tuple[int, ...] = ()        # a token tree (draft_tree.py): each token's parent, -1 the root; () a chain
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -128,7 +130,7 @@ def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) 
         return out
     for chunk, draft in zip(chunks, speculator.propose([c.seq for c in chunks], ks)):
         if draft.tokens:
-            scheduler.attach_draft(plan, chunk, draft.tokens)
+            scheduler.attach_draft(plan, chunk, draft.tokens, draft.parents)
             out[chunk.seq] = draft
         else:
             scheduler.trim_blocks(chunk.seq)
@@ -171,6 +173,26 @@ def choose_tokens(logits: torch.Tensor, seqs: list[Sequence], drafts: dict[Seque
 def _verify(speculator: Speculator, seq: Sequence, rows: torch.Tensor, draft: Draft) -> list[int]:
     tokens = speculator.verify(seq, rows, draft)
     if seq.sampling.logprobs is not None:
-        for i, tok in enumerate(tokens):
+        # A tree's tokens come from the rows of the accepted path: the root's, then each accepted node's.
+        path = [0, *(n + 1 for n in draft_tree.accepted_nodes(draft.tokens, draft.parents, tokens[:-1]))] \
+            if draft.parents else range(len(tokens))
+        for i, tok in zip(path, tokens):
             seq.logprobs.append(logprob_entry(torch.log_softmax(rows[i], dim=-1), tok, seq.sampling.logprobs))
     return tokens
+
+
+def compact_trees(arena: torch.Tensor, drafts: dict[Sequence, Draft], tokens: dict[Sequence, list[int]],
+                  block_size: int) -> None:
+    """Before the scheduler's update: each token tree's accepted path moves from the slots its
+    nodes were written to down to the slots of its positions (cluster/engine/draft_tree.py), in
+    every layer of `arena`, so the kept K/V is what plain decoding would have written there."""
+    moves = []
+    for seq, draft in drafts.items():
+        if not draft.parents:
+            continue
+        nodes = draft_tree.accepted_nodes(draft.tokens, draft.parents, tokens[seq][:-1])
+        blocks = seq.block_ids
+        for src, dst in draft_tree.compaction(seq.num_tokens - 1, nodes):
+            moves.append((blocks[src // block_size] * block_size + src % block_size,
+                          blocks[dst // block_size] * block_size + dst % block_size))
+    draft_tree.move_slots(arena, moves)

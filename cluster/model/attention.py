@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
 from cluster.model.kernel_plan import AttentionPath, KernelPlan
 from kernels import cpu_ops
-from kernels.rows import every_token_rows
+from kernels.rows import every_token_rows, tails_tensor, tree_depths, tree_path, tree_tails
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class PrefillSpan:
     query_len: int
     context_len: int     # tokens in the cache after this chunk (cached prefix + chunk)
     block_table: tuple[int, ...]
+    # A verification's token tree (cluster/engine/draft_tree.py): the drafts' parents; () a chain.
+    # Its tokens sit at slots start.. in order but at positions start + depth.
+    tree: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class _TorchDecodeMeta:
     query_pos: torch.Tensor       # [B, 1] ([B] on the fused path: only its length is read)
     valid: torch.Tensor | None    # [B, L] (SDPA only)
     masks: dict                   # (window, dtype) -> additive [B, 1, 1, L]
+    tails: torch.Tensor | None = None   # token-tree rows' last keys (kernels/rows.py tree_tails), fused only
 
 
 @dataclass
@@ -89,11 +93,12 @@ class _TorchVerifyMeta:
     first_row: int                # flat row of the first verify token (verify tokens are contiguous)
     num_rows: int
     query_pos: torch.Tensor       # [B, Q, 1]
-    key_pos: torch.Tensor         # [1, 1, L]
-    valid: torch.Tensor           # [B, 1, L]
+    key_pos: torch.Tensor         # [B, 1, L]: each key slot's position (a tree's drafts: start + depth)
+    valid: torch.Tensor           # [B, Q, L]: in the context, and on the query's path for a tree's keys
     masks: dict
     fused_tables: torch.Tensor | None = None   # fused C kernel: [rows, max_blocks], one row per query
     fused_lens: torch.Tensor | None = None     # [rows]: each query's position + 1
+    fused_tails: torch.Tensor | None = None    # [rows, 1 + W]: token-tree rows' last keys (None: no tree)
 
 
 @dataclass
@@ -109,6 +114,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     table_dtype = torch.long   # of the tables and lengths the C kernel reads
+    verifies_trees = True      # token-tree verifications (PrefillSpan.tree): tails in the C kernel, masks in SDPA
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  plan: KernelPlan | None = None, scale: float | None = None, int4_view: bool = False):
@@ -148,7 +154,7 @@ class TorchAttentionBackend:
         """A pure-decode pass on the fused kernel: each layer's RoPE, K/V store and attention can
         run as one C call (`decode_block`)."""
         return (meta.decode is not None and meta.decode.fused and not meta.prefills and meta.verify is None
-                and cpu_ops.has_decode_block())
+                and meta.decode.tails is None and cpu_ops.has_decode_block())
 
     def decode_block(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, k_cache, v_cache, window,
                      meta: _TorchMeta) -> torch.Tensor:
@@ -167,35 +173,48 @@ class TorchAttentionBackend:
         max_blocks = -(-max(s.context_len for s in spans) // bs)
         table = torch.zeros((b, max_blocks), dtype=torch.long)
         query_rows, out_rows, query_pos = [], [], []
+        # Per span, each key slot's position and which queries see it (a token tree's drafts sit at
+        # slots past the pending token's but at the positions of their depths, and see their path only).
+        key_pos = torch.arange(max_blocks * bs, dtype=torch.long).repeat(b, 1)
+        sees = torch.ones((b, width, max_blocks * bs), dtype=torch.bool)
         for i, s in enumerate(spans):
             n = -(-s.context_len // bs)
             table[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
             first_pos = s.context_len - s.query_len
+            offsets = list(range(s.query_len))
+            if s.tree:
+                offsets = [0, *tree_depths(s.tree)]
+                key_pos[i, first_pos + 1:s.context_len] = first_pos + torch.tensor(offsets[1:])
+                sees[i, :, first_pos + 1:s.context_len] = False
+                for node in range(len(s.tree)):
+                    sees[i, node + 1, [first_pos + 1 + j for j in tree_path(s.tree, node)]] = True
             for r in range(width):
                 real = r < s.query_len
                 query_rows.append(s.query_start + (r if real else s.query_len - 1))
-                query_pos.append(first_pos + (r if real else s.query_len - 1))
+                query_pos.append(first_pos + offsets[r if real else s.query_len - 1])
                 if real:
                     out_rows.append(i * width + r)
         lens = torch.tensor([s.context_len for s in spans], dtype=torch.long)
-        key_pos = torch.arange(max_blocks * bs, dtype=torch.long)
         dev = self.device
-        fused_tables = fused_lens = None
+        fused_tables = fused_lens = fused_tails = None
         if self._fused():
             # Each draft query is a decode row of its own: the same kernel and the same arithmetic
             # as plain decoding at that position, so verification agrees with it bit for bit.
             per_span = torch.tensor([s.query_len for s in spans])
             fused_tables = table.repeat_interleave(per_span, dim=0)
-            fused_lens = torch.tensor([s.context_len - s.query_len + r + 1 for s in spans for r in range(s.query_len)],
-                                      dtype=torch.long)
+            fused_lens = torch.tensor([query_pos[i * width + r] + 1 for i, s in enumerate(spans)
+                                       for r in range(s.query_len)], dtype=torch.long)
+            if any(s.tree for s in spans):
+                fused_tails = tails_tensor([t for s, row in zip(spans, table.tolist()) for t in (
+                    tree_tails(s.context_len - s.query_len, s.tree, row, bs) if s.tree else [[0]] * s.query_len)])
+        valid = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, :] & sees
         return _TorchVerifyMeta(
-            fused_tables=fused_tables, fused_lens=fused_lens,
+            fused_tables=fused_tables, fused_lens=fused_lens, fused_tails=fused_tails,
             block_table=table.view(-1).to(dev), query_rows=torch.tensor(query_rows, device=dev),
             out_rows=torch.tensor(out_rows, device=dev), first_row=spans[0].query_start,
             num_rows=sum(s.query_len for s in spans),
             query_pos=torch.tensor(query_pos, dtype=torch.long).view(b, width, 1).to(dev),
-            key_pos=key_pos.view(1, 1, -1).to(dev), valid=(key_pos[None, :] < lens[:, None])[:, None, :].to(dev),
-            masks={})
+            key_pos=key_pos[:, None, :].to(dev), valid=valid.to(dev), masks={})
 
     def _prepare_every_row(self, batch: AttentionBatch) -> _TorchDecodeMeta:
         """Batch-invariant mode: every token of the pass (decode, verification, prefill chunk) as
@@ -203,9 +222,9 @@ class TorchAttentionBackend:
         position's attention is the same arithmetic however the token was batched or chunked.
         The pass then runs as a pure decode pass (RoPE, K/V store and attention in one call per
         layer: each row's own K/V is stored before any row attends)."""
-        tables, lens_t, _ = every_token_rows(batch)
+        tables, lens_t, _, tails = every_token_rows(batch)
         return _TorchDecodeMeta(block_table=tables.reshape(-1), lens=lens_t, fused=True, key_pos=None,
-                                query_pos=lens_t, valid=None, masks={})
+                                query_pos=lens_t, valid=None, masks={}, tails=tails)
 
     def _slots(self, block_table: tuple[int, ...], length: int, block_size: int) -> torch.Tensor:
         blocks = torch.tensor(block_table, dtype=torch.long)
@@ -283,7 +302,7 @@ class TorchAttentionBackend:
         b = dm.query_pos.shape[0]
         if dm.fused:   # reads the paged cache in place: no gather, no mask
             return cpu_ops.decode_attention(q, k_cache, v_cache, dm.block_table.view(b, -1), dm.lens, window,
-                                            self.scale, self.int4_view)
+                                            self.scale, self.int4_view, dm.tails)
         length = dm.key_pos.shape[1]
         mask = dm.masks.get((window, q.dtype))
         if mask is None:
@@ -307,7 +326,7 @@ class TorchAttentionBackend:
         if vm.fused_tables is not None:
             rows = q[vm.first_row:vm.first_row + vm.num_rows]
             return cpu_ops.decode_attention(rows, k_cache, v_cache, vm.fused_tables, vm.fused_lens, window, self.scale,
-                                            self.int4_view)
+                                            self.int4_view, vm.fused_tails)
         b, width = vm.query_pos.shape[:2]
         length = vm.key_pos.shape[-1]
         mask = vm.masks.get((window, q.dtype))

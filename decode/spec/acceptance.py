@@ -28,6 +28,21 @@ def accept_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]
     return out
 
 
+def accept_greedy_tree(target_logits: torch.Tensor, proposal: tuple[int, ...], parents: tuple[int, ...]) -> list[int]:
+    """A token tree (cluster/engine/draft_tree.py): row 0 is the pending token's, row i + 1 draft
+    i's. From the root, follow the child equal to the target's token at the current node while
+    there is one; then add the target's own token. Returns the tokens to append."""
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    children: dict[tuple[int, int], int] = {(p, tok): i for i, (p, tok) in enumerate(zip(parents, proposal))}
+    out, at = [], -1
+    while True:
+        tok = best[at + 1]
+        out.append(tok)
+        at = children.get((at, tok), -2)
+        if at == -2:
+            return out
+
+
 def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, proposal: list[int],
                    generator: torch.Generator | None = None) -> list[int]:
     """target_probs: [k+1, V] (already temperature/top-p warped), draft_probs: [k, V] (the

@@ -38,12 +38,15 @@ class DraftPasses:
 
     def __init__(self, runner: ModelRunner, graphs):
         self.runner, self.graphs = runner, graphs
+        self.alternatives: list = []    # the last draft's runner-up tokens per sequence (where asked for)
 
     def draft(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
-              spans: list[tuple[list[int], int, list[int]]], on_pass=None) -> list[Draft]:
+              spans: list[tuple[list[int], int, list[int]]], on_pass=None,
+              alternatives: list[bool] | None = None) -> list[Draft]:
         """spans[i]: (tokens, first position, block ids) of the first pass; `on_pass(active, spans)`
-        is told what each pass wrote."""
-        batch = DraftBatch(seqs, ks, stop_rules)
+        is told what each pass wrote; `alternatives[i]`: keep sequence i's runner-up tokens."""
+        batch = DraftBatch(seqs, ks, stop_rules, alternatives)
+        self.alternatives = batch.alternatives
         blocks = [span[2] for span in spans]
         active = list(range(len(seqs)))
         for _ in range(max(ks)):

@@ -21,6 +21,7 @@ import torch
 
 from cluster.engine.sampler import sample_row, warp_probs
 from cluster.engine.speculation import Draft
+from decode.spec.tree import Alternative
 
 _DECAY = 0.9
 
@@ -91,8 +92,11 @@ class DraftBatch:
     """What a model proposer's batched drafting loop tracks: tokens, the distributions sampled
     (for the p/q rule), confidences, and which sequences stay open."""
 
-    def __init__(self, seqs, ks: list[int], stop_rules: list):
+    def __init__(self, seqs, ks: list[int], stop_rules: list, alternatives: list[bool] | None = None):
         self.seqs, self.ks, self.stop_rules = seqs, ks, stop_rules
+        # Greedy rows that also keep their runner-up token per depth (token trees, decode/spec/tree.py).
+        self.wants_alternatives = alternatives or [False] * len(seqs)
+        self.alternatives: list[list[Alternative]] = [[] for _ in seqs]
         self.tokens: list[list[int]] = [[] for _ in seqs]
         self.probs: list[list] = [[] for _ in seqs]
         self.confidence: list[list[float]] = [[] for _ in seqs]
@@ -103,7 +107,11 @@ class DraftBatch:
         open_rows = []
         for j, i in enumerate(active):
             sp = self.seqs[i].sampling
-            if sp.greedy:
+            if sp.greedy and self.wants_alternatives[i]:
+                probs, ids = torch.softmax(logits[j], -1).topk(2)
+                (top, second), (tok, runner_up) = probs.tolist(), ids.tolist()
+                self.alternatives[i].append(Alternative(runner_up, second))
+            elif sp.greedy:
                 top = float(torch.softmax(logits[j], -1).max()) if self.stop_rules[i] is not None else 1.0
                 tok = int(torch.argmax(logits[j]))
             else:

@@ -30,6 +30,7 @@ from cluster.model.attention import make_attention_backend
 from cluster.model.model_config import ModelConfig
 from decode.spec.draft_model import DraftPasses
 from decode.spec.lookahead import StopRule
+from decode.spec.tree import add_leaves
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,17 @@ class QuantSpecProposer:
         # num_tokens + k - 1 (scheduler.lookahead_room).
         spans = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_ids) for seq in seqs]
         return self.passes.draft(seqs, ks, stop_rules, spans)
+
+    def propose_tree(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
+                     sizes: list[int], budget: int, min_gain: float) -> list[Draft]:
+        """Chains of up to ks[i] tokens, then runner-up leaves up to sizes[i] tokens in all,
+        `budget` leaves in all (decode/spec/tree.py). Leaves need no K/V of the draft's: it never
+        runs past them, and the target's K/V of the accepted path lands at its own slots
+        (draft_tree.compaction)."""
+        spans = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_ids) for seq in seqs]
+        drafts = self.passes.draft(seqs, ks, stop_rules, spans, alternatives=[n > k for n, k in zip(sizes, ks)])
+        rooms = [n - len(d) for n, d in zip(sizes, drafts)]
+        return add_leaves(drafts, self.passes.alternatives, rooms, budget, min_gain)
 
     def release(self, seq: Sequence) -> None:
         pass    # no state of its own: the target's blocks are the target's

@@ -30,7 +30,8 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
-from decode.spec.acceptance import accept_greedy, accept_sampled
+from cluster.engine.draft_tree import depths
+from decode.spec.acceptance import accept_greedy, accept_greedy_tree, accept_sampled
 from decode.spec.jacobi import JacobiProposer
 from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
@@ -78,6 +79,8 @@ class SpecDecoder:
         self.max_k = config.max_speculative_tokens
         self.step_policy = StepLookahead(config.max_speculative_tokens)
         self._step_extra = 0        # accepted draft tokens of the current step
+        self._chain: dict[Sequence, int] = {}   # this step's chain length where a tree may grow past it
+        self._trees = False         # token trees: a budget, a proposer that grows them, a backend that verifies them
 
     # --- building ---------------------------------------------------------------------------
     def load(self, target: Models, device: torch.device) -> SpecFootprint:
@@ -97,6 +100,7 @@ class SpecDecoder:
             from decode.spec.quantspec import QuantSpecProposer  # noqa: PLC0415
             self.proposers["quantspec"] = QuantSpecProposer(engine, self.config, loaded.draft_config,
                                                             loaded.draft_model)
+            self._trees = self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
         elif loaded.draft_model is not None:
             from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
             self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
@@ -158,7 +162,8 @@ class SpecDecoder:
     # --- the engine's protocol --------------------------------------------------------------
     def lookaheads(self, plan: StepPlan) -> list[int]:
         """Per decode of the plan: its own k (fixed, or dynamic from its acceptance), within the
-        step's cap for dynamic ones (step_policy.py: measured at this batch size)."""
+        step's cap for dynamic ones (step_policy.py: measured at this batch size); plus room for
+        token-tree leaves where a tree may grow (the chain's length is kept for `propose`)."""
         if not self.proposing:
             return [0] * len(plan.decodes)
         states = [self._state(c.seq) for c in plan.decodes]
@@ -166,8 +171,15 @@ class SpecDecoder:
         if any(look.dynamic and method != "off" for method, look in states):
             cap = self.step_policy.cap(len(plan.decodes), measured=not plan.prefills)
         self._step_extra = 0
-        return [0 if method == "off" else min(look.next_k(self.tau[method]), cap if look.dynamic else self.max_k)
-                for method, look in states]
+        self._chain.clear()
+        out = []
+        for chunk, (method, look) in zip(plan.decodes, states):
+            k = 0 if method == "off" else min(look.next_k(self.tau[method]), cap if look.dynamic else self.max_k)
+            if k and self._trees and method == "quantspec" and _tree_ok(chunk.seq.sampling):
+                self._chain[chunk.seq] = k
+                k += min(k, self.config.spec_tree_budget)
+            out.append(k)
+        return out
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         by_method: dict[str, list[int]] = defaultdict(list)
@@ -178,8 +190,14 @@ class SpecDecoder:
             group = [seqs[i] for i in idx]
             rule = StopRule(self.tau[method], self.calibration[method].factor)
             stop_rules = [rule if self._lookahead[s].dynamic else None for s in group]
+            sizes = [ks[i] for i in idx]
+            chains = [min(self._chain.get(s, n), n) for s, n in zip(group, sizes)]
             t0 = time.perf_counter()
-            out = self.proposers[method].propose(group, [ks[i] for i in idx], stop_rules)
+            if chains != sizes:
+                out = self.proposers[method].propose_tree(group, chains, stop_rules, sizes, self.config.spec_tree_budget,
+                                                          self.config.spec_tree_min_gain)
+            else:
+                out = self.proposers[method].propose(group, sizes, stop_rules)
             if method not in MODEL_FREE:
                 self._observe_draft_cost(method, (time.perf_counter() - t0) / max(1, max(len(d) for d in out)))
             for i, d in zip(idx, out):
@@ -199,7 +217,9 @@ class SpecDecoder:
             self._t_target = seconds if self._t_target is None else 0.9 * self._t_target + 0.1 * seconds
             self._proposed_at = None
         sp = seq.sampling
-        if sp.greedy and sp.repetition_penalty == 1.0:
+        if draft.parents:   # a token tree: grown for greedy requests only (_tree_ok)
+            tokens = accept_greedy_tree(logits, draft.tokens, draft.parents)
+        elif sp.greedy and sp.repetition_penalty == 1.0:
             tokens = accept_greedy(logits, list(draft.tokens))
         else:
             rows = logits
@@ -217,10 +237,11 @@ class SpecDecoder:
                 tokens = accept_sampled(target, proposal, list(draft.tokens), seq.generator)
         method, look = self._state(seq)
         accepted = len(tokens) - 1
+        proposed = max(depths(draft.parents)) if draft.parents else len(draft)   # a tree's longest path
         if method == "jacobi":
             self.proposers["jacobi"].observe(seq, seq.token_ids, draft.tokens, logits.argmax(-1).tolist(), len(tokens))
         self._step_extra += accepted
-        look.after_verify(len(draft), accepted)
+        look.after_verify(proposed, accepted)
         if look.dynamic and draft.confidences:
             self.calibration[method].observe(draft.confidences, accepted)
         c = self.counts[method]
@@ -228,7 +249,7 @@ class SpecDecoder:
         c["accepted"] += accepted
         c["steps"] += 1
         c["emitted"] += len(tokens)
-        for at, n in (("drafted_at", len(draft)), ("accepted_at", accepted)):
+        for at, n in (("drafted_at", proposed), ("accepted_at", accepted)):
             counts = c[at]
             counts.extend([0] * (n - len(counts)))
             for i in range(n):
@@ -244,6 +265,11 @@ class SpecDecoder:
     def stats(self) -> dict:
         return {m: {k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}
                 for m, c in self.counts.items()}
+
+
+def _tree_ok(sp: SamplingParams) -> bool:
+    """Token trees are verified by the greedy rule (acceptance.accept_greedy_tree)."""
+    return sp.greedy and sp.repetition_penalty == 1.0
 
 
 def _one_hot(tokens: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:

@@ -185,7 +185,11 @@ static inline void kv_row(const void *cache, int64_t off, int64_t dim, int bf, i
 /* Paged decode attention, one query token per sequence, all sequences in one call.
  * q: [B, Hq, D] (row stride q_stride elements); caches: [blocks, block_size, Hkv, D];
  * tables: [B, max_blocks] int64; lens: [B] context lengths (the query sits at lens[b]-1);
- * window: keys with pos > qpos - window, 0 for none. out: [B, Hq, D]. Online softmax in fp32,
+ * window: keys with pos > qpos - window, 0 for none. out: [B, Hq, D].
+ * tails (NULL: none): [B, 1 + tail_width] int64, a token-tree row's last keys: tails[b][0] = t,
+ * then the flat slots of its last t keys (its ancestors in the tree, then itself), which sit
+ * anywhere in the cache; keys before them come through the table. Chunks are cut by logical
+ * position, so a tree row is the same arithmetic as the plain decode row at that position. Online softmax in fp32,
  * one chunk of up to CHUNK keys of one block at a time (bounded stack whatever the context); each
  * key row is converted to fp32 once and serves the GROUP query heads that share it; the dot
  * products are `omp simd` reductions (vectorised without -ffast-math). The output is rounded once.
@@ -193,17 +197,23 @@ static inline void kv_row(const void *cache, int64_t off, int64_t dim, int bf, i
 #define FAST __attribute__((optimize("fp-contract=fast")))
 static inline __attribute__((always_inline)) FAST void decode_rows(
         const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *tables,
-        int64_t max_blocks, const int64_t *lens, int64_t item0, int64_t item1, int64_t hq, int64_t hkv,
-        int64_t dim, int64_t block_size, int64_t window, float scale, void *out, int bf, int kvq) {
+        int64_t max_blocks, const int64_t *lens, const int64_t *tails, int64_t tail_width, int64_t item0,
+        int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale,
+        void *out, int bf, int kvq) {
     /* A quantized cache's row is dim bytes and a scale (kv_quant.h): offsets count bytes there. */
     const int64_t row_w = kvq ? dim + KV_SCALE_BYTES : dim, key_stride = hkv * row_w;
     const int64_t group = hq / hkv;
     const int vector_dim = VECTOR_DIM(dim) && !kvq;
     (void)vector_dim;
     float qf[group][dim], acc[group][dim], mx[group], denom[group], sc[group][CHUNK], row[dim];
+    /* A chunk that reaches a tree row's tail is gathered here first (rows as stored, bytes copied). */
+    const int64_t es = kvq ? 1 : bf ? 2 : 4;
+    char kscr[tails ? CHUNK * row_w * es : 1], vscr[tails ? CHUNK * row_w * es : 1];
     for (int64_t item = item0; item < item1; item++) {   /* item: (sequence b, KV head kh) */
         const int64_t b = item / hkv, kh = item % hkv;
         const int64_t len = lens[b];
+        const int64_t *tail = tails ? tails + b * (tail_width + 1) : 0;
+        const int64_t table_len = tail ? len - tail[0] : len;
         const int64_t first = window > 0 && len > window ? len - window : 0;
         {
             for (int64_t g = 0; g < group; g++) {
@@ -219,13 +229,30 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
                 int64_t n = block_size - in_block;
                 if (n > CHUNK) n = CHUNK;
                 if (n > len - p0) n = len - p0;
-                const int64_t base = (tables[b * max_blocks + block] * block_size + in_block) * key_stride + kh * row_w;
+                const void *kc = k_cache, *vc = v_cache;
+                int64_t stride = key_stride;
+                int64_t base = (tables[b * max_blocks + block] * block_size + in_block) * key_stride + kh * row_w;
+                if (p0 + n > table_len) {
+                    for (int64_t j = 0; j < n; j++) {
+                        const int64_t p = p0 + j;
+                        const int64_t slot = p < table_len ? tables[b * max_blocks + p / block_size] * block_size
+                                                                 + p % block_size
+                                                           : tail[1 + p - table_len];
+                        const int64_t off = (slot * key_stride + kh * row_w) * es;
+                        memcpy(kscr + j * row_w * es, (const char *)k_cache + off, row_w * es);
+                        memcpy(vscr + j * row_w * es, (const char *)v_cache + off, row_w * es);
+                    }
+                    kc = kscr;
+                    vc = vscr;
+                    base = 0;
+                    stride = row_w;
+                }
 #ifdef __AVX512F__
-                if (vector_dim) chunk_scores16(&qf[0][0], group, dim, k_cache, base, key_stride, n, &sc[0][0], bf);
+                if (vector_dim) chunk_scores16(&qf[0][0], group, dim, kc, base, stride, n, &sc[0][0], bf);
                 else
 #endif
                 for (int64_t j = 0; j < n; j++) {
-                    kv_row(k_cache, base + j * key_stride, dim, bf, kvq, row);
+                    kv_row(kc, base + j * stride, dim, bf, kvq, row);
                     for (int64_t g = 0; g < group; g++) {
                         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -246,11 +273,11 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
                     for (int64_t i = 0; i < dim; i++) acc[g][i] *= rescale;
                 }
 #ifdef __AVX512F__
-                if (vector_dim) chunk_values16(&acc[0][0], group, dim, v_cache, base, key_stride, n, &sc[0][0], bf);
+                if (vector_dim) chunk_values16(&acc[0][0], group, dim, vc, base, stride, n, &sc[0][0], bf);
                 else
 #endif
                 for (int64_t j = 0; j < n; j++) {
-                    kv_row(v_cache, base + j * key_stride, dim, bf, kvq, row);
+                    kv_row(vc, base + j * stride, dim, bf, kvq, row);
                     for (int64_t g = 0; g < group; g++) {
                         const float wgt = sc[g][j];
                         float *a = acc[g];
@@ -270,23 +297,24 @@ static inline __attribute__((always_inline)) FAST void decode_rows(
 /* Items [item0, item1) of the batch's (sequence, KV head) pairs: parallel.cpp splits them
  * between threads; each item's arithmetic is the same whatever the split. */
 FAST void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                                    const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
-                                    int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
-                                    int64_t window, float scale, void *out, int dtype, int kvq) {
+                                    const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                                    const int64_t *tails, int64_t tail_width, int64_t item0, int64_t item1,
+                                    int64_t hq, int64_t hkv, int64_t dim, int64_t block_size, int64_t window,
+                                    float scale, void *out, int dtype, int kvq) {
     if (dtype == 1)
-        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
-                    window, scale, out, 1, kvq);
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, item0, item1, hq,
+                    hkv, dim, block_size, window, scale, out, 1, kvq);
     else
-        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, item0, item1, hq, hkv, dim, block_size,
-                    window, scale, out, 0, kvq);
+        decode_rows(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, item0, item1, hq,
+                    hkv, dim, block_size, window, scale, out, 0, kvq);
 }
 
 void ss_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t batch, int64_t hq,
-                         int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale, void *out,
-                         int dtype, int kvq) {
-    ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, 0, batch * hkv, hq, hkv, dim,
-                              block_size, window, scale, out, dtype, kvq);
+                         const int64_t *tables, int64_t max_blocks, const int64_t *lens, const int64_t *tails,
+                         int64_t tail_width, int64_t batch, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
+                         int64_t window, float scale, void *out, int dtype, int kvq) {
+    ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, 0,
+                              batch * hkv, hq, hkv, dim, block_size, window, scale, out, dtype, kvq);
 }
 
 /* Store each row's new K and V (rows of width Hkv*D, row strides in elements, views of the fused

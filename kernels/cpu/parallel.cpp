@@ -23,9 +23,10 @@ void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const
                       void *out, int64_t out_stride, int fmt, int dtype);
 void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                               const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t item0,
-                               int64_t item1, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
-                               int64_t window, float scale, void *out, int dtype, int kvq);
+                               const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                               const int64_t *tails, int64_t tail_width, int64_t item0, int64_t item1, int64_t hq,
+                               int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale, void *out,
+                               int dtype, int kvq);
 void ss_store_kv_q(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                    int64_t rows, int64_t hkv, int64_t dim, void *k_cache, void *v_cache, int dtype, int kvq);
 }
@@ -60,12 +61,13 @@ extern "C" void ss_rope_par(void *qkv, int64_t row_stride, const int64_t *positi
 
 extern "C" void ss_decode_attention_par(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                         const int64_t *tables, int64_t max_blocks, const int64_t *lens,
-                                        int64_t batch, int64_t hq, int64_t hkv, int64_t dim, int64_t block_size,
-                                        int64_t window, float scale, void *out, int dtype, int kvq) {
+                                        const int64_t *tails, int64_t tail_width, int64_t batch, int64_t hq,
+                                        int64_t hkv, int64_t dim, int64_t block_size, int64_t window, float scale,
+                                        void *out, int dtype, int kvq) {
     // Work items are (sequence, KV head) pairs: a single sequence still spreads over its KV heads.
     at::parallel_for(0, batch * hkv, 1, [&](int64_t i0, int64_t i1) {
-        ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, i0, i1, hq, hkv, dim,
-                                  block_size, window, scale, out, dtype, kvq);
+        ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, i0, i1,
+                                  hq, hkv, dim, block_size, window, scale, out, dtype, kvq);
     });
 }
 
@@ -91,8 +93,8 @@ extern "C" void ss_decode_block(void *qkv, int64_t qkv_stride, const int64_t *po
         ss_store_kv_q(k, qkv_stride, v, qkv_stride, slots, batch, hkv, dim, k_cache, v_cache, dtype, kvq);
     else
         ss_store_kv(k, qkv_stride, v, qkv_stride, slots, batch, hkv * dim, k_cache, v_cache, dtype);
-    ss_decode_attention_par(qkv, qkv_stride, k_cache, v_cache, tables, max_blocks, lens, batch, hq, hkv, dim,
-                            block_size, window, scale, out, dtype, kvq);
+    ss_decode_attention_par(qkv, qkv_stride, k_cache, v_cache, tables, max_blocks, lens, nullptr, 0, batch, hq, hkv,
+                            dim, block_size, window, scale, out, dtype, kvq);
 }
 
 extern "C" void ss_linear_par(const void *x, int64_t x_stride, const void *w, const void *bias, int64_t n_dim,
