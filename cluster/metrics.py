@@ -94,6 +94,9 @@ _SPEC_COUNTERS = (
     ("spec_accepted_tokens", "speculative tokens accepted by verification", "accepted"),
     ("spec_verify_steps", "verification passes (one per drafted sequence)", "steps"),
     ("spec_emitted_tokens", "tokens emitted by verification passes (accepted + one per pass)", "emitted"),
+    ("spec_tree_draft_tokens", "token-tree leaves verified beside the drafts' chains", "tree_drafted"),
+    ("spec_tree_accepted_tokens", "token-tree leaves accepted (tokens the chains alone would have missed)",
+     "tree_accepted"),
 )
 # Per speculative method and draft position (1 = the first drafted token): acceptance by position.
 _SPEC_POSITION_COUNTERS = (

@@ -132,6 +132,8 @@ class SpecStats:
     emitted: int = 0
     drafted_at: tuple[int, ...] = ()    # [i]: drafts with a token at position i + 1
     accepted_at: tuple[int, ...] = ()   # [i]: of those, verifications that accepted it
+    tree_drafted: int = 0               # token-tree leaves verified (beside the chains, counted in drafted)
+    tree_accepted: int = 0              # of those, accepted (each a token the chain alone would have missed)
 
 
 @dataclass(frozen=True)

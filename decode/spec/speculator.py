@@ -30,16 +30,17 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
-from cluster.engine.draft_tree import depths
+from cluster.engine.draft_tree import accepted_nodes, depths
 from decode.spec.acceptance import accept_greedy, accept_greedy_tree, accept_sampled
 from decode.spec.jacobi import JacobiProposer
 from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
-from decode.spec.step_policy import StepLookahead
+from decode.spec.step_policy import StepLookahead, StepSetting
 
 
 MODEL_FREE = ("ngram", "jacobi")   # drafting costs next to nothing: no draft time to measure
+TREE_METHODS = ("ngram", "quantspec")   # proposers that grow token trees (propose_tree)
 
 
 class NgramDrafts:
@@ -51,6 +52,18 @@ class NgramDrafts:
 
     def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list) -> list[Draft]:
         return [Draft(tuple(self.proposer.propose(s.token_ids, k))) for s, k in zip(seqs, ks)]
+
+    def propose_tree(self, seqs: list[Sequence], ks: list[int], stop_rules: list, sizes: list[int], budget: int,
+                     min_gain: float) -> list[Draft]:
+        """Trees of the other earlier occurrences' continuations (ngram.py), the step's leaves
+        shared in batch order (n-gram drafts carry no probabilities to rank them by)."""
+        out = []
+        for seq, k, size in zip(seqs, ks, sizes):
+            tokens, parents = self.proposer.propose_tree(seq.token_ids, k, min(size, k + budget))
+            chain = max(depths(tuple(parents)), default=0)
+            budget -= len(tokens) - chain
+            out.append(Draft(tuple(tokens), parents=tuple(parents) if len(tokens) > chain else ()))
+        return out
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -68,7 +81,8 @@ class SpecDecoder:
         self._lookahead: dict[Sequence, Lookahead] = {}
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0,
-                                           "drafted_at": [], "accepted_at": []})
+                                           "drafted_at": [], "accepted_at": [], "tree_drafted": 0,
+                                           "tree_accepted": 0})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
         self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior,
                     "eagle": config.draft_cost_prior, "quantspec": config.draft_cost_prior}
@@ -77,10 +91,11 @@ class SpecDecoder:
         self._proposed_at: float | None = None
         self.calibration = defaultdict(Calibration)
         self.max_k = config.max_speculative_tokens
-        self.step_policy = StepLookahead(config.max_speculative_tokens)
+        self.step_policy = StepLookahead(config.max_speculative_tokens, tree_leaves=config.spec_tree_budget)
         self._step_extra = 0        # accepted draft tokens of the current step
         self._chain: dict[Sequence, int] = {}   # this step's chain length where a tree may grow past it
         self._trees = False         # token trees: a budget, a proposer that grows them, a backend that verifies them
+        self._step_leaves = 0       # this step's tree leaves, all sequences together
 
     # --- building ---------------------------------------------------------------------------
     def load(self, target: Models, device: torch.device) -> SpecFootprint:
@@ -94,13 +109,15 @@ class SpecDecoder:
             self.features = EagleFeatures(loaded.eagle, engine)
         if not self.proposing:
             return
+        # An EAGLE head reads every computed token's hidden state in chain order: no trees beside it.
+        self._trees = (self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
+                       and self.features is None)
         self.proposers["ngram"] = NgramDrafts(self.config)
         self.proposers["jacobi"] = JacobiProposer(self.config)
         if loaded.draft_model is not None and self.config.method == "quantspec":
             from decode.spec.quantspec import QuantSpecProposer  # noqa: PLC0415
             self.proposers["quantspec"] = QuantSpecProposer(engine, self.config, loaded.draft_config,
                                                             loaded.draft_model)
-            self._trees = self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
         elif loaded.draft_model is not None:
             from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
             self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
@@ -167,17 +184,19 @@ class SpecDecoder:
         if not self.proposing:
             return [0] * len(plan.decodes)
         states = [self._state(c.seq) for c in plan.decodes]
-        cap = self.max_k
+        step = StepSetting(self.max_k, self.config.spec_tree_budget)   # for fixed-k requests: as configured
         if any(look.dynamic and method != "off" for method, look in states):
-            cap = self.step_policy.cap(len(plan.decodes), measured=not plan.prefills)
+            step = self.step_policy.choose(len(plan.decodes), measured=not plan.prefills)
         self._step_extra = 0
         self._chain.clear()
+        self._step_leaves = step.leaves
         out = []
         for chunk, (method, look) in zip(plan.decodes, states):
-            k = 0 if method == "off" else min(look.next_k(self.tau[method]), cap if look.dynamic else self.max_k)
-            if k and self._trees and method == "quantspec" and _tree_ok(chunk.seq.sampling):
+            k = 0 if method == "off" else min(look.next_k(self.tau[method]), step.cap if look.dynamic else self.max_k)
+            leaves = step.leaves if look.dynamic else self.config.spec_tree_budget
+            if k and leaves and self._trees and method in TREE_METHODS and _tree_ok(chunk.seq.sampling):
                 self._chain[chunk.seq] = k
-                k += min(k, self.config.spec_tree_budget)
+                k += min(k, leaves)
             out.append(k)
         return out
 
@@ -194,7 +213,7 @@ class SpecDecoder:
             chains = [min(self._chain.get(s, n), n) for s, n in zip(group, sizes)]
             t0 = time.perf_counter()
             if chains != sizes:
-                out = self.proposers[method].propose_tree(group, chains, stop_rules, sizes, self.config.spec_tree_budget,
+                out = self.proposers[method].propose_tree(group, chains, stop_rules, sizes, self._step_leaves,
                                                           self.config.spec_tree_min_gain)
             else:
                 out = self.proposers[method].propose(group, sizes, stop_rules)
@@ -249,6 +268,10 @@ class SpecDecoder:
         c["accepted"] += accepted
         c["steps"] += 1
         c["emitted"] += len(tokens)
+        if draft.parents:   # leaves follow the chain (decode/spec/tree.py): nodes past it
+            c["tree_drafted"] += len(draft) - proposed
+            nodes = accepted_nodes(draft.tokens, draft.parents, tokens[:-1])
+            c["tree_accepted"] += sum(1 for n in nodes if n >= proposed)
         for at, n in (("drafted_at", proposed), ("accepted_at", accepted)):
             counts = c[at]
             counts.extend([0] * (n - len(counts)))

@@ -12,6 +12,11 @@ decode steps, and the best one is used, with a small share of steps exploring it
 the choice follows the workload (acceptance changes with the text) and the machine. Where speculation
 does not pay, cap 0 wins and the batch decodes plainly, losing at most the exploration share.
 
+With a token-tree budget (`--spec-tree-budget`), every cap above 0 also comes as a second arm
+with the step's runner-up leaves on (decode/spec/tree.py): whether a step's extra verified rows
+pay depends on the batch and the machine (on a CPU a ninth row costs a second pass over the
+weights in the small-batch linear), so that is measured the same way.
+
 Requests with a fixed k (the server's `--num-speculative-tokens K`, or the request's own) are left
 as asked.
 """
@@ -25,6 +30,12 @@ from dataclasses import dataclass
 def batch_bucket(batch: int) -> int:
     """1, 2, 3-4, 5-8, 9-16, ...: index of the power of two at or above the batch size."""
     return max(0, (batch - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class StepSetting:
+    cap: int           # the lookahead cap of `auto` requests (0: plain decoding)
+    leaves: int = 0    # token-tree leaves the step may add (0: chains)
 
 
 @dataclass
@@ -46,49 +57,57 @@ class StepLookahead:
     TRIES = 4          # steps each cap gets at a bucket before the best is exploited
     DECAY = 0.95       # weight of the old sums per new step (about the last 20 steps count)
 
-    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0):
-        self.caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
+    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0):
+        caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
+        # In order of how much a step verifies: neighbours differ by a little.
+        self.settings = [s for c in caps for s in
+                         ((StepSetting(c), StepSetting(c, tree_leaves)) if c and tree_leaves else (StepSetting(c),))]
+        self.caps = caps
         self.explore = explore
-        self.arms: dict[tuple[int, int], Arm] = {}
+        self.arms: dict[tuple[int, StepSetting], Arm] = {}
         self.rng = random.Random(seed)
-        self._open: tuple[int, int, float, int] | None = None   # bucket, cap, start, decodes
+        self._open: tuple[int, StepSetting, float, int] | None = None   # bucket, setting, start, decodes
 
     def cap(self, batch: int, measured: bool) -> int:
-        """The cap for a step of `batch` decodes; `measured`: a pure decode step, timed until
+        return self.choose(batch, measured).cap
+
+    def choose(self, batch: int, measured: bool) -> StepSetting:
+        """The setting for a step of `batch` decodes; `measured`: a pure decode step, timed until
         `observe` (a step with prompt chunks is neither timed nor used to explore)."""
         bucket = batch_bucket(batch)
-        arms = [self.arms.setdefault((bucket, c), Arm()) for c in self.caps]
-        untried = [c for c, a in zip(self.caps, arms) if a.samples < self.TRIES]
-        best = max(range(len(self.caps)), key=lambda i: (arms[i].samples > 0, arms[i].rate))
+        options = self.settings
+        arms = [self.arms.setdefault((bucket, s), Arm()) for s in options]
+        untried = [s for s, a in zip(options, arms) if a.samples < self.TRIES]
+        best = max(range(len(options)), key=lambda i: (arms[i].samples > 0, arms[i].rate))
         if measured and untried:
-            cap = untried[-1]
+            choice = untried[-1]
         elif measured and self.rng.random() < self.explore:
             # A neighbour of the best: a cap far from it (8 where 0 is best) can cost a step or
             # two of throughput, while the neighbours are what the choice can drift to.
-            cap = self.caps[self.rng.choice([i for i in (best - 1, best + 1) if 0 <= i < len(self.caps)])]
+            choice = options[self.rng.choice([i for i in (best - 1, best + 1) if 0 <= i < len(options)])]
         else:
-            cap = self.caps[best]
-        self._open = (bucket, cap, time.perf_counter(), batch) if measured else None
-        return cap
+            choice = options[best]
+        self._open = (bucket, choice, time.perf_counter(), batch) if measured else None
+        return choice
 
     def observe(self, extra_tokens: int) -> None:
         """The step is done: its decodes each emitted one token plus `extra_tokens` accepted drafts."""
         if self._open is None:
             return
-        bucket, cap, start, decodes = self._open
+        bucket, setting, start, decodes = self._open
         self._open = None
         seconds = time.perf_counter() - start
         if seconds <= 0:
             return
-        arm = self.arms[(bucket, cap)]
+        arm = self.arms[(bucket, setting)]
         arm.tokens = self.DECAY * arm.tokens + decodes + extra_tokens
         arm.seconds = self.DECAY * arm.seconds + seconds
         arm.samples += 1
 
-    def table(self) -> dict[int, dict[int, float]]:
-        """Measured tokens/s by batch bucket and cap (for benches and logs)."""
-        out: dict[int, dict[int, float]] = {}
-        for (bucket, cap), arm in sorted(self.arms.items()):
+    def table(self) -> dict[int, dict[str, float]]:
+        """Measured tokens/s by batch size bucket and setting ("4", or "4+t" with tree leaves)."""
+        out: dict[int, dict[str, float]] = {}
+        for (bucket, s), arm in sorted(self.arms.items(), key=lambda kv: (kv[0][0], kv[0][1].cap, kv[0][1].leaves)):
             if arm.samples:
-                out.setdefault(1 << bucket, {})[cap] = round(arm.rate, 1)
+                out.setdefault(1 << bucket, {})[f"{s.cap}+t" if s.leaves else str(s.cap)] = round(arm.rate, 1)
         return out

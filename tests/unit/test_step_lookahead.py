@@ -50,7 +50,7 @@ def test_speculates_where_it_pays_and_decodes_plainly_where_it_does_not(clock):
     assert sum(c == 0 for c in large) >= 0.9 * len(large)
     assert 0 < sum(c != 0 for c in large) <= 0.1 * len(large)     # it keeps exploring, a little
     table = policy.table()
-    assert table[1][8] > 1.5 * table[1][0] and table[32][0] > 1.2 * table[32][1] > 0
+    assert table[1]["8"] > 1.5 * table[1]["0"] and table[32]["0"] > 1.2 * table[32]["1"] > 0
 
 
 def test_steps_with_prompt_chunks_use_the_best_cap_and_are_not_measured(clock):
@@ -61,6 +61,30 @@ def test_steps_with_prompt_chunks_use_the_best_cap_and_are_not_measured(clock):
     clock.now += 5.0
     policy.observe(0)
     assert {k: (a.samples, a.rate) for k, a in policy.arms.items()} == before
+
+
+def test_tree_leaves_are_an_arm_of_their_own(clock):
+    """Leaves add a token now and then for a row each: worth it at batch 1, where rows are nearly
+    free, not at batch 32, where each costs a decode's share."""
+    policy = StepLookahead(k_max=4, explore=0.05, seed=2, tree_leaves=4)
+    assert [(s.cap, s.leaves) for s in policy.settings] == [(0, 0), (1, 0), (1, 4), (2, 0), (2, 4), (4, 0), (4, 4)]
+
+    def run(batch, steps):
+        chosen = []
+        for _ in range(steps):
+            s = policy.choose(batch, measured=True)
+            seconds, extra = _machine(batch, s.cap)
+            if s.leaves:   # each leaf a row; one in three adds a token
+                seconds += (0.025 * 0.01 if batch == 1 else 0.004 * batch) * s.leaves
+                extra += s.leaves // 3 * (1 if batch == 1 else batch // 4)
+            clock.now += seconds
+            policy.observe(extra)
+            chosen.append(s)
+        return chosen[-200:]
+    small, large = run(1, 300), run(32, 300)
+    assert sum(s.cap == 4 and s.leaves == 4 for s in small) >= 0.9 * len(small)
+    assert sum(s.cap == 0 for s in large) >= 0.9 * len(large)
+    assert "4+t" in policy.table()[1]
 
 
 def test_buckets_and_caps():

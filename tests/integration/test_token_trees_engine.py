@@ -98,3 +98,16 @@ def test_quantspec_trees_equal_plain_decoding():
     assert stats["drafted"] > sum(stats["drafted_at"]), "no leaf was verified"
     assert len(got[3].logprobs) == MAX_TOKENS
     engine.pool.check_idle()
+
+
+def test_ngram_trees_equal_plain_decoding():
+    """Prompt lookup's other occurrences become branches (a history that continued several ways)."""
+    prompt = "x = f(a)\ny = f(b)\nz = f(c)\nx = g(a)\ny = g(b)\nz = g(c)\nx = "
+    sampling = SamplingParams(max_tokens=MAX_TOKENS)
+    want = [c.token_ids for c in LLMEngine(_config()).generate([prompt, *PROMPTS[:2]], sampling)]
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, spec_tree_budget=6)
+    engine = LLMEngine(_config(speculative=spec), speculator_factory=make_speculator)
+    got = engine.generate([prompt, *PROMPTS[:2]], sampling)
+    assert [c.token_ids for c in got] == want
+    assert engine.speculator.stats()["ngram"]["tree_drafted"] > 0, "no branch was verified"
+    engine.pool.check_idle()
