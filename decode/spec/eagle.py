@@ -16,6 +16,7 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from decode.spec.eagle_head import EagleHead, feature_of
 from decode.spec.lookahead import DraftBatch, StopRule
+from decode.spec.tree import add_leaves
 
 
 class EagleProposer:
@@ -25,16 +26,29 @@ class EagleProposer:
         self.engine = engine
         self.head = head
         self.config = config
+        self._alternatives: list = []   # the last draft's runner-up tokens per sequence (where asked for)
 
-    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None]) -> list[Draft]:
+    def propose_tree(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
+                     sizes: list[int], budget: int, min_gain: float) -> list[Draft]:
+        """Chains, then the head's runner-up tokens as leaves where they are expected to add most
+        (decode/spec/tree.py); the verification pass computes the head's KV and features of the
+        tree's rows, and the accepted path's are kept (eagle_head.py `keep`)."""
+        drafts = self.propose(seqs, ks, stop_rules, alternatives=[n > k for n, k in zip(sizes, ks)])
+        rooms = [n - len(d) for n, d in zip(sizes, drafts)]
+        return add_leaves(drafts, self._alternatives, rooms, budget, min_gain)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
+                alternatives: list[bool] | None = None) -> list[Draft]:
         eng = self.engine
         bs = eng.layout.block_size
         features = [feature_of(s) for s in seqs]
         ready = [i for i, (s, f) in enumerate(zip(seqs, features)) if f is not None
                  and f.pos == s.num_computed_tokens - 1]
+        self._alternatives = [[] for _ in seqs]
         if not ready:
             return [Draft(()) for _ in seqs]
-        drafting = DraftBatch(seqs, ks, stop_rules)
+        drafting = DraftBatch(seqs, ks, stop_rules, alternatives)
+        self._alternatives = drafting.alternatives
         active = ready
         feats = torch.stack([features[i].hidden for i in active])
         last = [seqs[i].token_ids[-1] for i in active]

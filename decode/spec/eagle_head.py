@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cluster.engine.draft_tree import accepted_nodes
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.llama import CausalLM, DecoderLayer, RMSNorm
@@ -132,6 +133,7 @@ class EagleFeatures:
         self.block_features = torch.zeros((num_blocks, self.hidden_size), dtype=self.dtype, device=self.device)
         self.feature_valid = [False] * num_blocks   # per block: written here since the block was allocated
         self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
+        self.last_trees: dict[Sequence, tuple[tuple[int, ...], tuple[int, ...]]] = {}   # seq -> (draft, parents)
         self.last_hidden: torch.Tensor | None = None
 
     def after_forward(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
@@ -140,7 +142,7 @@ class EagleFeatures:
         bs = self.block_size
         total = hidden.shape[0]
         carry, src, ends_rows, ends_blocks = [], [], [], []
-        self.last_rows = {}
+        self.last_rows, self.last_trees = {}, {}
         offset = 0
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -150,12 +152,19 @@ class EagleFeatures:
             else:
                 src.append(total + len(carry))
                 carry.append(self._feature_before(seq, start))
-            src.extend(range(offset, offset + n - 1))
+            if chunk.tree:
+                # A token tree: each draft pairs with its parent's feature (the root's row for -1);
+                # the accepted path's block-end features are kept once it is known (`keep`).
+                src.extend(offset + 1 + p for p in chunk.tree)
+                self.last_trees[seq] = (chunk.draft, chunk.tree)
+                n = 1
+            else:
+                src.extend(range(offset, offset + n - 1))
             for p in range(start, start + n):
                 if p % bs == bs - 1:
                     ends_rows.append(offset + p - start)
                     ends_blocks.append(seq.block_ids[p // bs])
-            offset += n
+            offset += chunk.num_tokens
         zero = hidden.new_zeros((1, hidden.shape[1]))
         table = torch.cat([hidden, *([torch.stack(carry)] if carry else []), zero])
         index = torch.tensor([len(table) - 1 if i < 0 else i for i in src], dtype=torch.long, device=self.device)
@@ -182,13 +191,30 @@ class EagleFeatures:
         if self.last_hidden is not None:
             for seq, (row, start) in self.last_rows.items():
                 computed = seq.num_computed_tokens - start
-                if computed > 0:
-                    seq.spec_state = Feature(self.last_hidden[row + computed - 1].clone(), start + computed - 1)
+                if computed <= 0:
+                    continue
+                rows = list(range(row, row + computed))
+                if seq in self.last_trees:
+                    draft, parents = self.last_trees[seq]
+                    nodes = accepted_nodes(draft, parents, seq.token_ids[start + 1:start + computed])
+                    rows = [row, *(row + 1 + node for node in nodes)]
+                    self._keep_block_ends(seq, start, rows)
+                seq.spec_state = Feature(self.last_hidden[rows[-1]].clone(), start + computed - 1)
             self.last_hidden = None
-            self.last_rows = {}
+            self.last_rows, self.last_trees = {}, {}
         for parent, children in forks.items():
             for child in children:
                 child.spec_state = parent.spec_state
+
+    def _keep_block_ends(self, seq: Sequence, start: int, rows: list[int]) -> None:
+        """A tree's accepted path: the features of the block ends it computed (rows[j] is position start + j)."""
+        bs = self.block_size
+        for j, r in enumerate(rows[1:], 1):
+            p = start + j
+            if p % bs == bs - 1:
+                block = seq.block_ids[p // bs]
+                self.block_features[block] = self.last_hidden[r]
+                self.feature_valid[block] = True
 
     def invalidate(self, blocks: list[int]) -> None:
         for b in blocks:

@@ -40,7 +40,7 @@ from decode.spec.step_policy import StepLookahead, StepSetting
 
 
 MODEL_FREE = ("ngram", "jacobi")   # drafting costs next to nothing: no draft time to measure
-TREE_METHODS = ("ngram", "quantspec")   # proposers that grow token trees (propose_tree)
+TREE_METHODS = ("ngram", "quantspec", "eagle")   # proposers that grow token trees (propose_tree)
 
 
 class NgramDrafts:
@@ -109,9 +109,7 @@ class SpecDecoder:
             self.features = EagleFeatures(loaded.eagle, engine)
         if not self.proposing:
             return
-        # An EAGLE head reads every computed token's hidden state in chain order: no trees beside it.
-        self._trees = (self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
-                       and self.features is None)
+        self._trees = self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
         self.proposers["ngram"] = NgramDrafts(self.config)
         self.proposers["jacobi"] = JacobiProposer(self.config)
         if loaded.draft_model is not None and self.config.method == "quantspec":
