@@ -294,11 +294,13 @@ class SpeculativeConfig:
     # proposers), and the cost of one more verified position (n-gram, which drafts for free).
     draft_cost_prior: float = setting(0.25, "'auto': a draft step's cost relative to a target step until measured")
     ngram_cost: float = setting(0.1, "'auto': the cost of one more verified position with the n-gram proposer")
-    spec_tree_budget: int = setting(0, "token-tree verification: rows per step the quantspec drafter may add as "
-                                       "the runner-up token beside its least certain drafts (greedy requests), "
-                                       "verified in the same pass; 0: chains only")
-    spec_tree_min_gain: float = setting(0.05, "a tree row is verified only if it is expected to add at least this "
-                                              "many tokens (the draft's chance of reaching it times the runner-up's)")
+    spec_tree_budget: int = setting(0, "token-tree verification: rows per step a drafter may add beside its "
+                                       "chains, verified in the same pass (greedy requests): the eagle and "
+                                       "quantspec drafts' runner-up tokens, prompt lookup's other matches; "
+                                       "'auto' requests' steps measure whether they pay; 0: chains only")
+    spec_tree_min_gain: float = setting(0.05, "a model drafter's tree row is verified only if it is expected to add "
+                                              "at least this many tokens (the draft's chance of reaching it times "
+                                              "the runner-up's)")
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")

@@ -92,14 +92,17 @@ def _load_q_rows(q_ptr, q_start, q_len, row0, kv_head, stride_qt, stride_qh, off
 @triton.jit
 def _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, ctx, qpos, window,
                  kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                 offs_n, offs_d, d_mask,
+                 offs_n, offs_d, d_mask, tail_row, tab_len,
                  BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+                 HAS_TAIL: tl.constexpr):
     """One BLOCK_N tile of keys [start_n, start_n + BLOCK_N) through the block table. Scores are
     kept in log2 units (qk_scale includes log2 e) so exp2 replaces exp. MASK=False is for tiles
     known to be fully visible to every row: no bounds, causal or window checks at all. KV_QUANT
     (kernels/kv_quant.py): 0 reads K/V as stored; int8/fp8 rows are dequantized in registers to
-    the query's dtype, the same values as the reference's dequantized copy."""
+    the query's dtype, the same values as the reference's dequantized copy. HAS_TAIL (a decode
+    row of a token tree, kernels/rows.py `tree_tails`): keys from `tab_len` on sit at the flat
+    slots `tail_row` lists (the row's path), read in the same tiles as keys through the table."""
     pos = start_n + offs_n
     if MASK:
         in_ctx = pos < ctx
@@ -109,6 +112,11 @@ def _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, ctx, qp
         blk = tl.load(table_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     slot = (pos % BLOCK_SIZE).to(tl.int64)
+    if HAS_TAIL:
+        in_tail = pos >= tab_len
+        flat = tl.load(tail_row + (pos - tab_len), mask=in_tail & (pos < ctx), other=0).to(tl.int64)
+        blk = tl.where(in_tail, flat // BLOCK_SIZE, blk)
+        slot = tl.where(in_tail, flat % BLOCK_SIZE, slot)
     if KV_QUANT == 0:
         k = tl.load(k_cache + kv_off_k + blk[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :],
                     mask=kv_mask, other=0.0)
@@ -145,9 +153,10 @@ def _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, ctx, qp
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, k_cache, v_cache, table_row, lo, hi, ctx, qpos, qpos_min, qpos_max,
                   window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-                  offs_n, offs_d, d_mask,
+                  offs_n, offs_d, d_mask, tail_row, tab_len,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr,
+                  HAS_TAIL: tl.constexpr):
     """Keys [lo, hi) in three segments: masked tiles at the window's edge, unmasked tiles every
     row sees in full (the bulk of a long context), masked tiles at the causal diagonal/the end.
     Requires hi <= ctx and hi <= qpos_max + 1."""
@@ -160,18 +169,18 @@ def _attend_range(acc, m_i, l_i, q, k_cache, v_cache, table_row, lo, hi, ctx, qp
     for start_n in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, full_lo, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, True, HAS_WINDOW,
-                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
+                                     qk_scale, offs_n, offs_d, d_mask, tail_row, tab_len, BLOCK_SIZE, True,
+                                     HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT, HAS_TAIL)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, hi, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, False, HAS_WINDOW,
-                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
+                                     qk_scale, offs_n, offs_d, d_mask, tail_row, tab_len, BLOCK_SIZE, False,
+                                     HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT, HAS_TAIL)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, k_cache, v_cache, table_row, start_n, hi, qpos,
                                      window, kv_off_k, kv_off_v, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     qk_scale, offs_n, offs_d, d_mask, BLOCK_SIZE, True, HAS_WINDOW,
-                                     PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
+                                     qk_scale, offs_n, offs_d, d_mask, tail_row, tab_len, BLOCK_SIZE, True,
+                                     HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT, HAS_TAIL)
     return acc, m_i, l_i
 
 

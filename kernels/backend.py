@@ -9,7 +9,9 @@ flat batch, which is laid out as decodes, then verification spans, then prefill 
 Batch-invariant mode (`invariant=True`): every token of the step, whatever its kind, is a decode
 row of its own over its prefix (context = its position + 1), in one decode section with a fixed
 partition and config. A position's attention is then the same arithmetic however its token was
-batched, chunked or verified.
+batched, chunked or verified. A step that verifies a token tree is laid out the same way (with
+the step's own partition outside the invariant mode): a tree row reads its path's keys from an
+explicit list of slots (`tails`), in the tiles a plain decode row of the same tokens would use.
 
 Quantized KV caches (`--kv-cache-dtype int8|fp8_e4m3`: int8/uint8 rows of D values + an fp16
 scale, kernels/kv_quant.py) need nothing here: each kernel reads the kind from the cache's dtype,
@@ -44,6 +46,7 @@ class _Section:
     workspace: tuple | None = None
     tiles: torch.Tensor | None = None   # prefill tile map [tiles, 2]
     block_m: int | None = None          # the rows per tile it was cut for
+    tails: torch.Tensor | None = None   # decode rows of token trees: [n, 1 + W] (kernels/rows.py tree_tails)
 
 
 @dataclass
@@ -55,7 +58,7 @@ class TritonMeta:
 class TritonAttentionBackend:
     name = "triton"
     table_dtype = torch.int32   # of the tables and lengths the kernels read
-    verifies_trees = False      # token-tree verifications: not yet (the speculator grows chains only)
+    verifies_trees = True       # token-tree verifications: every row a decode row, tree rows with tails
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None,
@@ -78,11 +81,11 @@ class TritonAttentionBackend:
             raise ValueError(f"batch-invariant attention holds at most {MAX_ROWS} query heads per KV head")
 
     def prepare(self, batch) -> TritonMeta:
-        if self.invariant:
+        # A token tree's rows read their path's slots: every token a decode row of its own, as in
+        # the invariant mode (a step with a tree is short: decodes and verifications, rarely a chunk).
+        if self.invariant or any(getattr(s, "tree", ()) for s in batch.verifies):
             return self._prepare_every_row(batch)
         bs = batch.block_size
-        if any(getattr(s, "tree", ()) for s in batch.verifies):
-            raise ValueError("token-tree verification is not in the triton kernels (verifies_trees is False)")
         groups = _span_groups(batch)
         seqs = [s for _, spans in groups for s in spans]
         if not seqs:
@@ -136,12 +139,13 @@ class TritonAttentionBackend:
         if not batch.slot_mapping.numel():
             return TritonMeta(batch.slot_mapping, [])
         tables, lens, max_context, tails = every_token_rows(batch, torch.int32)
-        if tails is not None:
-            raise ValueError("token-tree verification is not in the triton kernels (verifies_trees is False)")
         row, width = tables.shape
-        flat = torch.cat([tables.reshape(-1), lens]).to(self.device, non_blocking=True)
-        ctx_lens = flat[row * width:]
+        parts = [tables.reshape(-1), lens, *(() if tails is None else (tails.reshape(-1),))]
+        flat = torch.cat(parts).to(self.device, non_blocking=True)
+        ctx_lens = flat[row * width:row * (width + 1)]
         sec = self._decode_section(flat[:row * width].view(row, width), ctx_lens, max_context)
+        if tails is not None:
+            sec.tails = flat[row * (width + 1):].view(row, -1)
         return TritonMeta(batch.slot_mapping, [sec])
 
     def static_decode_ready(self) -> bool:
@@ -187,7 +191,7 @@ class TritonAttentionBackend:
             rows = slice(s.first_row, s.first_row + s.num_rows)
             if s.kind == "decode":
                 paged_decode_attention(q[rows], k_cache, v_cache, s.tables, s.ctx_lens, self.scale, window,
-                                       s.max_context, s.partition, out[rows], s.workspace, self.invariant)
+                                       s.max_context, s.partition, out[rows], s.workspace, self.invariant, s.tails)
             elif s.kind == "verify":
                 paged_verify_attention(q[rows], k_cache, v_cache, s.tables, s.q_starts, s.q_lens, s.ctx_lens,
                                        s.max_query_len, self.scale, window, s.max_context, s.partition, out[rows],

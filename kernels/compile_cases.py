@@ -12,6 +12,7 @@ launchable kernel and every value of each constexpr the backends choose among; b
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,9 @@ def attention_steps(block_size: int, verify_lens: tuple[int, ...]) -> list[Batch
     width (the width sets BLOCK_M; past 128 packed rows the prefill kernel takes them)."""
     steps = [make_batch([40, 17], [(4, 50), (4, 33)], [(30, 30), (20, 100)], block_size),
              make_batch([8192], [(5, 8192)], [], block_size)]
+    # A token tree: every row a decode row, the tree's rows reading their path's slots (tails).
+    tree = make_batch([40], [(5, 60)], [], block_size)
+    steps.append(dataclasses.replace(tree, verifies=(dataclasses.replace(tree.verifies[0], tree=(-1, -1, 0, 2)),)))
     steps += [make_batch([], [(n, 200)], [], block_size) for n in verify_lens]
     return steps
 

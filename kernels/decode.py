@@ -38,13 +38,13 @@ FP32_SPACE = [dict(BLOCK_N=64, num_warps=8, num_stages=2)]   # 80-128 registers,
                  prune_configs_by=dict(early_config_prune=fp32_pruner(FP32_SPACE)))
 @triton.jit
 def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
-                     scale, window, part_size, num_splits,
-                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tab,
+                     tails, scale, window, part_size, num_splits,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_tab, stride_tail,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_DECODE: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr, KV_QUANT: tl.constexpr):
+                     UPCAST: tl.constexpr, KV_QUANT: tl.constexpr, HAS_TAIL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,6 +56,11 @@ def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables,
         q_start = tl.load(q_starts + seq)
         q_len = tl.load(q_lens + seq)
     ctx = tl.load(ctx_lens + seq)
+    # A token tree's decode row (IS_DECODE): its last tails[seq, 0] keys at the slots that follow.
+    tail_row = tails + seq.to(tl.int64) * stride_tail
+    tab_len = ctx
+    if HAS_TAIL:
+        tab_len = ctx - tl.load(tail_row)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q, query, head, valid = _load_q_rows(q_ptr, q_start, q_len, 0, kv_head, stride_qt, stride_qh, offs_d, d_mask,
@@ -75,8 +80,8 @@ def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables,
                                   lo, hi, ctx, qpos, qpos_min, qpos_max, window,
                                   kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
                                   stride_kb, stride_ks, stride_vb, stride_vs, scale * LOG2E,
-                                  tl.arange(0, BLOCK_N), offs_d, d_mask,
-                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
+                                  tl.arange(0, BLOCK_N), offs_d, d_mask, tail_row + 1, tab_len,
+                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT, HAS_TAIL)
     has = l_i > 0   # a row sees no key of this partition when the partition ends before it starts
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -154,7 +159,7 @@ def choose_partition(max_context: int, num_seqs: int, num_kv_heads: int, num_sms
 
 
 def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, rows, max_context, scale,
-            window, partition_size, out, workspace, is_decode, invariant=False):
+            window, partition_size, out, workspace, is_decode, invariant=False, tails=None):
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -181,14 +186,14 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
     # The JIT function under the autotuner with the fixed config: no choice by shape.
     kernel, config = (_split_kv_kernel.fn, INVARIANT_CONFIG) if invariant else (_split_kv_kernel, {})
     kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, tables, ctx_lens, q_starts, q_lens,
+        q, k_cache, v_cache, out, part_o, part_lse, tables, ctx_lens, q_starts, q_lens, tables if tails is None else tails,
         scale, window or 0, part, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0), 0 if tails is None else tails.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(rows * group)),
         BLOCK_SIZE=k_cache.shape[1], IS_DECODE=is_decode, SPLIT=split, HAS_WINDOW=window is not None,
-        PRECISION=precision, UPCAST=upcast, KV_QUANT=quant, **config)
+        PRECISION=precision, UPCAST=upcast, KV_QUANT=quant, HAS_TAIL=tails is not None, **config)
     if invariant:
         _ordered_merge_kernel[(num_tokens, num_heads)](
             part_o, part_lse, out, num_splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d)
@@ -200,12 +205,14 @@ def _launch(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens, num_seqs, r
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=None,
-                           max_context=None, partition_size=None, out=None, workspace=None, invariant=False):
+                           max_context=None, partition_size=None, out=None, workspace=None, invariant=False,
+                           tails=None):
     """q: [B, Hq, D], one query per sequence at position context_lens[b] - 1 (its own K/V already
     stored). block_tables: [B, max_blocks] int32; context_lens: [B] int32. `max_context` (a host
     int, avoids a device sync) and `partition_size` (None: one pass) size the split. `invariant`:
     each row's bits independent of the batch (fixed config, always split by `partition_size`,
-    INVARIANT_PARTITION if None, merged in order). Returns [B, Hq, D]."""
+    INVARIANT_PARTITION if None, merged in order). `tails`: token-tree rows (int32 [B, 1 + W],
+    kernels/rows.py `tree_tails`), their path's keys at explicit slots. Returns [B, Hq, D]."""
     if max_context is None:
         max_context = int(context_lens.max())
     if invariant:
@@ -213,13 +220,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             raise ValueError(f"batch-invariant decode holds at most {MAX_ROWS} query heads per KV head")
         return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, context_lens, q.shape[0], 1,
                        max_context, scale, window, partition_size or INVARIANT_PARTITION, out, workspace, True,
-                       invariant=True)
+                       invariant=True, tails=tails)
     if q.shape[1] // k_cache.shape[2] > MAX_ROWS:   # more packed rows than one program holds
+        if tails is not None:
+            raise ValueError(f"token-tree rows hold at most {MAX_ROWS} query heads per KV head")
         ones = torch.ones_like(context_lens)
         return prefill_attention(q, k_cache, v_cache, block_tables, torch.cumsum(ones, 0) - 1, ones, context_lens,
                                  1, scale, window, out=out)
     return _launch(q, k_cache, v_cache, block_tables, context_lens, context_lens, context_lens, q.shape[0], 1,
-                   max_context, scale, window, partition_size, out, workspace, True)
+                   max_context, scale, window, partition_size, out, workspace, True, tails=tails)
 
 
 def paged_verify_attention(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,

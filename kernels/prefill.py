@@ -83,8 +83,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, q_starts
                                   lo, qpos_max + 1, ctx, qpos, qpos_min, qpos_max, window,
                                   kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
                                   stride_kb, stride_ks, stride_vb, stride_vs, scale * LOG2E,
-                                  tl.arange(0, BLOCK_N), offs_d, d_mask,
-                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT)
+                                  tl.arange(0, BLOCK_N), offs_d, d_mask, tables, ctx,
+                                  BLOCK_N, BLOCK_SIZE, HAS_WINDOW, PRECISION, UPCAST, HEAD_DIM, KV_QUANT, False)
     o = acc / l_i[:, None]   # every real row sees at least its own key
     row_tok = (q_start + query).to(tl.int64)
     tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
