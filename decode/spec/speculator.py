@@ -216,7 +216,8 @@ class SpecDecoder:
             else:
                 out = self.proposers[method].propose(group, sizes, stop_rules)
             if method not in MODEL_FREE:
-                self._observe_draft_cost(method, (time.perf_counter() - t0) / max(1, max(len(d) for d in out)))
+                passes = max(max(depths(d.parents)) if d.parents else len(d) for d in out)   # a tree's longest path
+                self._observe_draft_cost(method, (time.perf_counter() - t0) / max(1, passes))
             for i, d in zip(idx, out):
                 drafts[i] = d
         self._proposed_at = time.perf_counter()

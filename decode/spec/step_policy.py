@@ -12,10 +12,12 @@ decode steps, and the best one is used, with a small share of steps exploring it
 the choice follows the workload (acceptance changes with the text) and the machine. Where speculation
 does not pay, cap 0 wins and the batch decodes plainly, losing at most the exploration share.
 
-With a token-tree budget (`--spec-tree-budget`), every cap above 0 also comes as a second arm
-with the step's runner-up leaves on (decode/spec/tree.py): whether a step's extra verified rows
-pay depends on the batch and the machine (on a CPU a ninth row costs a second pass over the
-weights in the small-batch linear), so that is measured the same way.
+The first tries climb: caps are tried from 0 upwards while each beats every cap before it, so
+at a batch where lookahead stops paying the larger caps are never tried (an exploring step only
+ever tries a neighbour of the best). With a token-tree budget (`--spec-tree-budget`), a cap above
+0 also comes as a second arm with the step's tree leaves on (decode/spec/tree.py), tried once the
+cap is the best: whether a step's extra verified rows pay depends on the batch and the machine (on
+a CPU a ninth row costs a second pass over the weights in the small-batch linear).
 
 Requests with a fixed k (the server's `--num-speculative-tokens K`, or the request's own) are left
 as asked.
@@ -58,15 +60,18 @@ class StepLookahead:
     DECAY = 0.95       # weight of the old sums per new step (about the last 20 steps count)
 
     def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0):
-        caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
-        # In order of how much a step verifies: neighbours differ by a little.
-        self.settings = [s for c in caps for s in
-                         ((StepSetting(c), StepSetting(c, tree_leaves)) if c and tree_leaves else (StepSetting(c),))]
-        self.caps = caps
+        self.caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
+        self.tree_leaves = tree_leaves
         self.explore = explore
         self.arms: dict[tuple[int, StepSetting], Arm] = {}
         self.rng = random.Random(seed)
         self._open: tuple[int, StepSetting, float, int] | None = None   # bucket, setting, start, decodes
+
+    @property
+    def settings(self) -> list[StepSetting]:
+        """Every arm, in order of how much a step verifies."""
+        return [s for c in self.caps for s in ((StepSetting(c), StepSetting(c, self.tree_leaves))
+                                               if c and self.tree_leaves else (StepSetting(c),))]
 
     def cap(self, batch: int, measured: bool) -> int:
         return self.choose(batch, measured).cap
@@ -75,20 +80,50 @@ class StepLookahead:
         """The setting for a step of `batch` decodes; `measured`: a pure decode step, timed until
         `observe` (a step with prompt chunks is neither timed nor used to explore)."""
         bucket = batch_bucket(batch)
-        options = self.settings
-        arms = [self.arms.setdefault((bucket, s), Arm()) for s in options]
-        untried = [s for s, a in zip(options, arms) if a.samples < self.TRIES]
-        best = max(range(len(options)), key=lambda i: (arms[i].samples > 0, arms[i].rate))
-        if measured and untried:
-            choice = untried[-1]
-        elif measured and self.rng.random() < self.explore:
-            # A neighbour of the best: a cap far from it (8 where 0 is best) can cost a step or
-            # two of throughput, while the neighbours are what the choice can drift to.
-            choice = options[self.rng.choice([i for i in (best - 1, best + 1) if 0 <= i < len(options)])]
-        else:
-            choice = options[best]
+        best = self._best(bucket)
+        choice = best
+        if measured:
+            trial = self._trial(bucket, best)
+            if trial is not None:
+                choice = trial
+            elif self.rng.random() < self.explore:
+                # A neighbour of the best: a setting far from it (8 where 0 is best) can cost a
+                # step or two of throughput, while the neighbours are what the choice can drift to.
+                choice = self.rng.choice(self._neighbours(best))
         self._open = (bucket, choice, time.perf_counter(), batch) if measured else None
         return choice
+
+    def _arm(self, bucket: int, setting: StepSetting) -> Arm:
+        return self.arms.setdefault((bucket, setting), Arm())
+
+    def _best(self, bucket: int) -> StepSetting:
+        return max(self.settings, key=lambda s: (self._arm(bucket, s).samples > 0, self._arm(bucket, s).rate, -s.cap))
+
+    def _trial(self, bucket: int, best: StepSetting) -> StepSetting | None:
+        """The setting still owed its first tries: caps climb from 0 while each beats every cap
+        before it (a larger cap is tried only while lookahead keeps paying, so a large batch
+        never tries cap 8), then the best cap's tree arm."""
+        climbed = 0.0
+        for cap in self.caps:
+            arm = self._arm(bucket, StepSetting(cap))
+            if arm.samples < self.TRIES:
+                return StepSetting(cap)
+            if arm.rate < climbed:
+                break    # this cap did worse than a smaller one: the larger ones wait for exploring steps
+            climbed = arm.rate
+        if best.cap and self.tree_leaves:
+            tree = StepSetting(best.cap, self.tree_leaves)
+            if self._arm(bucket, tree).samples < self.TRIES:
+                return tree
+        return None
+
+    def _neighbours(self, best: StepSetting) -> list[StepSetting]:
+        """The caps beside the best one (chains), and the best cap with its tree leaves on or off."""
+        i = self.caps.index(best.cap)
+        out = [StepSetting(self.caps[j]) for j in (i - 1, i + 1) if 0 <= j < len(self.caps)]
+        if best.cap and self.tree_leaves:
+            out.append(StepSetting(best.cap, 0 if best.leaves else self.tree_leaves))
+        return out
 
     def observe(self, extra_tokens: int) -> None:
         """The step is done: its decodes each emitted one token plus `extra_tokens` accepted drafts."""

@@ -156,3 +156,17 @@ def test_sdpa_tree_rows_see_their_path_only(window):
         out = backend.forward(q[rows], knew[rows], vnew[rows], kc2, vc2, window,
                               backend.prepare(AttentionBatch(0, (), (), (), cslots, bs, verifies=(chain,))))
         torch.testing.assert_close(got[row], out.view(len(rows), hq, d)[-1])
+
+
+def test_ngram_tree_merges_every_occurrence_most_recent_first():
+    from decode.spec.ngram import NgramProposer
+    p = NgramProposer(2, 4)
+    history = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3, 4, 7, 1, 2, 3]
+    assert p.propose(history, 3) == [4, 7, 1]
+    tokens, parents = p.propose_tree(history, 3, 8)
+    # The most recent continuation is the chain; the others branch where they part from it.
+    assert (tokens, parents) == ([4, 7, 1, 5, 6, 1, 9, 1], [-1, 0, 1, -1, 3, 4, 0, 6])
+    draft_tree.check(tuple(tokens), tuple(parents))
+    assert p.propose_tree(history, 3, 4) == ([4, 7, 1, 5], [-1, 0, 1, -1])   # the size bounds it
+    assert p.propose_tree(history, 3, 3) == ([4, 7, 1], [-1, 0, 1])         # no room: the chain
+    assert p.propose_tree([1, 2, 3], 3, 8) == ([], [])
