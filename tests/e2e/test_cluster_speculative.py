@@ -32,13 +32,15 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
-def _engine_config(method="draft", model=None):
+def _engine_config(method="draft", model=None, tree_budget=0):
     # A fixed k: dynamic lookahead reacts to measured timings, so two runs may draft differently.
     # `model` None: the tests' default (stdlib-coder); "default": SmolLM2-135M-Instruct, whose
     # EAGLE head is the EAGLE-3-style one (three depths of features, fused, shipped fused).
+    # `tree_budget`: token trees (the head's runner-up leaves, every one verified: no minimum gain).
     extra = {} if model is None else {"model": default_model_file()}
     return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512), **extra,
-                        speculative=SpeculativeConfig(method=method, num_speculative_tokens=4))
+                        speculative=SpeculativeConfig(method=method, num_speculative_tokens=4,
+                                                      spec_tree_budget=tree_budget, spec_tree_min_gain=0.0))
 
 
 def _reference(model=None):
@@ -81,12 +83,14 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     return outs, emitted / steps
 
 
-@pytest.mark.parametrize("configured,methods,model", [("draft", ("draft", "ngram", "jacobi"), None),
-                                                      ("eagle", ("eagle",), None), ("eagle", ("eagle",), "default")])
-def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model):
+@pytest.mark.parametrize("configured,methods,model,tree", [("draft", ("draft", "ngram", "jacobi"), None, 0),
+                                                           ("eagle", ("eagle",), None, 4),
+                                                           ("eagle", ("eagle",), "default", 0)],
+                         ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model"])
+def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model, tree):
     if model is not None:
         reference = _reference(model)
-    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model),
+    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model, tree),
                                      data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                      router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
     try:
@@ -102,6 +106,10 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
                 for method in methods for name, key in (("draft_tokens", "drafted"), ("accepted_tokens", "accepted"),
                                                         ("verify_steps", "steps"), ("emitted_tokens", "emitted"))}
         assert all(v > 0 for v in want.values()), want
+        if tree:   # leaves verified on the decode worker, their counters through to Prometheus
+            want |= {(f"splitserve_spec_tree_{name}_tokens_total", m): getattr(decode.spec_of(m), key)
+                     for m in methods for name, key in (("draft", "tree_drafted"), ("accepted", "tree_accepted"))}
+            assert all(want[("splitserve_spec_tree_draft_tokens_total", m)] > 0 for m in methods), want
         # The router's copy of an idle worker's stats is at most one idle poll (2 s) behind: its
         # last push may predate the last step's counts (router/workers.py StatsCadence).
         deadline = time.monotonic() + 10
@@ -110,7 +118,8 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
         assert scraped == want
     finally:
         pd.stop()
-    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model), colocated=True, port=0))
+    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model, tree), colocated=True,
+                                       port=0))
     try:
         colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
     finally:

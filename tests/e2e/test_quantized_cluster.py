@@ -37,7 +37,8 @@ CONTEXT = (" Answer briefly and plainly, in English, without lists, and say so w
 QUESTIONS = [q + CONTEXT for q in ("What is the capital of France?", "Name three colours of the rainbow.",
                                    "Write one sentence about the sea and the wind.")]
 SPEC_COUNTERS = (("draft_tokens", "drafted"), ("accepted_tokens", "accepted"), ("verify_steps", "steps"),
-                 ("emitted_tokens", "emitted"))
+                 ("emitted_tokens", "emitted"), ("tree_draft_tokens", "tree_drafted"),
+                 ("tree_accepted_tokens", "tree_accepted"))
 
 
 @pytest.fixture(scope="module")
