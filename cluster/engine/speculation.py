@@ -129,6 +129,8 @@ def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) 
     if not chunks:
         return out
     for chunk, draft in zip(chunks, speculator.propose([c.seq for c in chunks], ks)):
+        if draft.parents:
+            draft_tree.check(draft.tokens, draft.parents)
         if draft.tokens:
             scheduler.attach_draft(plan, chunk, draft.tokens, draft.parents)
             out[chunk.seq] = draft

@@ -34,7 +34,7 @@ class EagleProposer:
         (decode/spec/tree.py); the verification pass computes the head's KV and features of the
         tree's rows, and the accepted path's are kept (eagle_head.py `keep`)."""
         drafts = self.propose(seqs, ks, stop_rules, alternatives=[n > k for n, k in zip(sizes, ks)])
-        rooms = [n - len(d) for n, d in zip(sizes, drafts)]
+        rooms = [n - len(d) if n > k else 0 for n, k, d in zip(sizes, ks, drafts)]   # n == k: a chain
         return add_leaves(drafts, self._alternatives, rooms, budget, min_gain)
 
     def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],

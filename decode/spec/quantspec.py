@@ -75,7 +75,7 @@ class QuantSpecProposer:
         (draft_tree.compaction)."""
         spans = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_ids) for seq in seqs]
         drafts = self.passes.draft(seqs, ks, stop_rules, spans, alternatives=[n > k for n, k in zip(sizes, ks)])
-        rooms = [n - len(d) for n, d in zip(sizes, drafts)]
+        rooms = [n - len(d) if n > k else 0 for n, k, d in zip(sizes, ks, drafts)]   # n == k: a chain
         return add_leaves(drafts, self.passes.alternatives, rooms, budget, min_gain)
 
     def release(self, seq: Sequence) -> None:

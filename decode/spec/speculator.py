@@ -59,6 +59,9 @@ class NgramDrafts:
         shared in batch order (n-gram drafts carry no probabilities to rank them by)."""
         out = []
         for seq, k, size in zip(seqs, ks, sizes):
+            if size <= k:    # no room past the chain: this request gets a chain (sampled, or no budget left)
+                out.append(Draft(tuple(self.proposer.propose(seq.token_ids, k))))
+                continue
             tokens, parents = self.proposer.propose_tree(seq.token_ids, k, min(size, k + budget))
             chain = max(depths(tuple(parents)), default=0)
             budget -= len(tokens) - chain
@@ -235,7 +238,9 @@ class SpecDecoder:
             self._t_target = seconds if self._t_target is None else 0.9 * self._t_target + 0.1 * seconds
             self._proposed_at = None
         sp = seq.sampling
-        if draft.parents:   # a token tree: grown for greedy requests only (_tree_ok)
+        if draft.parents:   # a token tree: grown for greedy requests only
+            if not _tree_ok(sp):
+                raise ValueError(f"a token tree was drafted for {seq.request_id}, whose sampling needs a chain")
             tokens = accept_greedy_tree(logits, draft.tokens, draft.parents)
         elif sp.greedy and sp.repetition_penalty == 1.0:
             tokens = accept_greedy(logits, list(draft.tokens))

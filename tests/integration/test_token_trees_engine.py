@@ -85,19 +85,22 @@ def test_oracle_trees_give_plain_decoding(case):
     engine.pool.check_idle()
 
 
-@pytest.mark.parametrize("method,case", [("quantspec", {}), ("eagle", {}), ("eagle", {"deterministic": True})])
-def test_model_drafters_grow_trees_and_keep_plain_decoding(method, case):
+@pytest.mark.parametrize("method,k,case", [("quantspec", 3, {}), ("quantspec", "auto", {}), ("eagle", 3, {}),
+                                           ("eagle", 3, {"deterministic": True})])
+def test_model_drafters_grow_trees_and_keep_plain_decoding(method, k, case):
     """The drafter's runner-up leaves (a budget and no minimum gain, so most steps have some); the
-    EAGLE head also runs over the tree's rows and keeps the accepted path's features."""
+    EAGLE head also runs over the tree's rows and keeps the accepted path's features. A sampled
+    request in the batch keeps chains (with `auto`, its draft may stop short of its room)."""
     sampling = SamplingParams(max_tokens=MAX_TOKENS)
     want = [c.token_ids for c in LLMEngine(_config(**case)).generate(PROMPTS, sampling)]
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, spec_tree_budget=4, spec_tree_min_gain=0.0)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, spec_tree_budget=4, spec_tree_min_gain=0.0)
     engine = LLMEngine(_config(speculative=spec, **case), speculator_factory=make_speculator)
     got = engine.generate(PROMPTS, [sampling, sampling, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=1),
                                     SamplingParams(max_tokens=MAX_TOKENS, logprobs=2)])
     assert [got[i].token_ids for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
     stats = engine.speculator.stats()[method]
-    assert stats["tree_drafted"] > 0, "no leaf was verified"
+    # With `auto`, whether leaves pay is measured first (step_policy.py): a short run may never try them.
+    assert stats["tree_drafted"] > 0 or k == "auto", "no leaf was verified"
     if method == "eagle":   # its head is unsure often enough that leaves get accepted (7 of 44 here)
         assert stats["tree_accepted"] > 0, "no leaf was accepted: the leaf path's features went untested"
     assert len(got[3].logprobs) == MAX_TOKENS
