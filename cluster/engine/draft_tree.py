@@ -35,11 +35,17 @@ def check(tokens: tuple[int, ...], parents: tuple[int, ...]) -> None:
         seen.add((p, tok))
 
 
+def children(tokens: tuple[int, ...], parents: tuple[int, ...]) -> dict[tuple[int, int], int]:
+    """(parent, token) -> node: the one child of a node that carries a token (siblings differ)."""
+    return {(p, tok): i for i, (p, tok) in enumerate(zip(parents, tokens))}
+
+
 def accepted_nodes(tokens: tuple[int, ...], parents: tuple[int, ...], accepted: list[int]) -> list[int]:
     """The nodes whose tokens `accepted` (the accepted draft tokens, in order) walked through."""
+    child = children(tokens, parents)
     nodes, at = [], -1
     for tok in accepted:
-        at = next(i for i in range(len(tokens)) if parents[i] == at and tokens[i] == tok)
+        at = child[(at, tok)]
         nodes.append(at)
     return nodes
 

@@ -93,8 +93,8 @@ class _TorchVerifyMeta:
     first_row: int                # flat row of the first verify token (verify tokens are contiguous)
     num_rows: int
     query_pos: torch.Tensor       # [B, Q, 1]
-    key_pos: torch.Tensor         # [B, 1, L]: each key slot's position (a tree's drafts: start + depth)
-    valid: torch.Tensor           # [B, Q, L]: in the context, and on the query's path for a tree's keys
+    key_pos: torch.Tensor         # [B, 1, L] each key slot's position (a tree's drafts: start + depth); [1, 1, L] without trees
+    valid: torch.Tensor           # [B, Q, L] in the context and on the query's path for a tree's keys; [B, 1, L] without trees
     masks: dict
     fused_tables: torch.Tensor | None = None   # fused C kernel: [rows, max_blocks], one row per query
     fused_lens: torch.Tensor | None = None     # [rows]: each query's position + 1
@@ -175,8 +175,9 @@ class TorchAttentionBackend:
         query_rows, out_rows, query_pos = [], [], []
         # Per span, each key slot's position and which queries see it (a token tree's drafts sit at
         # slots past the pending token's but at the positions of their depths, and see their path only).
-        key_pos = torch.arange(max_blocks * bs, dtype=torch.long).repeat(b, 1)
-        sees = torch.ones((b, width, max_blocks * bs), dtype=torch.bool)
+        trees = any(s.tree for s in spans)
+        key_pos = torch.arange(max_blocks * bs, dtype=torch.long).repeat(b if trees else 1, 1)
+        sees = torch.ones((b, width, max_blocks * bs) if trees else (1, 1, 1), dtype=torch.bool)
         for i, s in enumerate(spans):
             n = -(-s.context_len // bs)
             table[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
@@ -204,7 +205,7 @@ class TorchAttentionBackend:
             fused_tables = table.repeat_interleave(per_span, dim=0)
             fused_lens = torch.tensor([query_pos[i * width + r] + 1 for i, s in enumerate(spans)
                                        for r in range(s.query_len)], dtype=torch.long)
-            if any(s.tree for s in spans):
+            if trees:
                 fused_tails = tails_tensor([t for s, row in zip(spans, table.tolist()) for t in (
                     tree_tails(s.context_len - s.query_len, s.tree, row, bs) if s.tree else [[0]] * s.query_len)])
         valid = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, :] & sees

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.engine import draft_tree
 from cluster.engine.sampler import ordered_sum
 
 
@@ -33,12 +34,12 @@ def accept_greedy_tree(target_logits: torch.Tensor, proposal: tuple[int, ...], p
     i's. From the root, follow the child equal to the target's token at the current node while
     there is one; then add the target's own token. Returns the tokens to append."""
     best = torch.argmax(target_logits, dim=-1).tolist()
-    children: dict[tuple[int, int], int] = {(p, tok): i for i, (p, tok) in enumerate(zip(parents, proposal))}
+    child = draft_tree.children(proposal, parents)
     out, at = [], -1
     while True:
         tok = best[at + 1]
         out.append(tok)
-        at = children.get((at, tok), -2)
+        at = child.get((at, tok), -2)
         if at == -2:
             return out
 

@@ -16,7 +16,7 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from decode.spec.eagle_head import EagleHead, feature_of
 from decode.spec.lookahead import DraftBatch, StopRule
-from decode.spec.tree import add_leaves
+from decode.spec.tree import grow, wants_leaves
 
 
 class EagleProposer:
@@ -33,9 +33,8 @@ class EagleProposer:
         """Chains, then the head's runner-up tokens as leaves where they are expected to add most
         (decode/spec/tree.py); the verification pass computes the head's KV and features of the
         tree's rows, and the accepted path's are kept (eagle_head.py `keep`)."""
-        drafts = self.propose(seqs, ks, stop_rules, alternatives=[n > k for n, k in zip(sizes, ks)])
-        rooms = [n - len(d) if n > k else 0 for n, k, d in zip(sizes, ks, drafts)]   # n == k: a chain
-        return add_leaves(drafts, self._alternatives, rooms, budget, min_gain)
+        drafts = self.propose(seqs, ks, stop_rules, alternatives=wants_leaves(sizes, ks))
+        return grow(drafts, self._alternatives, sizes, ks, budget, min_gain)
 
     def propose(self, seqs: list[Sequence], ks: list[int], stop_rules: list[StopRule | None],
                 alternatives: list[bool] | None = None) -> list[Draft]:

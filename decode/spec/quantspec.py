@@ -30,7 +30,7 @@ from cluster.model.attention import make_attention_backend
 from cluster.model.model_config import ModelConfig
 from decode.spec.draft_model import DraftPasses
 from decode.spec.lookahead import StopRule
-from decode.spec.tree import add_leaves
+from decode.spec.tree import grow, wants_leaves
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,8 @@ class QuantSpecProposer:
         runs past them, and the target's K/V of the accepted path lands at its own slots
         (draft_tree.compaction)."""
         spans = [(seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, seq.block_ids) for seq in seqs]
-        drafts = self.passes.draft(seqs, ks, stop_rules, spans, alternatives=[n > k for n, k in zip(sizes, ks)])
-        rooms = [n - len(d) if n > k else 0 for n, k, d in zip(sizes, ks, drafts)]   # n == k: a chain
-        return add_leaves(drafts, self.passes.alternatives, rooms, budget, min_gain)
+        drafts = self.passes.draft(seqs, ks, stop_rules, spans, alternatives=wants_leaves(sizes, ks))
+        return grow(drafts, self.passes.alternatives, sizes, ks, budget, min_gain)
 
     def release(self, seq: Sequence) -> None:
         pass    # no state of its own: the target's blocks are the target's

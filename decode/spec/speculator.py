@@ -25,12 +25,12 @@ import torch
 
 from cluster.config import AUTO, EngineConfig, SpeculativeConfig
 from cluster.engine.builder import Models
+from cluster.engine.draft_tree import accepted_nodes, depths
 from cluster.engine.sampler import apply_repetition_penalty, warp_probs
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
-from cluster.engine.draft_tree import accepted_nodes, depths
 from decode.spec.acceptance import accept_greedy, accept_greedy_tree, accept_sampled
 from decode.spec.jacobi import JacobiProposer
 from decode.spec.loading import SpecModels, load_spec_models

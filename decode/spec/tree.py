@@ -22,6 +22,19 @@ class Alternative:
     prob: float       # its probability under the draft
 
 
+def wants_leaves(sizes: list[int], ks: list[int]) -> list[bool]:
+    """Which sequences may grow leaves: those given room past their chain (sizes[i] > ks[i])."""
+    return [n > k for n, k in zip(sizes, ks)]
+
+
+def grow(drafts: list[Draft], alternatives: list[list[Alternative]], sizes: list[int], ks: list[int], budget: int,
+         min_gain: float) -> list[Draft]:
+    """`add_leaves` within each sequence's room: sizes[i] tokens in all where sizes[i] > ks[i]
+    (a chain cut short leaves more), none otherwise (a request whose sampling needs a chain)."""
+    rooms = [n - len(d) if grows else 0 for n, d, grows in zip(sizes, drafts, wants_leaves(sizes, ks))]
+    return add_leaves(drafts, alternatives, rooms, budget, min_gain)
+
+
 def add_leaves(drafts: list[Draft], alternatives: list[list[Alternative]], rooms: list[int], budget: int,
                min_gain: float) -> list[Draft]:
     """drafts[i] (a chain with its top probabilities) gains up to rooms[i] sibling leaves, the
