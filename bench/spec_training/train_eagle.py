@@ -1,4 +1,4 @@
-"""Train the EAGLE head (bench/spec_training/eagle.py) for stdlib-coder on CPU.
+"""Train the EAGLE head (decode/spec/training/eagle.py) for stdlib-coder on CPU.
 
 Per step: the frozen target runs on a batch of training windows (bf16 autocast,
 no grad); a forward hook on its last decoder layer gives the pre-norm features
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from .data import WindowSampler, load_split
-from .eagle import EagleConfig, EagleHead, FeatureHook, TargetParts, save_eagle_head
+from decode.spec.training.eagle import EagleConfig, EagleHead, FeatureHook, TargetParts, save_eagle_head
 from .trainer import seed_all
 
 

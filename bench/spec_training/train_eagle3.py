@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .eagle import EagleConfig, TargetParts
-from .eagle3 import (Eagle3Config, Eagle3Head, draft_vocab, eagle3_feature_layers, save_eagle3_head,
+from decode.spec.training.eagle import EagleConfig, TargetParts
+from decode.spec.training.eagle3 import (Eagle3Config, Eagle3Head, draft_vocab, eagle3_feature_layers, save_eagle3_head,
                      target_to_draft, unrolled_losses)
 
 
@@ -108,7 +108,7 @@ def collate(group: list[dict], t2d: torch.Tensor):
 
 
 def target_parts(tdir: str) -> TargetParts:
-    from .eagle import load_target_parts   # noqa: PLC0415
+    from decode.spec.training.eagle import load_target_parts   # noqa: PLC0415
     return load_target_parts(tdir, torch.float32)
 
 

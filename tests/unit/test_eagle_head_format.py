@@ -15,7 +15,7 @@ from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from bench.spec_training.corpus import iter_stdlib_files, split_files  # noqa: E402
-from bench.spec_training.eagle import (  # noqa: E402
+from decode.spec.training.eagle import (  # noqa: E402
     TENSOR_NAMES, FeatureHook, draft_greedy, load_eagle_head, load_target_parts)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

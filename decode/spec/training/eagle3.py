@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .eagle import LAYER, EagleConfig, EagleHead, rms_norm
+from decode.spec.training.eagle import LAYER, EagleConfig, EagleHead, rms_norm
 
 LAYER_TENSORS = tuple(LAYER + n for n in (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
