@@ -301,6 +301,23 @@ class SpeculativeConfig:
     spec_tree_min_gain: float = setting(0.05, "a model drafter's tree row is verified only if it is expected to add "
                                               "at least this many tokens (the draft's chance of reaching it times "
                                               "the runner-up's)")
+    # Online adaptation (decode/spec/online/): the EAGLE head learns from served traffic, per tenant.
+    spec_online: bool = setting(False, "online adaptation of the EAGLE head: decode workers keep a bounded buffer of "
+                                       "opted-in tenants' served tokens and features, a low-priority trainer fine-tunes "
+                                       "a per-tenant head, promotes it only if it beats the live head on held-out recent "
+                                       "traffic, and rolls back a head whose live acceptance falls below the one before "
+                                       "(docs/spec.md)")
+    spec_online_tenants: str = setting("*", "the tenants whose traffic trains (comma-separated API-key tenant names; "
+                                            "'*': every tenant; '' for requests without an API key)")
+    spec_online_buffer_tokens: int = setting(65536, "per tenant, the most served tokens a decode worker keeps for "
+                                                    "training (the oldest go first)")
+    spec_online_min_tokens: int = setting(2048, "the fewest new tokens a tenant must have served before a training round")
+    spec_online_steps: int = setting(60, "optimizer steps per training round")
+    spec_online_window: int = setting(200, "verification steps in one evaluation window of a promoted head (rolled back "
+                                           "if its acceptance over the window is below the previous head's)")
+    spec_online_interval_s: float = setting(5.0, "seconds between the trainer's polls of the decode workers")
+    spec_online_dir: Path | None = setting(None, "where promoted heads are written (one directory per tenant and "
+                                                 "version); none: nothing is written to disk")
 
     def __post_init__(self) -> None:
         require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
@@ -321,13 +338,28 @@ class SpeculativeConfig:
                 f"must be an integer in [0, 64], got {self.spec_tree_budget!r}")
         require(0 <= self.spec_tree_min_gain <= 1, "spec_tree_min_gain",
                 f"must be in [0, 1], got {self.spec_tree_min_gain}")
-        for name in ("draft_model", "eagle_head"):
+        for name in ("spec_online_buffer_tokens", "spec_online_min_tokens", "spec_online_steps", "spec_online_window"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                    f"must be a positive integer, got {value!r}")
+        require(self.spec_online_interval_s > 0, "spec_online_interval_s",
+                f"must be > 0, got {self.spec_online_interval_s}")
+        require(not self.spec_online or self.method == "eagle", "spec_online",
+                f"adapts an EAGLE head: it needs --speculative eagle, got {self.method!r}")
+        for name in ("draft_model", "eagle_head", "spec_online_dir"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
 
     @property
     def draft_dir(self) -> Path:
         return self.draft_model or DEFAULT_DRAFT_DIR
+
+    def online_tenant(self, tenant: str) -> bool:
+        """Whether `tenant`'s traffic trains its own online head (`spec_online_tenants`)."""
+        if not self.spec_online:
+            return False
+        names = [t.strip() for t in self.spec_online_tenants.split(",")]
+        return "*" in names or tenant in names
 
     def eagle_dir_for(self, model: Path) -> Path:
         """The head --speculative eagle loads: --eagle-head, else the built-in one of the model

@@ -132,6 +132,14 @@ class _WorkerCollector:
         spec = _families(CounterMetricFamily, _SPEC_COUNTERS, ["worker", "method", "model_name"])
         by_position = _families(CounterMetricFamily, _SPEC_POSITION_COUNTERS,
                                 ["worker", "method", "position", "model_name"])
+        heads = [(GaugeMetricFamily(PREFIX + "spec_head_version", "the live EAGLE head version per tenant "
+                                    "(--spec-online; 0: the base head)", labels=["worker", "tenant", "model_name"]),
+                  "version"),
+                 (CounterMetricFamily(PREFIX + "spec_head_swaps", "EAGLE head swaps per tenant (--spec-online)",
+                                      labels=["worker", "tenant", "model_name"]), "swaps"),
+                 (CounterMetricFamily(PREFIX + "spec_head_rollbacks", "EAGLE head swaps per tenant that rolled back "
+                                      "a promoted head (--spec-online)", labels=["worker", "tenant", "model_name"]),
+                  "rollbacks")]
         queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
                                       "time requests waited on a worker for their first schedule",
                                       labels=["worker", "role", "model_name"])
@@ -143,6 +151,9 @@ class _WorkerCollector:
             if s.handoff is not None:
                 for family, field in handoff:
                     family.add_metric([s.name, transport, model], getattr(s.handoff, field))
+            for head in s.spec_heads:
+                for family, field in heads:
+                    family.add_metric([s.name, tenant_label(head.tenant), model], getattr(head, field))
             for counts in s.spec:
                 for family, field in spec:
                     family.add_metric([s.name, counts.method, model], getattr(counts, field))
@@ -151,7 +162,7 @@ class _WorkerCollector:
                         family.add_metric([s.name, counts.method, str(i + 1), model], value)
         yield from (f for f, _ in by_role)
         yield queue
-        yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position))
+        yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
 
 
 class RequestTracker:

@@ -96,6 +96,7 @@ class EngineWorker:
         pool, sched = self.engine.pool, self.engine.scheduler
         waiting, running = len(sched.waiting), len(sched.running)
         spec = self.engine.speculator.stats() if self.engine.speculator is not None else {}
+        heads = getattr(self.engine.speculator, "heads", None)    # --spec-online's head versions
         return WorkerStats(
             name=self.name, role=self.role, incarnation=self.incarnation, ready=self.ready, pid=os.getpid(),
             steps=self.loop.steps, has_work=bool(waiting or running), blocks_used=pool.num_used,
@@ -107,6 +108,7 @@ class EngineWorker:
             kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
             queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),
             preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
+            spec_heads=heads.versions() if heads is not None else (),
             taken_at=time.monotonic(),
             **self._role_stats())
 

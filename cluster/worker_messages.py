@@ -16,6 +16,7 @@ from cluster.token_stream import SinkAddress
 from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta, TokenLogprob
 
 WORKER_STATS_VERSION = 1
+CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
 PREFILL_RESULT_VERSION = 1
 
 
@@ -61,6 +62,7 @@ class GenerateCall:
     key: int
     resume_samples: int = 0
     forks: tuple[Fork, ...] = ()
+    tenant: str = ""     # the API key's: the request's per-tenant state on the worker (decode/spec/online/)
 
     def __post_init__(self):
         _check_call(self)
@@ -82,6 +84,7 @@ class DecodeCall:
     sent_at: float = 0.0
     first_token: int | None = None
     forks: tuple[Fork, ...] = ()
+    tenant: str = ""
 
     def __post_init__(self):
         _check_call(self)
@@ -137,6 +140,16 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class SpecHeadStats:
+    """Online adaptation (decode/spec/online/): a tenant's live EAGLE head version on one worker,
+    and how often it changed there (each swap, and the swaps that were rollbacks)."""
+    tenant: str
+    version: int = 0
+    swaps: int = 0
+    rollbacks: int = 0
+
+
+@dataclass(frozen=True)
 class PrefillStats:
     leases: int = 0                 # published handles not yet pulled (their blocks pinned)
 
@@ -183,6 +196,7 @@ class WorkerStats:
     queue_time_buckets: tuple[tuple[float, int], ...] = ()
     preemptions: int = 0            # requests preempted (blocks freed, recomputed later)
     spec: tuple[SpecStats, ...] = ()
+    spec_heads: tuple[SpecHeadStats, ...] = ()    # --spec-online: tenants' live head versions
     prefill: PrefillStats | None = None
     handoff: HandoffStats | None = None
     # The worker's time.monotonic() when these were read: a push and a poll of one incarnation can
@@ -255,6 +269,9 @@ def stats_from_wire(body) -> WorkerStats:
         elif name == "spec":
             _need(type(value) is list, "WorkerStats.spec: a list")
             out[name] = tuple(_record(SpecStats, v) for v in value)
+        elif name == "spec_heads":
+            _need(type(value) is list, "WorkerStats.spec_heads: a list")
+            out[name] = tuple(_record(SpecHeadStats, v) for v in value)
         elif name == "queue_time_buckets":
             _need(type(value) is list and all(type(b) is list and len(b) == 2 and type(b[0]) in (int, float)
                                               and type(b[1]) is int for b in value),

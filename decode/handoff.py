@@ -13,7 +13,7 @@ from cluster.types import Fork, SamplingParams
 
 def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_token: int,
                   sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"",
-                  forks: Seq[Fork] = ()) -> None:
+                  forks: Seq[Fork] = (), tenant: str = "") -> None:
     """Join a sequence whose prompt KV already sits in `block_ids` (taken from the engine's pool
     and filled by a transfer) and whose first token was sampled elsewhere. It decodes from its
     second token on, waiting with its blocks while the pool is full; if it is ever preempted, or
@@ -31,20 +31,20 @@ def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_tok
     if len(block_ids) != need:
         raise ValueError(f"{len(ids)} prompt tokens need {need} blocks, got {len(block_ids)}")
     spec_state = e.speculator.import_state(feature, len(ids)) if e.speculator is not None else None
-    lead = _prefilled_sequence(e, request_id, ids, sampling, first_token, spec_state)
+    lead = _prefilled_sequence(e, request_id, ids, sampling, first_token, spec_state, tenant)
     lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
     e.scheduler.add(lead)
     for fork in forks:
-        child = _prefilled_sequence(e, fork.request_id, ids, fork.sampling, fork.first_token, spec_state)
+        child = _prefilled_sequence(e, fork.request_id, ids, fork.sampling, fork.first_token, spec_state, tenant)
         if not e.scheduler.fork(lead, child, len(ids), e.kv_cache.copy_block):
             e.scheduler.add(child)      # no block for its copy: it computes the prompt itself
 
 
 def _prefilled_sequence(e: LLMEngine, request_id: str, ids: list[int], sampling: SamplingParams,
-                        first_token: int, spec_state: object | None) -> Sequence:
+                        first_token: int, spec_state: object | None, tenant: str) -> Sequence:
     # Its prompt (and prompt logprobs) were computed by the producer.
     seq = e.new_sequence(request_id, ids, sampling, token_ids=[*ids, int(first_token)], prompt_logprobs_sent=True,
-                         spec_state=spec_state)
+                         spec_state=spec_state, tenant=tenant)
     if not sampling.greedy and seq.generator is not None:
         # The producer drew the first token from the same seed: skip that draw so a seeded
         # request samples the same tokens as it would in one engine.

@@ -16,6 +16,7 @@ A plain class; `cluster/launch/app.py` runs it as a Ray actor in its own process
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from cluster.types import FinishReason, Fork, KVHandle, SamplingParams, TokenDel
 from cluster.worker_base import EngineWorker
 from cluster.worker_messages import DecodeCall, GenerateCall, HandoffStats
 from decode.handoff import add_prefilled
+from decode.spec.online.messages import HeadUpdate, OnlineReport
 from decode.spec.speculator import make_speculator
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class _Handoff:
     handle: KVHandle
     first_token: int
     forks: tuple[Fork, ...] = ()     # each with its first token
+    tenant: str = ""
     aborted: bool = False
     times: dict = field(default_factory=dict)   # phase -> time.time(), for `handoff_timings`
 
@@ -91,7 +94,7 @@ class DecodeWorker(EngineWorker):
         restarting from the seed; `forks` are computed on the prompt once."""
         def start(e: LLMEngine):
             self._add_request(e, list(call.prompt_ids), call.sampling, call.request_id,
-                              forks=[Fork(f.request_id, f.sampling) for f in call.forks])
+                              forks=[Fork(f.request_id, f.sampling) for f in call.forks], tenant=call.tenant)
             if call.resume_samples:
                 e.skip_samples(call.request_id, call.resume_samples)
         last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks)
@@ -114,7 +117,8 @@ class DecodeWorker(EngineWorker):
             times["pull_started"] = time.time()
             h = _Handoff(call.request_id, list(call.prompt_ids), call.sampling, handle,
                          handle.first_token if call.first_token is None else call.first_token,
-                         tuple(Fork(f.request_id, f.sampling, f.first_token) for f in call.forks), times=times)
+                         tuple(Fork(f.request_id, f.sampling, f.first_token) for f in call.forks), tenant=call.tenant,
+                         times=times)
             n = len(handle.block_ids)
             try:
                 blocks = e.pool.allocate(n)
@@ -169,7 +173,7 @@ class DecodeWorker(EngineWorker):
                 self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
                 self.handoffs["seconds"] += t.get("acked", t["start"]) - t["start"]
                 add_prefilled(e, h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
-                              h.handle.feature, forks=h.forks)
+                              h.handle.feature, forks=h.forks, tenant=h.tenant)
                 joined = True
                 for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
                     if not self.loop.has_stream(rid):
@@ -208,7 +212,7 @@ class DecodeWorker(EngineWorker):
                                      *((f.request_id, f.sampling, f.first_token) for f in h.forks)):
             rest = replace(sampling, max_tokens=sampling.max_tokens - 1, prompt_logprobs=None)
             try:
-                e.add_request([*h.prompt_ids, first], rest, rid)
+                e.add_request([*h.prompt_ids, first], rest, rid, tenant=h.tenant)
                 e.skip_samples(rid, 1)
             except Exception as exc:  # noqa: BLE001
                 self.loop.fail(rid, RequestError(str(exc)) if isinstance(exc, ValueError) else exc)
@@ -223,6 +227,33 @@ class DecodeWorker(EngineWorker):
 
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(lambda e: self._abort(e, request_id))
+
+    # --- online adaptation of the EAGLE head (decode/spec/online/service.py calls these) ---------------
+    def _online(self):
+        heads = getattr(self.engine.speculator, "heads", None)
+        if heads is None:
+            raise RequestError(f"decode worker {self.name} does not adapt its EAGLE head (--spec-online is off)")
+        return heads
+
+    async def spec_online_take(self) -> OnlineReport:
+        """The served samples and acceptance counts since the last take, and the live head versions."""
+        heads = self._online()
+        samples, counts = await self.loop.acall(lambda e: e.speculator.take_online())
+        return OnlineReport(self.name, self.incarnation, samples, counts, heads.versions())
+
+    async def spec_head_stage(self, update: HeadUpdate) -> None:
+        """Check and build a head version (off the engine thread); `spec_head_activate` swaps to it."""
+        heads = self._online()
+        try:
+            head = await asyncio.to_thread(heads.build_update, update)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        await self.loop.acall(lambda e: heads.stage(update, head))
+
+    async def spec_head_activate(self, tenant: str, version: int, rollback: bool = False) -> None:
+        """Between two steps, `version` (staged, or 0: the base head) becomes `tenant`'s head."""
+        heads = self._online()
+        await self.loop.acall(lambda e: heads.activate(tenant, version, rollback))
 
     def _role_stats(self) -> dict:
         return {"handoff": HandoffStats(**self.handoffs)}

@@ -177,14 +177,14 @@ class Attempts:
         if prefilled is not None:
             first = {rid: d.token_ids[0] for rid, d in prefilled.firsts.items() if d.token_ids}
             return (partial(DecodeCall, lead.request_id, lead.prompt_token_ids, lead.sampling, prefilled.result.handle,
-                            sent_at=time.time(), first_token=first[lead.request_id]),
+                            sent_at=time.time(), first_token=first[lead.request_id], tenant=lead.tenant),
                     tuple(Fork(m.request_id, m.sampling, first[m.request_id]) for m in rest))
         done = tuple(streamed[lead.request_id])
         if done:
             left = replace(lead.sampling, max_tokens=max(1, lead.sampling.max_tokens - len(done)), prompt_logprobs=None)
             return partial(GenerateCall, lead.request_id, (*lead.prompt_token_ids, *done), left,
-                           resume_samples=len(done)), ()
-        return (partial(GenerateCall, lead.request_id, lead.prompt_token_ids, lead.sampling),
+                           resume_samples=len(done), tenant=lead.tenant), ()
+        return (partial(GenerateCall, lead.request_id, lead.prompt_token_ids, lead.sampling, tenant=lead.tenant),
                 tuple(Fork(m.request_id, m.sampling) for m in rest))
 
     def _release_lease(self, prefill_worker: str, request_id: str) -> None:

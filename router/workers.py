@@ -14,12 +14,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cluster.worker_messages import DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
+from cluster.worker_messages import CONTROL, DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
     WorkerStats, expect
 
 log = logging.getLogger(__name__)
 
-CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
 
 
 @dataclass(frozen=True)

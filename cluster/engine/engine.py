@@ -108,12 +108,14 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | Seq[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False, forks: Seq[Fork] = ()) -> str:
+                    request_id: str | None = None, hold_kv: bool = False, forks: Seq[Fork] = (),
+                    tenant: str = "") -> str:
         """Queue a request. With `hold_kv` its blocks outlive it: the engine's `hold_hook` (the
         prefill side of a P/D handoff) keeps them pinned until the consumer has read them.
         `forks`: more samples of the same prompt (OpenAI's `n`), computed once (see forks.py). With
         `hold_kv` the forks only draw their first tokens (given to the hold hook): the decode worker
-        forks them on the transferred KV."""
+        forks them on the transferred KV. `tenant`: the API key's, for per-tenant state (the
+        online-adapted draft heads, decode/spec/online/)."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams) or not all(isinstance(f, Fork) for f in forks):
             raise ValueError("sampling must be a SamplingParams and forks Forks")
@@ -125,9 +127,10 @@ class LLMEngine:
         if not hold_kv:   # a P/D producer only prefills: speculation is the decode worker's concern
             for sp in (sampling, *(f.sampling for f in forks)):
                 self.validate_speculation(sp)
-        seq = self.new_sequence(request_id, ids, sampling, hold_kv=hold_kv)
+        seq = self.new_sequence(request_id, ids, sampling, hold_kv=hold_kv, tenant=tenant)
         # The parent reports the prompt's logprobs; a fork's prompt is never computed.
-        seq.forks = [self.new_sequence(f.request_id, ids, f.sampling, hold_kv=hold_kv, prompt_logprobs_sent=True)
+        seq.forks = [self.new_sequence(f.request_id, ids, f.sampling, hold_kv=hold_kv, prompt_logprobs_sent=True,
+                                       tenant=tenant)
                      for f in forks]
         self.scheduler.add(seq)
         return request_id

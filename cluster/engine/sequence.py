@@ -42,6 +42,7 @@ class Sequence:
     # What the engine's speculator keeps on the request (decode/spec/: the EAGLE head's feature);
     # it outlives the request's end, since a P/D producer exports it after the last step.
     spec_state: object | None = None
+    tenant: str = ""     # the API key's tenant: per-tenant state beside the KV (decode/spec/online/)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

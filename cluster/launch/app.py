@@ -9,6 +9,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cluster.config import WorkerConfig
 from cluster.launch.cluster_config import ClusterConfig
@@ -139,6 +140,7 @@ class RunningCluster:
     model_name: str = ""            # the served model's name in both APIs (--served-model-name, else its id)
     first_stats: tuple[WorkerStats, ...] = ()   # every worker's first WorkerStats, once loaded (its KV pool as planned)
     max_model_len: int = 0          # the longest prompt plus completion a request may have
+    online_trainer: object = None   # --spec-online: the trainer actor (decode/spec/online/service.py)
 
     @property
     def router(self):
@@ -166,9 +168,10 @@ class RunningCluster:
                 pass
         if self.metrics_server is not None:
             self.metrics_server[0].shutdown()
-        for client in self.workers.values():
+        for actor in [*([self.online_trainer] if self.online_trainer is not None else []),
+                      *(c.handle for c in self.workers.values())]:
             try:
-                ray.kill(client.handle)
+                ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
         if self.started_ray:
@@ -304,8 +307,23 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
                       if cfg.metrics_port is not None else None)
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
+    trainer = await _start_online_trainer(cfg, workers, roster) if cfg.engine.speculative.spec_online else None
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port,
-                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len)
+                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len, trainer)
+
+
+async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerClient], roster: WorkerRoster):
+    """--spec-online's trainer: beside the decode workers, on no CPU of its own (it runs niced)."""
+    import ray  # noqa: PLC0415
+
+    from decode.spec.compat import weights_fingerprint  # noqa: PLC0415
+    from decode.spec.online.service import OnlineTrainerService  # noqa: PLC0415
+    model = Path(cfg.engine.model)
+    handles = {name: workers[name].handle for name in roster.decode}
+    trainer = ray.remote(OnlineTrainerService).options(num_cpus=0, max_concurrency=4).remote(
+        cfg.engine, handles, model, cfg.engine.speculative.eagle_dir_for(model), weights_fingerprint(model))
+    await trainer.start.remote()
+    return trainer
 
 
 def _start_ray(cfg: ClusterConfig) -> bool:

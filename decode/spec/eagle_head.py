@@ -17,6 +17,7 @@ computed since the block was allocated: blocks filled by a KV transfer have none
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -72,8 +73,22 @@ class EagleHead(nn.Module):
         return g, logits.index_copy_(1, self.d2t, draft)
 
 
+class _Overlay:
+    """A checkpoint with some tensors replaced (an online-adapted head: decode/spec/online/)."""
+
+    def __init__(self, base: LazyCheckpoint, overrides: Mapping[str, torch.Tensor]):
+        self.base, self.overrides = base, overrides
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.overrides or name in self.base
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.overrides[name] if name in self.overrides else self.base[name]
+
+
 def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, dtype: torch.dtype,
-                    device: torch.device) -> EagleHead:
+                    device: torch.device, overrides: Mapping[str, torch.Tensor] | None = None) -> EagleHead:
+    """The head of `head_dir`; `overrides`: tensors (checkpoint names) that replace the directory's."""
     raw = read_eagle_config(head_dir)
     if target_cfg.attention_scale != target_cfg.head_dim ** -0.5:
         # The head attends through the target's backend, whose softmax scale is the target's.
@@ -84,7 +99,8 @@ def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, d
                         intermediate_size=int(raw["intermediate_size"]), qkv_bias=False, o_bias=False,
                         mlp_bias=False, layer_windows=(None,), hidden_act="silu", qk_norm=False, norm_offset=0.0,
                         sandwich_norm=False, local_rope=None, local_layers=())
-    take = TensorTaker(LazyCheckpoint(Path(head_dir)))
+    checkpoint = LazyCheckpoint(Path(head_dir))
+    take = TensorTaker(_Overlay(checkpoint, overrides) if overrides else checkpoint)
     state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}
     draft_vocab = int(raw["draft_vocab_size"]) if is_eagle3(raw) else 0
     if draft_vocab:
@@ -135,6 +151,7 @@ class EagleFeatures:
         self.last_rows: dict[Sequence, tuple[int, int]] = {}   # seq -> (first row, first position) of last step
         self.last_trees: dict[Sequence, tuple[tuple[int, ...], tuple[int, ...]]] = {}   # seq -> (draft, parents)
         self.last_hidden: torch.Tensor | None = None
+        self.capture = None     # online adaptation's buffer (decode/spec/online/capture.py), when on
 
     def after_forward(self, plan: StepPlan, ids_t, pos_t, hidden: torch.Tensor, meta) -> None:
         """The head over the step's tokens with the true features: input j pairs x_j with f_{j-1}."""
@@ -200,6 +217,8 @@ class EagleFeatures:
                     rows = [row, *(row + 1 + node for node in nodes)]
                     self._keep_block_ends(seq, start, rows)
                 seq.spec_state = Feature(self.last_hidden[rows[-1]].clone(), start + computed - 1)
+                if self.capture is not None and self.capture.wants(seq):
+                    self.capture.add(seq, start, self.last_hidden[rows])
             self.last_hidden = None
             self.last_rows, self.last_trees = {}, {}
         for parent, children in forks.items():

@@ -15,7 +15,9 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -38,6 +40,8 @@ class SpecModels:
     eagle: torch.nn.Module | None = None         # an EagleHead
     draft_config: ModelConfig | None = None      # a draft model (draft_model.py runs it)
     draft_model: torch.nn.Module | None = None   # quantspec: the target's checkpoint, 4-bit linears
+    eagle_dir: Path | None = None                # the EAGLE head's directory
+    build_eagle: Callable[[dict], torch.nn.Module] | None = None   # that head with some tensors replaced
 
 
 def load_spec_models(config: EngineConfig, target: Models, device: torch.device, proposing: bool) -> SpecModels:
@@ -47,12 +51,15 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
     if spec.method == "eagle":
         from decode.spec.eagle_head import eagle_feature_layers, load_eagle_head  # noqa: PLC0415
         head_dir = spec.eagle_dir_for(config.model)
-        head = load_eagle_head(head_dir, target.config, target.model, target.dtype, device)
-        apply_kernel_plan(head, target.kernel_plan)
+        def build(overrides: dict | None = None) -> torch.nn.Module:
+            head = load_eagle_head(head_dir, target.config, target.model, target.dtype, device, overrides)
+            apply_kernel_plan(head, target.kernel_plan)
+            return head
+        head = build()
         footprint = SpecFootprint(extra_kv_layers=1, model_id_suffix=f"+eagle:{head_dir.name}",
                                   hidden_states=True, hidden_layers=eagle_feature_layers(head_dir),
                                   extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
-        return SpecModels(footprint, eagle=head)
+        return SpecModels(footprint, eagle=head, eagle_dir=head_dir, build_eagle=build)
     if spec.method in ("draft", "quantspec") and proposing:
         source = spec.draft_dir if spec.method == "draft" else config.model
         draft_config, draft = load_model(source, dtype=target.dtype, device=device, max_positions=target.max_model_len)

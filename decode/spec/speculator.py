@@ -81,6 +81,9 @@ class SpecDecoder:
         self.proposers: dict = {}
         self.models: SpecModels | None = None
         self.features = None            # an EagleFeatures, with an EAGLE head
+        self.capture = None             # online adaptation (--spec-online): an OnlineCapture
+        self.heads = None               # ... and the tenants' head versions (HeadVariants)
+        self.online_counts: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])   # (tenant, version) -> steps, accepted
         self._lookahead: dict[Sequence, Lookahead] = {}
         self._method: dict[Sequence, str] = {}
         self.counts = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0,
@@ -112,6 +115,8 @@ class SpecDecoder:
             self.features = EagleFeatures(loaded.eagle, engine)
         if not self.proposing:
             return
+        if loaded.eagle is not None and self.config.spec_online:
+            self._attach_online(loaded)
         self._trees = self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
         self.proposers["ngram"] = NgramDrafts(self.config)
         self.proposers["jacobi"] = JacobiProposer(self.config)
@@ -124,7 +129,19 @@ class SpecDecoder:
             self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
         elif loaded.eagle is not None:
             from decode.spec.eagle import EagleProposer  # noqa: PLC0415
-            self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle)
+            self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle, self.heads)
+
+    def _attach_online(self, loaded: SpecModels) -> None:
+        """Online adaptation (decode/spec/online/): capture served traffic, serve per-tenant versions."""
+        from decode.spec.compat import weights_fingerprint  # noqa: PLC0415
+        from decode.spec.online.capture import OnlineCapture  # noqa: PLC0415
+        from decode.spec.online.heads import HeadVariants  # noqa: PLC0415
+        from decode.spec.online.messages import TRAINABLE, TRAINABLE_EAGLE3  # noqa: PLC0415
+        trainable = TRAINABLE_EAGLE3 if loaded.eagle.lm_head is not None else TRAINABLE
+        self.capture = OnlineCapture(self.config)
+        self.features.capture = self.capture
+        self.heads = HeadVariants(loaded.eagle, loaded.build_eagle, trainable,
+                                  weights_fingerprint(self.engine_config.model), loaded.eagle_dir.name)
 
     # --- around the forward pass, and the handoff (the EAGLE head's features) ----------------
     def after_forward(self, plan: StepPlan, input_ids, positions, hidden: torch.Tensor, meta) -> None:
@@ -267,6 +284,10 @@ class SpecDecoder:
         look.after_verify(proposed, accepted)
         if look.dynamic and draft.confidences:
             self.calibration[method].observe(draft.confidences, accepted)
+        if method == "eagle" and self.heads is not None:
+            counted = self.online_counts[(seq.tenant, self.heads.version_of(seq.tenant))]
+            counted[0] += 1
+            counted[1] += accepted
         c = self.counts[method]
         c["drafted"] += len(draft)
         c["accepted"] += accepted
@@ -288,6 +309,15 @@ class SpecDecoder:
         self._method.pop(seq, None)
         for proposer in self.proposers.values():
             proposer.release(seq)
+        if self.capture is not None:
+            self.capture.release(seq)
+
+    def take_online(self) -> tuple[tuple, tuple]:
+        """Online adaptation: the samples and acceptance counts since the last take (engine thread)."""
+        from decode.spec.online.messages import AcceptanceCount  # noqa: PLC0415
+        counts = tuple(AcceptanceCount(t, v, steps, acc) for (t, v), (steps, acc) in self.online_counts.items())
+        self.online_counts.clear()
+        return self.capture.take(), counts
 
     def stats(self) -> dict:
         return {m: {k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}

@@ -1,0 +1,8 @@
+"""Online adaptation of the EAGLE head (`--spec-online`): the head learns from served traffic.
+
+Reading order: messages.py (what crosses between the decode workers and the trainer), capture.py
+(the decode worker's bounded per-tenant buffer of served tokens and features), heads.py (the
+decode worker's per-tenant head versions, staged then activated between steps), policy.py (when a
+candidate is promoted and when a live head is rolled back), trainer.py (fine-tuning and the
+held-out score), service.py (the low-priority trainer actor that closes the loop).
+"""
