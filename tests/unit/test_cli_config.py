@@ -1,6 +1,7 @@
 """The command line as a new user tries it: every setting reachable from flags and YAML, each
 refusal one line naming the flag or YAML key (exit status 2), found before anything starts."""
 import argparse
+import json
 import re
 import socket
 from concurrent import futures
@@ -236,8 +237,10 @@ def test_every_field_of_the_tree_is_a_setting_or_derived_and_every_setting_a_fla
 def _yaml_scalar(value):
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, (int, float, str)):
+    if isinstance(value, (int, float)):
         return str(value)
+    if isinstance(value, str):      # quoted: a default such as "*" is YAML syntax unquoted
+        return json.dumps(value)
     return None
 
 
