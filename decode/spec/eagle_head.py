@@ -207,7 +207,9 @@ class EagleFeatures:
         a prompt's last feature is its forks' too."""
         if self.last_hidden is not None:
             for seq, (row, start) in self.last_rows.items():
-                computed = seq.num_computed_tokens - start
+                # A request that ended this step gave its blocks back (its count is 0 now): every
+                # position but its last token's was computed.
+                computed = (seq.num_tokens - 1 if seq.is_finished else seq.num_computed_tokens) - start
                 if computed <= 0:
                     continue
                 rows = list(range(row, row + computed))
@@ -224,6 +226,8 @@ class EagleFeatures:
         for parent, children in forks.items():
             for child in children:
                 child.spec_state = parent.spec_state
+        if self.capture is not None:
+            self.capture.end_step()
 
     def _keep_block_ends(self, seq: Sequence, start: int, rows: list[int]) -> None:
         """A tree's accepted path: the features of the block ends it computed (rows[j] is position start + j)."""

@@ -38,6 +38,7 @@ class OnlineCapture:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._open: dict[Sequence, _Open] = {}
+        self._ended: list[Sequence] = []
         self._buffers: dict[str, deque[ServedSample]] = {}
         self._buffered: dict[str, int] = {}      # tenant -> tokens held
 
@@ -56,8 +57,14 @@ class OnlineCapture:
         entry.rows.append(features.detach().to("cpu", copy=True))
 
     def release(self, seq: Sequence) -> None:
-        """The request ended: its stretch joins its tenant's buffer."""
-        self._finish(seq)
+        """The request ended. Its stretch joins its tenant's buffer at the end of the step
+        (`end_step`): the engine releases a request before its last step's rows are kept."""
+        self._ended.append(seq)
+
+    def end_step(self) -> None:
+        for seq in self._ended:
+            self._finish(seq)
+        self._ended.clear()
 
     def _finish(self, seq: Sequence) -> None:
         entry = self._open.pop(seq, None)
@@ -73,6 +80,7 @@ class OnlineCapture:
 
     def take(self) -> tuple[ServedSample, ...]:
         """Every buffered sample, handed to the trainer (and forgotten here)."""
+        self.end_step()     # requests that ended after the last step (an idle engine makes no more)
         out = tuple(s for buffer in self._buffers.values() for s in buffer)
         self._buffers.clear()
         self._buffered.clear()
