@@ -284,7 +284,7 @@ class SpecDecoder:
         look.after_verify(proposed, accepted)
         if look.dynamic and draft.confidences:
             self.calibration[method].observe(draft.confidences, accepted)
-        if method == "eagle" and self.heads is not None:
+        if method == "eagle" and self.heads is not None and self.capture.wants(seq):
             counted = self.online_counts[(seq.tenant, self.heads.version_of(seq.tenant))]
             counted[0] += 1
             counted[1] += accepted

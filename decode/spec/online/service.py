@@ -77,6 +77,7 @@ class OnlineTrainerService:
         self.incarnations: dict[str, str] = {}
         self.events: list[OnlineEvent] = []
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()      # one decision at a time: a round, a rollback, a drill's promotion
 
     async def start(self) -> None:
         if self._task is None:
@@ -102,6 +103,10 @@ class OnlineTrainerService:
                                       CALL_S)
 
     async def poll_once(self) -> None:
+        async with self._lock:
+            await self._poll()
+
+    async def _poll(self) -> None:
         names = list(self.workers)
         reports = await asyncio.gather(*(self._call(n, "spec_online_take") for n in names), return_exceptions=True)
         for name, report in zip(names, reports):
@@ -118,6 +123,8 @@ class OnlineTrainerService:
             self._keep(sample)
         by_tenant: dict[str, list] = {}
         for count in report.acceptance:
+            if not self.spec.online_tenant(count.tenant):
+                continue
             by_tenant.setdefault(count.tenant, []).append(count)
         for tenant_name, counts in by_tenant.items():
             self._tenant(tenant_name).policy.observe(counts)
@@ -175,9 +182,9 @@ class OnlineTrainerService:
         if not t.policy.promotes(cand_score, live_score):
             self._event(tenant_name, "declined", version, cand_score, live_score)
             return
-        await self.promote(tenant_name, candidate, scores=(cand_score, live_score))
+        await self._promote(tenant_name, candidate, scores=(cand_score, live_score))
 
-    async def promote(self, tenant_name: str, tensors: dict, scores: tuple[float, float] = (0.0, 0.0)) -> int:
+    async def _promote(self, tenant_name: str, tensors: dict, scores: tuple[float, float] = (0.0, 0.0)) -> int:
         """`tensors` becomes the tenant's next version on every decode worker, on probation."""
         t = self._tenant(tenant_name)
         version = t.next_version
@@ -224,8 +231,9 @@ class OnlineTrainerService:
     async def inject_degraded(self, tenant_name: str, noise: float, seed: int = 0) -> int:
         """Fault drill: promote the live head plus noise, skipping the held-out check (the rollback
         guard must catch it within one window)."""
-        t = self._tenant(tenant_name)
         gen = torch.Generator().manual_seed(seed)
-        live = t.versions[t.policy.live]
-        bad = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) for k, v in live.items()}
-        return await self.promote(tenant_name, bad)
+        async with self._lock:
+            t = self._tenant(tenant_name)
+            bad = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen)
+                   for k, v in t.versions[t.policy.live].items()}
+            return await self._promote(tenant_name, bad)
