@@ -32,6 +32,7 @@ from decode.spec.online.trainer import HeadTrainer
 
 log = logging.getLogger(__name__)
 HOLDOUT = 0.2          # the newest share of a tenant's traffic: scored on, never trained on
+MIN_HOLDOUT_TOKENS = 256   # fewer held-out tokens make a 2% margin noise: no round until there are more
 CALL_S = 30.0          # a decode worker's answer to a control call (a staged head builds in well under this)
 
 
@@ -162,7 +163,8 @@ class OnlineTrainerService:
                 t.versions = {v: x for v, x in t.versions.items() if v in (BASE_VERSION, new)}
                 self._event(tenant_name, "kept", new, *scores)
             return
-        if policy.phase is Phase.SERVING and t.fresh >= self.spec.spec_online_min_tokens:
+        if policy.phase is Phase.SERVING and t.fresh >= self.spec.spec_online_min_tokens \
+                and t.tokens * HOLDOUT >= MIN_HOLDOUT_TOKENS:
             t.fresh = 0
             await self._round(tenant_name, t)
 
