@@ -38,3 +38,9 @@ def test_a_head_that_holds_up_is_kept_and_the_next_round_may_promote():
     assert p.judge(1.3, 1.1) is Verdict.KEEP
     assert (p.live, p.previous, p.phase) == (1, None, Phase.SERVING)
     assert p.promotes(1.5, 1.3)
+
+
+def test_a_gain_within_the_noise_of_the_held_out_set_is_not_a_promotion():
+    p = TenantPolicy(window=10, margin=0.02)
+    assert not p.promotes(1.10, 1.0, noise=0.06)
+    assert p.promotes(1.10, 1.0, noise=0.04)

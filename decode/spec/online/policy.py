@@ -1,7 +1,8 @@
 """When a tenant's candidate head goes live, and when a live head is rolled back.
 
  - Promotion: a candidate goes live only if its score on held-out recent traffic (the newest
-   samples, never trained on) beats the live head's on the same samples by `margin`.
+   samples, never trained on) beats the live head's on the same samples by `margin`, and by twice
+   the standard error of the paired difference (a small held-out set must not decide by chance).
  - Probation: a promoted head serves one evaluation window (`window` verifications, all decode
    workers together); then the traffic served during the window is replayed through it and through
    the head before it. If the new head accepts less on that traffic, it is rolled back. Comparing
@@ -38,8 +39,10 @@ class TenantPolicy:
     window_steps: int = 0                # verifications by the live head since its promotion
     accepted: dict[int, list[int]] = field(default_factory=dict)   # version -> [steps, accepted], as measured live
 
-    def promotes(self, candidate_score: float, live_score: float) -> bool:
-        return self.phase is Phase.SERVING and candidate_score > live_score * (1 + self.margin)
+    def promotes(self, candidate_score: float, live_score: float, noise: float = 0.0) -> bool:
+        """`noise`: the standard error of the scores' paired difference; the gain must be twice it."""
+        gain = candidate_score - live_score
+        return self.phase is Phase.SERVING and candidate_score > live_score * (1 + self.margin) and gain > 2 * noise
 
     def promoted(self, version: int) -> None:
         self.previous, self.live = self.live, version

@@ -169,7 +169,7 @@ class OnlineTrainerService:
             await self._round(tenant_name, t)
 
     def _compare(self, a: dict, b: dict, samples: list[ServedSample]) -> tuple[float, float]:
-        return self.trainer.score(a, samples), self.trainer.score(b, samples)
+        return self.trainer.compare(a, b, samples)[:2]
 
     async def _round(self, tenant_name: str, t: _Tenant) -> None:
         samples = list(t.samples)
@@ -179,9 +179,9 @@ class OnlineTrainerService:
             return
         live = t.versions[t.policy.live]
         candidate = await asyncio.to_thread(self.trainer.train, live, train, self.spec.spec_online_steps)
-        cand_score, live_score = await asyncio.to_thread(self._compare, candidate, live, holdout)
+        cand_score, live_score, noise = await asyncio.to_thread(self.trainer.compare, candidate, live, holdout)
         version = t.next_version
-        if not t.policy.promotes(cand_score, live_score):
+        if not t.policy.promotes(cand_score, live_score, noise):
             self._event(tenant_name, "declined", version, cand_score, live_score)
             return
         await self._promote(tenant_name, candidate, scores=(cand_score, live_score))

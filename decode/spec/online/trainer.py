@@ -108,11 +108,25 @@ class HeadTrainer:
                 p.requires_grad_(False)
         return self.tensors()
 
-    @torch.no_grad()
     def score(self, tensors: dict[str, torch.Tensor], samples: list[ServedSample]) -> float:
         """Mean accepted length of a greedy chain of `depth` drafts, over every start position."""
+        accepted = self.accepted_lengths(tensors, samples)
+        return float(accepted.float().mean()) if len(accepted) else 0.0
+
+    def compare(self, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                samples: list[ServedSample]) -> tuple[float, float, float]:
+        """Both heads' scores on the same start positions, and the standard error of their mean
+        difference (paired: the noise a decision on these samples must beat)."""
+        x, y = self.accepted_lengths(a, samples).float(), self.accepted_lengths(b, samples).float()
+        if len(x) < 2:
+            return float(x.mean()) if len(x) else 0.0, float(y.mean()) if len(y) else 0.0, float("inf")
+        return float(x.mean()), float(y.mean()), float((x - y).std() / len(x) ** 0.5)
+
+    @torch.no_grad()
+    def accepted_lengths(self, tensors: dict[str, torch.Tensor], samples: list[ServedSample]) -> torch.Tensor:
+        """Per start position p (all samples): the drafts a greedy chain from p would get accepted."""
         self.load(tensors)
-        total, starts = 0.0, 0
+        out = []
         for chunk in chunks_of(samples):
             outs = self._passes(chunk, grad=False)
             t = len(chunk.tokens)
@@ -124,8 +138,9 @@ class HeadTrainer:
             if n <= 0:
                 continue
             run = torch.ones(n, dtype=torch.bool)
+            length = torch.zeros(n, dtype=torch.long)
             for s in range(self.depth):
                 run &= hits[s, s:s + n]
-                total += float(run.sum())
-            starts += n
-        return total / starts if starts else 0.0
+                length += run
+            out.append(length)
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
