@@ -4,9 +4,10 @@ over the target's tokens anyway, `EagleFeatures.keep`: no extra forward). Kept i
 bounded buffer per tenant (oldest samples dropped first), until the trainer takes them; never mixed
 across tenants.
 
-Under P/D a decode worker sees only the positions it computes (from the first generated token on;
-the prompt's features stay on the prefill worker), so its samples are the generated stretches: the
-traffic a draft head serves.
+Only positions whose next token the target chose are kept: from the prompt's last position on
+(colocated), from the first generated token on under P/D, where the prompt is the prefill worker's.
+Labels are then always the target's own tokens, what a draft head must predict; prompt text is the
+prompt author's.
 """
 from __future__ import annotations
 
@@ -46,7 +47,15 @@ class OnlineCapture:
         return self.config.online_tenant(seq.tenant)
 
     def add(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
-        """Positions start.. of `seq` were computed and kept, with these features (one row each)."""
+        """Positions start.. of `seq` were computed and kept, with these features (one row each).
+        Only positions whose next token the target chose are kept (from the prompt's last on): a
+        head learns to draft the target's tokens, not the prompt's author's."""
+        first = seq.num_prompt_tokens - 1
+        if start < first:
+            features = features[first - start:]
+            start = first
+        if features.shape[0] == 0:
+            return
         entry = self._open.get(seq)
         if entry is None or entry.next_pos != start:
             # New, or not contiguous (a preempted request recomputed): start a fresh stretch.

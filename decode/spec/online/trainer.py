@@ -45,7 +45,9 @@ def chunks_of(samples: list[ServedSample]) -> list[Chunk]:
 
 
 class HeadTrainer:
-    def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 3e-4, seed: int = 0):
+    def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 1e-4, anchor: float = 0.0,
+                 seed: int = 0):
+        """`anchor`: the weight of an L2 pull towards the base head's tensors (L2-SP), per element."""
         from decode.spec.training.eagle import load_eagle_head, load_target_parts  # noqa: PLC0415
         from decode.spec.training.eagle3 import load_eagle3_head, target_to_draft  # noqa: PLC0415
         self.eagle3 = is_eagle3(read_eagle_config(head_dir))
@@ -53,7 +55,7 @@ class HeadTrainer:
         self.tp = load_target_parts(str(target_dir))
         self.names = TRAINABLE_EAGLE3 if self.eagle3 else TRAINABLE
         self.t2d = target_to_draft(self.head.d2t, self.tp.embed.shape[0]) if self.eagle3 else None
-        self.depth, self.lr, self.seed = depth, lr, seed
+        self.depth, self.lr, self.anchor, self.seed = depth, lr, anchor, seed
         params = dict(self.head.named_parameters())
         for p in params.values():
             p.requires_grad_(False)
@@ -81,11 +83,14 @@ class HeadTrainer:
             return self.head.forward_unrolled(chunk.tokens[None], chunk.features[None], self.tp, self.depth)
 
     def train(self, start: dict[str, torch.Tensor], samples: list[ServedSample], steps: int) -> dict[str, torch.Tensor]:
-        """`steps` AdamW steps from `start` over the samples' chunks; the trained tensors."""
+        """At most `steps` AdamW steps from `start` over the samples' chunks (and at most two passes
+        over them: on a few thousand tokens more steps overfit, measured in docs/benchmarks.md);
+        the trained tensors."""
         self.load(start)
         chunks = chunks_of(samples)
         if not chunks:
             return self.tensors()
+        steps = min(steps, -(-2 * sum(len(c.tokens) for c in chunks) // MAX_CHUNK))
         params = list(self._params.values())
         for p in params:
             p.requires_grad_(True)
@@ -99,6 +104,9 @@ class HeadTrainer:
                 for s, g in enumerate(outs):
                     logits, labels = self._logits_and_labels(g, chunk.tokens, s)
                     loss = loss + (0.8 ** s) * F.cross_entropy(logits, labels, ignore_index=-100)
+                if self.anchor:
+                    loss = loss + self.anchor * sum(((p - self.base[n]) ** 2).mean() / self.base[n].pow(2).mean()
+                                                    for n, p in self._params.items())
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
