@@ -82,15 +82,16 @@ class HeadTrainer:
         with torch.set_grad_enabled(grad):
             return self.head.forward_unrolled(chunk.tokens[None], chunk.features[None], self.tp, self.depth)
 
-    def train(self, start: dict[str, torch.Tensor], samples: list[ServedSample], steps: int) -> dict[str, torch.Tensor]:
-        """At most `steps` AdamW steps from `start` over the samples' chunks (and at most two passes
-        over them: on a few thousand tokens more steps overfit, measured in docs/benchmarks.md);
-        the trained tensors."""
+    def train(self, start: dict[str, torch.Tensor], samples: list[ServedSample], steps: int,
+              max_passes: float = 2.0) -> dict[str, torch.Tensor]:
+        """At most `steps` AdamW steps from `start` over the samples' chunks, and at most
+        `max_passes` passes over them (on a few thousand tokens more steps overfit:
+        bench/spec_online_tuning.py); the trained tensors."""
         self.load(start)
         chunks = chunks_of(samples)
         if not chunks:
             return self.tensors()
-        steps = min(steps, -(-2 * sum(len(c.tokens) for c in chunks) // MAX_CHUNK))
+        steps = int(min(steps, max(1.0, max_passes * sum(len(c.tokens) for c in chunks) / MAX_CHUNK)))
         params = list(self._params.values())
         for p in params:
             p.requires_grad_(True)
