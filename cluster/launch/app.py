@@ -320,7 +320,8 @@ async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerCli
     from decode.spec.online.service import OnlineTrainerService  # noqa: PLC0415
     model = Path(cfg.engine.model)
     handles = {name: workers[name].handle for name in roster.decode}
-    trainer = ray.remote(OnlineTrainerService).options(num_cpus=0, max_concurrency=4).remote(
+    # Restarted by Ray if it dies: it starts over from the base heads (service.py `_resync`).
+    trainer = ray.remote(OnlineTrainerService).options(num_cpus=0, max_concurrency=4, max_restarts=-1).remote(
         cfg.engine, handles, model, cfg.engine.speculative.eagle_dir_for(model), weights_fingerprint(model))
     await trainer.start.remote()
     return trainer

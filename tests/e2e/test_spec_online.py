@@ -141,3 +141,22 @@ def test_a_restarted_decode_worker_gets_the_live_version_back(cluster, reference
     _serve(cluster, "acme", reference)
     stats = cluster.wait_idle(timeout=60)
     assert all(s.blocks_used == 0 for s in stats)
+
+
+def test_a_restarted_trainer_takes_every_worker_back_to_the_base_head(cluster, reference):
+    """Its state (the versions' weights) died with it: the workers must not keep serving versions
+    nobody can judge or roll back. Ray restarts it; it starts polling by itself."""
+    assert all(h["acme"][0] > 0 for h in _heads(cluster).values())
+    ray.kill(cluster.cluster.online_trainer, no_restart=False)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            heads, live = _heads(cluster), dict(_status(cluster).live).get("acme")
+        except Exception:  # noqa: BLE001 - restarting
+            heads, live = {}, None
+        if live == 0 and heads and all(h["acme"][0] == 0 for h in heads.values()):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"not back on the base head: {_heads(cluster)}")
+    _serve(cluster, "acme", reference)

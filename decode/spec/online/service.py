@@ -79,6 +79,10 @@ class OnlineTrainerService:
         self.events: list[OnlineEvent] = []
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()      # one decision at a time: a round, a rollback, a drill's promotion
+        try:        # as a Ray async actor (a restarted one too), its loop runs already: start polling
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        except RuntimeError:     # no loop (a plain object): `start` does it
+            pass
 
     async def start(self) -> None:
         if self._task is None:
@@ -141,8 +145,14 @@ class OnlineTrainerService:
             t.tokens -= len(t.samples.popleft().tokens)
 
     async def _resync(self, name: str, report: OnlineReport) -> None:
-        """A worker new to this trainer (or restarted): every tenant's live version, if not the base."""
+        """A worker new to this trainer (or restarted): every tenant's live version. A version the
+        worker serves that this trainer does not know (the trainer restarted, its state lost) goes
+        back to the base head, and new versions are numbered past it."""
         live = {h.tenant: h.version for h in report.live}
+        for tenant_name, version in live.items():
+            if self.spec.online_tenant(tenant_name):
+                t = self._tenant(tenant_name)
+                t.next_version = max(t.next_version, version + 1)
         for tenant_name, t in self.tenants.items():
             if t.policy.live != live.get(tenant_name, BASE_VERSION):
                 await self._push(tenant_name, t, t.policy.live, [name])
