@@ -92,8 +92,8 @@ def test_training_fits_the_served_traffic(served):
     _, _, samples, _, trainer = served
     acme = [s for s in samples if s.tenant == "acme"]
     before = trainer.score(trainer.base, acme)
-    tuned = trainer.train(trainer.base, acme, steps=60)
-    assert trainer.score(tuned, acme) >= 1.05 * before, (before, trainer.score(tuned, acme))
+    tuned = trainer.train(trainer.base, acme, steps=60, max_passes=float("inf"))   # no cap: the fit alone
+    assert trainer.score(tuned, acme) >= 1.15 * before, (before, trainer.score(tuned, acme))
     assert sorted(tuned) == sorted(trainer.names)
     assert tuned.keys() == trainer.base.keys() and any(not torch.equal(tuned[k], trainer.base[k]) for k in tuned)
 
