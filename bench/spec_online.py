@@ -8,8 +8,9 @@ model continuing a source file). Every `--interval` seconds of code traffic, a f
 (completions of held-out stdlib files, bench/spec_training/corpus.py, never part of the code
 traffic) is served alone, and its mean accepted length per verification is read from the decode
 worker's Prometheus counters, with the live head version. The first evaluation runs right at the
-shift, on the base head: every later one is compared with it (the same prompts, the same greedy
-output, so the acceptance moves with the head alone). Also checked: every evaluation's output
+shift, on the head live then (the base head, or one adapted to the prose): every later one is
+compared with it (the same prompts, the same greedy output, so the acceptance moves with the head
+alone). Also checked: every evaluation's output
 equals the first's (a head never changes the output).
 
     python bench/spec_online.py                       # 10 minutes of code traffic after the shift
@@ -115,7 +116,7 @@ def main() -> None:
             asyncio.run(serve(server.target, prose[used:used + 8] or prose[:8], 4, a.max_tokens))
             used += 8
         base, version, reference = evaluate(server.target, url, eval_set, a.max_tokens)
-        print(f"{'min':>5} {'version':>7} {'accepted/step':>13} {'vs base':>8} {'output = base':>13}", flush=True)
+        print(f"{'min':>5} {'version':>7} {'accepted/step':>13} {'vs shift':>8} {'output = shift':>13}", flush=True)
         print(f"{0.0:5.1f} {version:7d} {base:13.3f} {'1.00x':>8} {'yes':>13}", flush=True)
         shift, cursor = time.monotonic(), 0
         while time.monotonic() - shift < a.minutes * 60:
