@@ -113,12 +113,15 @@ class SpeculativeConfig:
         from cluster.config import DEFAULT_DRAFT_DIR  # noqa: PLC0415 - config imports this module
         return self.draft_model or DEFAULT_DRAFT_DIR
 
+    def online_tenants(self) -> frozenset[str] | None:
+        """`spec_online_tenants` parsed: the names, or None for every tenant ('*')."""
+        names = frozenset(t.strip() for t in self.spec_online_tenants.split(","))
+        return None if "*" in names else names
+
     def online_tenant(self, tenant: str) -> bool:
         """Whether `tenant`'s traffic trains its own online head (`spec_online_tenants`)."""
-        if not self.spec_online:
-            return False
-        names = [t.strip() for t in self.spec_online_tenants.split(",")]
-        return "*" in names or tenant in names
+        names = self.online_tenants()
+        return self.spec_online and (names is None or tenant in names)
 
     def eagle_dir_for(self, model: Path) -> Path:
         """The head --speculative eagle loads: --eagle-head, else the built-in one of the model

@@ -45,13 +45,16 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    heads_dir = tmp_path_factory.mktemp("online-heads")
     engine = _engine_config(spec_online=True, spec_online_tenants="acme", spec_online_min_tokens=400,
-                            spec_online_steps=40, spec_online_window=40, spec_online_interval_s=0.5)
+                            spec_online_steps=40, spec_online_window=40, spec_online_interval_s=0.5,
+                            spec_online_dir=heads_dir)
     c = ClusterThread(ClusterConfig(http_port=None, engine=engine, num_decode=2, port=0, metrics_port=0,
                                     data_plane=DataPlaneConfig(transport="nixl"),
                                     router=RouterConfig(local_prefill_max_tokens=4),
                                     api_keys=tuple(ApiKey(t, k.encode()) for t, k in KEYS.items())))
+    c.heads_dir = heads_dir
     yield c
     c.stop()
 
@@ -94,6 +97,14 @@ def test_traffic_trains_a_head_that_every_decode_worker_serves(cluster, referenc
     heads = _heads(cluster)
     assert sorted(heads) == ["decode-0", "decode-1"]
     assert all(h == {"acme": (promoted.version, 0)} for h in heads.values()), heads
+    # --spec-online-dir: the promoted head, and nothing else, was written (nothing of "other").
+    from decode.spec.compat import weights_fingerprint
+    from decode.spec.online.messages import TRAINABLE, unpack_tensors
+    written = sorted(str(f.relative_to(cluster.heads_dir)) for f in cluster.heads_dir.rglob("*") if f.is_file())
+    assert f"acme/v{promoted.version}/trainable.safetensors" in written and all(w.startswith("acme/v") for w in written)
+    folder = cluster.heads_dir / "acme" / f"v{promoted.version}"
+    assert sorted(unpack_tensors((folder / "trainable.safetensors").read_bytes(), TRAINABLE)) == sorted(TRAINABLE)
+    assert (folder / "target_fingerprint").read_text() == weights_fingerprint(cluster.cluster.config.engine.model)
     _serve(cluster, "acme", reference)      # served by the new head: the output is unchanged
     _serve(cluster, "other", reference, PROMPTS[:4])
     # The live version reaches Prometheus (the trainer may have promoted again meanwhile: compare

@@ -38,13 +38,14 @@ class _Open:
 class OnlineCapture:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self._tenants = config.online_tenants()    # parsed once: asked per sequence per step
         self._open: dict[Sequence, _Open] = {}
         self._ended: list[Sequence] = []
         self._buffers: dict[str, deque[ServedSample]] = {}
         self._buffered: dict[str, int] = {}      # tenant -> tokens held
 
     def wants(self, seq: Sequence) -> bool:
-        return self.config.online_tenant(seq.tenant)
+        return self._tenants is None or seq.tenant in self._tenants
 
     def add(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """Positions start.. of `seq` were computed and kept, with these features (one row each).

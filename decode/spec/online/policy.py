@@ -13,7 +13,7 @@ Plain logic over numbers: the service (service.py) measures, this decides.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from decode.spec.online.messages import BASE_VERSION, AcceptanceCount
 
@@ -37,7 +37,6 @@ class TenantPolicy:
     previous: int | None = None          # the head before the live one, while on probation
     phase: Phase = Phase.SERVING
     window_steps: int = 0                # verifications by the live head since its promotion
-    accepted: dict[int, list[int]] = field(default_factory=dict)   # version -> [steps, accepted], as measured live
 
     def promotes(self, candidate_score: float, live_score: float, noise: float = 0.0) -> bool:
         """`noise`: the standard error of the scores' paired difference; the gain must be twice it."""
@@ -50,9 +49,6 @@ class TenantPolicy:
 
     def observe(self, counts: list[AcceptanceCount]) -> None:
         for c in counts:
-            seen = self.accepted.setdefault(c.version, [0, 0])
-            seen[0] += c.steps
-            seen[1] += c.accepted
             if c.version == self.live and self.phase is Phase.PROBATION:
                 self.window_steps += c.steps
 
@@ -68,8 +64,3 @@ class TenantPolicy:
             return Verdict.ROLLBACK
         self.previous, self.phase = None, Phase.SERVING
         return Verdict.KEEP
-
-    def live_rate(self, version: int) -> float:
-        """Mean draft tokens accepted per verification, as served with `version` (0 before any)."""
-        steps, accepted = self.accepted.get(version, (0, 0))
-        return accepted / steps if steps else 0.0

@@ -45,9 +45,7 @@ def chunks_of(samples: list[ServedSample]) -> list[Chunk]:
 
 
 class HeadTrainer:
-    def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 1e-4, anchor: float = 0.0,
-                 seed: int = 0):
-        """`anchor`: the weight of an L2 pull towards the base head's tensors (L2-SP), per element."""
+    def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 1e-4, seed: int = 0):
         from decode.spec.training.eagle import load_eagle_head, load_target_parts  # noqa: PLC0415
         from decode.spec.training.eagle3 import load_eagle3_head, target_to_draft  # noqa: PLC0415
         self.eagle3 = is_eagle3(read_eagle_config(head_dir))
@@ -55,7 +53,7 @@ class HeadTrainer:
         self.tp = load_target_parts(str(target_dir))
         self.names = TRAINABLE_EAGLE3 if self.eagle3 else TRAINABLE
         self.t2d = target_to_draft(self.head.d2t, self.tp.embed.shape[0]) if self.eagle3 else None
-        self.depth, self.lr, self.anchor, self.seed = depth, lr, anchor, seed
+        self.depth, self.lr, self.seed = depth, lr, seed
         params = dict(self.head.named_parameters())
         for p in params.values():
             p.requires_grad_(False)
@@ -105,9 +103,6 @@ class HeadTrainer:
                 for s, g in enumerate(outs):
                     logits, labels = self._logits_and_labels(g, chunk.tokens, s)
                     loss = loss + (0.8 ** s) * F.cross_entropy(logits, labels, ignore_index=-100)
-                if self.anchor:
-                    loss = loss + self.anchor * sum(((p - self.base[n]) ** 2).mean() / self.base[n].pow(2).mean()
-                                                    for n, p in self._params.items())
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
