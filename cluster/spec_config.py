@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cluster.config_fields import require, setting
 
-SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec")
+SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec", "block")
 QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
 AUTO = "auto"
 # The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a
@@ -42,6 +42,9 @@ class SpeculativeConfig:
                                        default_text="the built-in model's draft")
     eagle_head: Path | None = setting(None, "EAGLE head directory for --speculative eagle",
                                       default_text="the built-in model's head")
+    block_drafter: Path | None = setting(None, "block drafter directory for --speculative block (a DFlash-style "
+                                               "drafter: one pass proposes the whole draft)",
+                                         default_text="the default model's drafter")
     quantspec_kv_view: str = setting("full", "how --speculative quantspec's draft reads the target's KV: as the "
                                              "target does, or an int8 cache through its int4 view (the QuantSpec "
                                              "paper's; it cost a quarter of the acceptance, docs/quantization.md)",
@@ -104,7 +107,7 @@ class SpeculativeConfig:
                 f"must be > 0, got {self.spec_online_interval_s}")
         require(not self.spec_online or self.method == "eagle", "spec_online",
                 f"adapts an EAGLE head: it needs --speculative eagle, got {self.method!r}")
-        for name in ("draft_model", "eagle_head", "spec_online_dir"):
+        for name in ("draft_model", "eagle_head", "block_drafter", "spec_online_dir"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
 
@@ -122,6 +125,12 @@ class SpeculativeConfig:
         """Whether `tenant`'s traffic trains its own online head (`spec_online_tenants`)."""
         names = self.online_tenants()
         return self.spec_online and (names is None or tenant in names)
+
+    def block_dir_for(self) -> Path:
+        """The drafter --speculative block loads: --block-drafter, else the default model's
+        (compat.py refuses it for any other weights)."""
+        from cluster.config import DEFAULT_MODEL_BLOCK_DIR  # noqa: PLC0415
+        return self.block_drafter or DEFAULT_MODEL_BLOCK_DIR
 
     def eagle_dir_for(self, model: Path) -> Path:
         """The head --speculative eagle loads: --eagle-head, else the built-in one of the model

@@ -91,6 +91,9 @@ def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
     if spec.method in ("off", "ngram", "jacobi", "quantspec"):   # model-free, or the target's own weights
         return
     target = load_model_config(cfg.model)
+    if spec.method == "block":
+        _check_block_drafter(spec.block_dir_for(), cfg.model, target, explicit=spec.block_drafter is not None)
+        return
     if spec.method == "draft":
         draft = load_model_config(spec.draft_dir)
         if draft.vocab_size != target.vocab_size or \
@@ -112,3 +115,39 @@ def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
                          f"is {(target.num_kv_heads, target.head_dim)}: the head's KV rides in the target's KV "
                          f"blocks through the prefix cache{where}, so the shapes must match")
     _check_head_target(head_dir, head, cfg.model, target.num_layers)
+
+
+BLOCK_MODEL_TYPE = "splitserve_block"
+
+
+def read_block_config(drafter_dir: Path) -> dict:
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"block drafter directory {drafter_dir} has no config.json")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") != BLOCK_MODEL_TYPE:
+        raise ValueError(f"{drafter_dir} is not a block drafter (model_type {raw.get('model_type')!r}, "
+                         f"expected {BLOCK_MODEL_TYPE!r})")
+    return raw
+
+
+def _check_block_drafter(drafter_dir: Path, model: Path, target, explicit: bool) -> None:
+    """The drafter reads the target's features (three depths), embeddings and LM-head rows: its
+    sizes, layers and the weights it was trained on must be the target's."""
+    raw = read_block_config(drafter_dir)
+    shipped = "" if explicit else ("; the shipped block drafter is the default model's: train one for this model "
+                                   "(bench/spec_training/train_block.py, --block-drafter) or use --speculative ngram")
+    if raw.get("vocab_size") != target.vocab_size or raw.get("hidden_size") != target.hidden_size:
+        raise ValueError(f"block drafter {drafter_dir} was built for a model with hidden size {raw.get('hidden_size')} "
+                         f"and vocab {raw.get('vocab_size')}, but the target has {target.hidden_size} and "
+                         f"{target.vocab_size}{shipped}")
+    layers = raw.get("feature_layers", ())
+    if len(layers) != 3 or not all(0 <= i < target.num_layers for i in layers) or list(layers) != sorted(set(layers)):
+        raise ValueError(f"block drafter {drafter_dir} reads the outputs of layers {layers}, but the target has "
+                         f"{target.num_layers} layers (three distinct layers, in ascending order)")
+    recorded = raw.get("target_fingerprint")
+    if recorded:
+        actual = weights_fingerprint(Path(model))
+        if actual != recorded:
+            raise ValueError(f"block drafter {drafter_dir} was trained for other weights ({raw.get('target_model')}, "
+                             f"{recorded}) than the target's ({model}, {actual}){shipped}")

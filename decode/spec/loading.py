@@ -6,6 +6,8 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
    is one more layer of the arena, named in the layout's model id;
  - draft: the draft model, only on an engine that proposes; its KV and weights are planned with
    the target's (memory.py);
+ - block: the block drafter (block.py), on every engine, as the EAGLE head: a prefill worker
+   computes the prompt's window of features, which the handoff carries; it adds no KV;
  - quantspec: the target's own checkpoint as its draft (no second model): its linears in 4 bits
    (a GGUF model's own blocks, else int4 quantized at load), drafting over the target's own KV
    cache (quantspec.py; `--quantspec-kv-view int4` reads an int8 cache through its int4 view);
@@ -42,6 +44,7 @@ class SpecModels:
     draft_model: torch.nn.Module | None = None   # quantspec: the target's checkpoint, 4-bit linears
     eagle_dir: Path | None = None                # the EAGLE head's directory
     build_eagle: Callable[[dict], torch.nn.Module] | None = None   # that head with some tensors replaced
+    block: torch.nn.Module | None = None         # a BlockDrafter
 
 
 def load_spec_models(config: EngineConfig, target: Models, device: torch.device, proposing: bool) -> SpecModels:
@@ -60,6 +63,15 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
                                   hidden_states=True, hidden_layers=eagle_feature_layers(head_dir),
                                   extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
         return SpecModels(footprint, eagle=head, eagle_dir=head_dir, build_eagle=build)
+    if spec.method == "block":
+        from decode.spec.block import load_drafter  # noqa: PLC0415
+        drafter_dir = spec.block_dir_for()
+        drafter = load_drafter(drafter_dir, config.model, target.model, target.dtype, device)
+        footprint = SpecFootprint(model_id_suffix=f"+block:{drafter_dir.name}", hidden_states=True,
+                                  hidden_layers=tuple(drafter.config.feature_layers),
+                                  extra_bytes=_unshared_bytes(drafter, target.model),
+                                  max_draft_tokens=widest)
+        return SpecModels(footprint, block=drafter)
     if spec.method in ("draft", "quantspec") and proposing:
         source = spec.draft_dir if spec.method == "draft" else config.model
         draft_config, draft = load_model(source, dtype=target.dtype, device=device, max_positions=target.max_model_len)

@@ -8,7 +8,9 @@ features (eagle_head.py), and the per-step policy below. Proposers:
  - `draft`: a small model of the same tokenizer with its own paged KV (draft_model.py);
  - `quantspec`: the target's checkpoint in 4 bits over the target's own KV (quantspec.py);
  - `eagle`: a head over the target's last hidden states whose KV shares the target's blocks
-   (eagle.py).
+   (eagle.py);
+ - `block`: a DFlash-style drafter that proposes the whole draft in one pass from a window of the
+   target's features (block.py).
 Verification keeps the target's output distribution: greedy requests accept the longest prefix
 equal to the target's argmax; sampled requests use the p/q rejection rule (acceptance.py).
 
@@ -91,7 +93,8 @@ class SpecDecoder:
                                            "tree_accepted": 0})
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
         self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior,
-                    "eagle": config.draft_cost_prior, "quantspec": config.draft_cost_prior}
+                    "eagle": config.draft_cost_prior, "quantspec": config.draft_cost_prior,
+                    "block": config.draft_cost_prior}
         self._t_draft: dict[str, float] = {}
         self._t_target: float | None = None
         self._proposed_at: float | None = None
@@ -113,6 +116,9 @@ class SpecDecoder:
         if loaded.eagle is not None:
             from decode.spec.eagle_head import EagleFeatures  # noqa: PLC0415
             self.features = EagleFeatures(loaded.eagle, engine)
+        if loaded.block is not None:
+            from decode.spec.block import BlockFeatures  # noqa: PLC0415
+            self.features = BlockFeatures(loaded.block, engine)
         if not self.proposing:
             return
         if loaded.eagle is not None and self.config.spec_online:
@@ -130,6 +136,9 @@ class SpecDecoder:
         elif loaded.eagle is not None:
             from decode.spec.eagle import EagleProposer  # noqa: PLC0415
             self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle, self.heads)
+        elif loaded.block is not None:
+            from decode.spec.block import BlockProposer  # noqa: PLC0415
+            self.proposers["block"] = BlockProposer(engine, self.config, loaded.block)
 
     def _attach_online(self, loaded: SpecModels) -> None:
         """Online adaptation (decode/spec/online/): capture served traffic, serve per-tenant versions."""
