@@ -1,7 +1,8 @@
 """Online adaptation with a real cluster (`--spec-online`): real Ray, gRPC and NIXL, two decode
 workers and the trainer actor. An opted-in tenant's traffic trains a head that is promoted only
 when it wins on held-out traffic, served by every decode worker at the same version; a degraded
-head is rolled back after one window; a restarted worker gets the live version back; another
+head is rolled back after one window; a restarted worker gets the live version back; a restarted
+trainer resumes the newest kept head from --spec-online-dir; another
 tenant's traffic is never kept; greedy output always equals the single engine without speculation."""
 from __future__ import annotations
 
@@ -156,20 +157,28 @@ def test_a_restarted_decode_worker_gets_the_live_version_back(cluster, reference
     assert all(s.blocks_used == 0 for s in stats)
 
 
-def test_a_restarted_trainer_takes_every_worker_back_to_the_base_head(cluster, reference):
-    """Its state (the versions' weights) died with it: the workers must not keep serving versions
-    nobody can judge or roll back. Ray restarts it; it starts polling by itself."""
-    assert all(h["acme"][0] > 0 for h in _heads(cluster).values())
+def _newest_kept(heads_dir) -> int:
+    kept = [int(v.name[1:]) for v in (heads_dir / "acme").glob("v*") if (v / "state").read_text() == "kept"]
+    return max(kept, default=0)
+
+
+def test_a_restarted_trainer_resumes_the_newest_kept_head_from_its_directory(cluster, reference):
+    """Its memory died with it; --spec-online-dir did not. It resumes the newest version that held
+    up over its window (never one still on probation, which nobody judged), and every worker
+    serves that one. Ray restarts it; it starts polling by itself."""
+    _serve_until(cluster, reference, lambda s: any(e.kind == "kept" for e in s.events))
     ray.kill(cluster.cluster.online_trainer, no_restart=False)
+    want = _newest_kept(cluster.heads_dir)      # the dead trainer writes nothing more
+    assert want > 0
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
             heads, live = _heads(cluster), dict(_status(cluster).live).get("acme")
         except Exception:  # noqa: BLE001 - restarting
             heads, live = {}, None
-        if live == 0 and heads and all(h["acme"][0] == 0 for h in heads.values()):
+        if live == want and heads and all(h["acme"][0] == want for h in heads.values()):
             break
         time.sleep(0.5)
     else:
-        raise AssertionError(f"not back on the base head: {_heads(cluster)}")
+        raise AssertionError(f"not on v{want}: {_heads(cluster)}")
     _serve(cluster, "acme", reference)

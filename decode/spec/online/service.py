@@ -10,7 +10,9 @@ Every `spec_online_interval_s` it takes each decode worker's samples and accepta
    promotes the candidate if it wins: staged on every decode worker first, then activated on each
    (between two of its steps), so all serve the same version.
 A worker that restarted (a new incarnation) comes back on the base head: it gets every tenant's
-live version again. Training runs in a thread at the lowest CPU priority, one torch thread.
+live version again. A trainer that restarted resumes, per tenant, the newest version saved in
+`spec_online_dir` that held up over its window (same target weights, same base head), else the
+base head. Training runs in a thread at the lowest CPU priority, one torch thread.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.worker_messages import CONTROL
 from decode.spec.online.messages import BASE_VERSION, HeadUpdate, OnlineReport, ServedSample, pack_tensors
+from decode.spec.online.store import HeadStore
 from decode.spec.online.policy import Phase, TenantPolicy, Verdict
 from decode.spec.online.trainer import HeadTrainer
 
@@ -79,6 +82,8 @@ class OnlineTrainerService:
         self.events: list[OnlineEvent] = []
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()      # one decision at a time: a round, a rollback, a drill's promotion
+        self.store = HeadStore(self.spec.spec_online_dir, fingerprint, self.base_head)
+        self._restore()
         try:        # as a Ray async actor (a restarted one too), its loop runs already: start polling
             self._task = asyncio.get_running_loop().create_task(self._run())
         except RuntimeError:     # no loop (a plain object): `start` does it
@@ -169,9 +174,11 @@ class OnlineTrainerService:
                 await self._push(tenant_name, t, old, list(self.workers), rollback=True)
                 t.versions.pop(new, None)
                 self._event(tenant_name, "rolled_back", new, *scores)
+                self.store.mark(tenant_name, new, "rolled_back")
             else:
                 t.versions = {v: x for v, x in t.versions.items() if v in (BASE_VERSION, new)}
                 self._event(tenant_name, "kept", new, *scores)
+                self.store.mark(tenant_name, new, "kept")
             return
         if policy.phase is Phase.SERVING and t.fresh >= self.spec.spec_online_min_tokens \
                 and t.tokens * HOLDOUT >= MIN_HOLDOUT_TOKENS:
@@ -206,7 +213,7 @@ class OnlineTrainerService:
         t.policy.promoted(version)
         t.window = []
         self._event(tenant_name, "promoted", version, *scores)
-        self._save(tenant_name, version, tensors)
+        self.store.save(tenant_name, version, tensors)
         return version
 
     async def _push(self, tenant_name: str, t: _Tenant, version: int, names: list[str], rollback: bool = False) -> None:
@@ -227,13 +234,15 @@ class OnlineTrainerService:
         self.events.append(OnlineEvent(time.time(), tenant, kind, version, score, other))
         log.info("online head of tenant %r: %s v%d (%.3f vs %.3f)", tenant, kind, version, score, other)
 
-    def _save(self, tenant: str, version: int, tensors: dict) -> None:
-        if self.spec.spec_online_dir is None:
-            return
-        folder = Path(self.spec.spec_online_dir) / (tenant or "_anonymous") / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "trainable.safetensors").write_bytes(pack_tensors(tensors))
-        (folder / "target_fingerprint").write_text(self.fingerprint)
+    def _restore(self) -> None:
+        """After a restart: per opted-in tenant, the newest saved version that was kept."""
+        for resumed in self.store.resume(self.trainer.names, self.spec.online_tenant):
+            t = self._tenant(resumed.tenant)
+            t.next_version = max(t.next_version, resumed.next_version)
+            if resumed.version is not None:
+                t.versions[resumed.version] = resumed.tensors
+                t.policy.live = resumed.version
+                log.info("online head of tenant %r: resumed v%d", resumed.tenant, resumed.version)
 
     # --- for tests, benchmarks and drills ---------------------------------------------------------
     async def status(self) -> OnlineStatus:
