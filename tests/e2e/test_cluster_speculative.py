@@ -35,7 +35,8 @@ MAX_TOKENS = 48
 def _engine_config(method="draft", model=None, tree_budget=0):
     # A fixed k: dynamic lookahead reacts to measured timings, so two runs may draft differently.
     # `model` None: the tests' default (stdlib-coder); "default": SmolLM2-135M-Instruct, whose
-    # EAGLE head is the EAGLE-3-style one (three depths of features, fused, shipped fused).
+    # EAGLE head is the EAGLE-3-style one (three depths of features, fused, shipped fused), and
+    # whose block drafter's window of features crosses the handoff in the KVHandle.
     # `tree_budget`: token trees (the head's runner-up leaves, every one verified: no minimum gain).
     extra = {} if model is None else {"model": default_model_file()}
     return EngineConfig(num_threads=1, cache=CacheConfig(num_blocks=512), **extra,
@@ -74,7 +75,7 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     """Requests one at a time, so both modes batch them alike; returns outputs and the mean
     accepted length per verification step over them."""
     client = Client(cluster.target)
-    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram", "jacobi", "eagle")}
+    before = {m: _spec_totals(cluster, m) for m in ("draft", "ngram", "jacobi", "eagle", "block")}
     outs = [list(client.generate(p, max_tokens=MAX_TOKENS, **sampling).token_ids) for p in PROMPTS]
     method = sampling.get("speculative", "draft")
     cluster.wait_idle()
@@ -85,8 +86,9 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
 
 @pytest.mark.parametrize("configured,methods,model,tree", [("draft", ("draft", "ngram", "jacobi"), None, 0),
                                                            ("eagle", ("eagle",), None, 4),
-                                                           ("eagle", ("eagle",), "default", 0)],
-                         ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model"])
+                                                           ("eagle", ("eagle",), "default", 0),
+                                                           ("block", ("block",), "default", 0)],
+                         ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model", "block-default-model"])
 def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model, tree):
     if model is not None:
         reference = _reference(model)
