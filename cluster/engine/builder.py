@@ -72,14 +72,16 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
                      device: torch.device) -> SpecFootprint:
     """What `speculator` loads beside the target, before the memory plan so its real size is
     planned. Layers it keeps in the arena widen the layout, and their name goes in its model id:
-    the layout hash then tells a P/D peer that its blocks carry them too."""
+    the layout hash then tells a P/D peer that its blocks carry them too. A proposer whose state
+    crosses the handoff beside the blocks (the block drafter's window) names itself there as well,
+    so a peer without it is refused at pairing, not at its first handoff."""
     if speculator is None:
         if config.speculative.method != "off":
             log.warning("speculative method %r is configured but this engine has no speculator: it runs without",
                         config.speculative.method)
         return SpecFootprint()
     footprint = speculator.load(models, device)
-    if footprint.extra_kv_layers:
+    if footprint.extra_kv_layers or footprint.model_id_suffix:
         mc = models.config
         models.layout = _layout(mc, models.layout.model_id + footprint.model_id_suffix,
                                 mc.num_layers + footprint.extra_kv_layers, config, models.dtype)
