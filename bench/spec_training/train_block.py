@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from bench.spec_training.head_training import clipped_step, head_optimizer, set_lr, write_summary
 from bench.spec_training.train_eagle3 import fingerprint, load_shards, target_dir, target_parts
 from decode.spec.training.block import (BlockConfig, BlockDrafter, block_losses, draft_logits, save_block_drafter,
                                         unit_scale)
@@ -128,10 +128,7 @@ def train(a) -> None:
     drafter = build(a, tdir, tp, train_set, layers)
     head_rows = tp.lm_head[drafter.d2t]
     t2d = target_to_draft(drafter.d2t, tp.embed.shape[0])
-    decay = [p for p in drafter.parameters() if p.dim() >= 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": [p for p in drafter.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95))
+    opt = head_optimizer(drafter, a.lr)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     log = (a.out_dir / "log.jsonl").open("w")
     print(f"{len(train_set.points)} training anchors, {len(val_points)} held out; drafter params "
@@ -144,17 +141,12 @@ def train(a) -> None:
             order = list(train_set.points)
             rng.shuffle(order)
         points, order = order[:a.batch], order[a.batch:]
-        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        set_lr(opt, step, a.steps, a.lr, a.warmup)
         first, feats, ctx_len, pos, labels = train_set.batch(points, rng, a.short_context)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, accs = block_losses(drafter, tp, head_rows, first, feats, ctx_len, pos,
                                       torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels), a.decay)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(loss, drafter, opt)
         step += 1
         rec = {"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(x, 3) for x in accs],
                "elapsed_s": round(time.time() - t0, 1)}
@@ -166,10 +158,7 @@ def train(a) -> None:
             print(json.dumps(rec), flush=True)
     final = accepted_length(drafter, tp, head_rows, val_set, val_points, a.block)
     save_block_drafter(drafter, str(a.export), Path(tdir).name, fingerprint(tdir))
-    summary = {"steps": step, "wall_s": round(time.time() - t0, 1), "val_accepted": final,
-               "args": {k: str(v) for k, v in vars(a).items()}}
-    (a.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    write_summary(a.out_dir, step, t0, final, a)
 
 
 def main() -> None:

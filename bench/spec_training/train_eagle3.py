@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.spec_training.head_training import clipped_step, head_optimizer, set_lr, write_summary
 from decode.spec.training.eagle import EagleConfig, TargetParts
 from decode.spec.training.eagle3 import (Eagle3Config, Eagle3Head, draft_vocab, eagle3_feature_layers, save_eagle3_head,
                      target_to_draft, unrolled_losses)
@@ -159,10 +159,7 @@ def train(a) -> None:
     rng = random.Random(a.seed)
     per_epoch = len(batches(train_seqs, a.batch_tokens, random.Random(0)))
     total = int(per_epoch * a.epochs)
-    decay = [p for p in head.parameters() if p.dim() >= 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": [p for p in head.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95))
+    opt = head_optimizer(head, a.lr)
     a.out_dir.mkdir(parents=True, exist_ok=True)
     log = (a.out_dir / "log.jsonl").open("w")
     print(f"{len(train_seqs)} training sequences, {n_val} held out, {per_epoch} steps an epoch, {total} steps; "
@@ -172,16 +169,11 @@ def train(a) -> None:
     while step < total and (time.time() - t0) / 60 < a.max_minutes:
         if not queue:
             queue = batches(train_seqs, a.batch_tokens, rng)
-        lr = a.lr * min(1.0, (step + 1) / a.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        set_lr(opt, step, total, a.lr, a.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses, accs = unrolled_losses(head, *collate(queue.pop(), t2d), tp, a.passes)
         loss = sum(a.pass_decay ** s * x for s, x in enumerate(losses))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(loss, head, opt)
         step += 1
         rec = {"step": step, "loss": round(float(loss.detach()), 4), "acc": [round(x, 3) for x in accs],
                "elapsed_s": round(time.time() - t0, 1)}
@@ -193,10 +185,7 @@ def train(a) -> None:
             print(json.dumps(rec), flush=True)
     final = evaluate(head, tp, val, t2d, a.passes)
     save_eagle3_head(head, str(a.export), Path(tdir).name, fingerprint(tdir))
-    summary = {"steps": step, "wall_s": round(time.time() - t0, 1), "val_acc": final,
-               "args": {k: str(v) for k, v in vars(a).items()}}
-    (a.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary), flush=True)
+    write_summary(a.out_dir, step, t0, final, a)
 
 
 def main() -> None:
