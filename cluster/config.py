@@ -132,6 +132,7 @@ def default_num_threads() -> int | None:
 # with the other workers and everything else on the node, so a share of what is free would take
 # GBs per worker for nothing (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE, 4 GiB when unset).
 CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+KV_DISK_DEFAULT_BYTES = 16 << 30    # the disk tier's limit when only --kv-disk-dir is given
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -188,7 +189,24 @@ class CacheConfig:
                                           "value and an fp16 scale per token and head: about half of bf16's bytes; "
                                           "docs/quantization.md)", choices=KV_CACHE_DTYPES)
 
+    kv_host_bytes: int | None = setting(
+        None, f"bytes of the host tier below the KV pool (blocks evicted from the pool stay there, and a prefix hit "
+              f"loads them back instead of recomputing; pinned host memory on GPU): {_SIZE_HELP}",
+        parse=parse_memory_size, metavar="SIZE", default_text="no host tier")
+    kv_disk_dir: str | None = setting(None, "directory of the disk tier below the host tier (one file per block; a "
+                                            "restarted worker reuses what its files hold)", metavar="DIR",
+                                      default_text="no disk tier")
+    kv_disk_bytes: int | None = setting(None, f"bytes the disk tier may take in --kv-disk-dir: {_SIZE_HELP}",
+                                        parse=parse_memory_size, metavar="SIZE",
+                                        default_text="16 GiB when --kv-disk-dir is given")
+
     def __post_init__(self) -> None:
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            value = getattr(self, name)
+            require(value is None or (isinstance(value, int) and value >= 0), name,
+                    f"must be a number of bytes >= 0, got {value!r}")
+        require(self.kv_disk_bytes is None or self.kv_disk_dir is not None, "kv_disk_bytes",
+                "needs --kv-disk-dir (where the disk tier's files go)")
         require(self.block_size > 0 and not self.block_size & (self.block_size - 1), "block_size",
                 f"must be a positive power of two, got {self.block_size}")
         require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")

@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculation import SpecFootprint, Speculator
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.tier_plan import plan_tiers
+from cluster.kv.tier_store import DiskTier
+from cluster.kv.tiers import KVTiers
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
@@ -112,6 +115,7 @@ class Core:
     pool: BlockPool
     scheduler: Scheduler
     runner: ModelRunner
+    tiers: KVTiers | None = None
 
 
 def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: torch.device,
@@ -133,7 +137,25 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
         runner.hidden_layers = footprint.hidden_layers
         pool.on_allocate = speculator.invalidate
         scheduler.hit_filter = speculator.usable_hits
-    return Core(backend, replay, kv_cache, pool, scheduler, runner)
+    return Core(backend, replay, kv_cache, pool, scheduler, runner, build_tiers(cc, plan, kv_cache, pool, device))
+
+
+def build_tiers(cache: CacheConfig, plan: MemoryPlan, kv_cache: PagedKVCache, pool: BlockPool,
+                device: torch.device) -> KVTiers | None:
+    """The KV tiers below the pool, when configured: planned (or refused), then hooked to the pool."""
+    block_bytes = kv_cache.nbytes() // kv_cache.num_blocks
+    tier_plan = plan_tiers(cache, plan, block_bytes, device)
+    if not tier_plan.enabled:
+        return None
+    log.info("%s", tier_plan.describe())
+    disk = None
+    if tier_plan.disk_dir is not None:
+        disk = DiskTier(tier_plan.disk_dir, kv_cache.layout.layout_hash(), tier_plan.disk_blocks * block_bytes)
+        if disk.recovered:
+            log.info("KV disk tier: %d blocks found in %s (reused)", disk.recovered, disk.dir)
+    tiers = KVTiers(pool, kv_cache.arena, tier_plan.host_blocks, disk)
+    pool.on_cached = tiers.offload
+    return tiers
 
 
 def decode_graphs(config: EngineConfig, models: Models, replay, model, arena: torch.Tensor, backend,

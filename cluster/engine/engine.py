@@ -26,6 +26,7 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import (Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens,
                                         compact_trees)
+from cluster.kv.hashing import hash_prefix_blocks
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -51,6 +52,7 @@ class LLMEngine:
                                   self.speculator, footprint)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
+        self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
         self.requests = Requests(self.tokenizer, self.scheduler)
         self.hold_hook: HoldHook | None = None   # set by a prefill worker (prefill/handoff.py)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
@@ -132,8 +134,28 @@ class LLMEngine:
         seq.forks = [self.new_sequence(f.request_id, ids, f.sampling, hold_kv=hold_kv, prompt_logprobs_sent=True,
                                        tenant=tenant)
                      for f in forks]
-        self.scheduler.add(seq)
+        self._queue(seq)
         return request_id
+
+    def _queue(self, seq: Sequence) -> None:
+        """Queue a new request, unless KV tiers hold blocks of its prompt past the pool's cached
+        prefix: then it waits for them to load (prefetch on arrival) and is queued by `step`."""
+        if self.tiers is not None and self.pool.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            bs = self.layout.block_size
+            seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt)
+            if self.tiers.prefetch(seq, seq.block_hashes, (seq.num_tokens - 1) // bs):
+                return
+        self.scheduler.add(seq)
+
+    def prefix_keys(self, token_ids: Seq[int], salt: str | None = None) -> list:
+        """The pool's keys of the full blocks of `token_ids` (what a prefix hit looks up)."""
+        return hash_prefix_blocks(list(token_ids), self.layout.block_size, salt)
+
+    def wait_for_tiers(self, timeout: float = 0.05) -> None:
+        """Block until a tier job completes (or `timeout`): what an idle offline loop does while
+        requests wait for their KV to load, instead of spinning."""
+        if self.tiers is not None:
+            self.tiers.wait(timeout)
 
     def new_sequence(self, request_id: str, ids: list[int], sampling: SamplingParams, **fields) -> Sequence:
         """A request's record with its own generator, registered (not queued: `scheduler.add`)."""
@@ -183,7 +205,8 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.requests.pending)
+        return (self.scheduler.has_unfinished() or bool(self.requests.pending)
+                or (self.tiers is not None and self.tiers.busy))
 
     @property
     def kv_discarded(self) -> int:
@@ -193,6 +216,9 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
         out, self.requests.pending = self.requests.pending, []
+        if self.tiers is not None:
+            for seq in self.tiers.poll():
+                self.scheduler.add(seq)
         plan = self.scheduler.schedule()
         out += self._ended(plan)
         self.idle_step = plan.empty and not out

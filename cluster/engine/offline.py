@@ -13,7 +13,10 @@ def stream(engine, prompt: str | Seq[int], sampling: SamplingParams | None = Non
     finished = False
     try:
         while not finished:
-            for delta in engine.step():
+            deltas = engine.step()
+            if engine.idle_step:
+                engine.wait_for_tiers()
+            for delta in deltas:
                 if delta.request_id == rid:
                     yield delta
                     if delta.finished:
@@ -38,7 +41,10 @@ def generate(engine, prompts: Iterable[str | Seq[int]],
     done: dict[str, TokenDelta] = {}
     try:
         while len(done) < len(ids):
-            for d in engine.step():
+            deltas = engine.step()
+            if engine.idle_step:
+                engine.wait_for_tiers()
+            for d in deltas:
                 if d.request_id in texts:
                     texts[d.request_id].append(d.text)
                     if d.prompt_logprobs:

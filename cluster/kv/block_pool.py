@@ -32,6 +32,7 @@ class BlockPool:
         self.queries = 0
         self.hits = 0
         self.on_allocate = None   # called with newly allocated block ids (per-block side state resets)
+        self.on_cached = None     # called with (block, key) when a block is published (KV tiers copy it down)
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -93,6 +94,8 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        if self.on_cached is not None:
+            self.on_cached(block, block_hash)
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
