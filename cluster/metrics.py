@@ -140,6 +140,7 @@ class _WorkerCollector:
                  (CounterMetricFamily(PREFIX + "spec_head_rollbacks", "EAGLE head swaps per tenant that rolled back "
                                       "a promoted head (--spec-online)", labels=["worker", "tenant", "model_name"]),
                   "rollbacks")]
+        tiers = _tier_families()
         queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
                                       "time requests waited on a worker for their first schedule",
                                       labels=["worker", "role", "model_name"])
@@ -151,6 +152,8 @@ class _WorkerCollector:
             if s.handoff is not None:
                 for family, field in handoff:
                     family.add_metric([s.name, transport, model], getattr(s.handoff, field))
+            if s.tiers is not None:
+                _add_tiers(tiers, s, model)
             for head in s.spec_heads:
                 for family, field in heads:
                     family.add_metric([s.name, tenant_label(head.tenant), model], getattr(head, field))
@@ -163,6 +166,33 @@ class _WorkerCollector:
         yield from (f for f, _ in by_role)
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
+        yield from tiers.values()
+
+
+def _tier_families() -> dict:
+    labels = ["worker", "tier", "model_name"]
+    return {
+        "blocks": GaugeMetricFamily(PREFIX + "kv_tier_blocks", "KV blocks a tier below the pool holds", labels=labels),
+        "capacity": GaugeMetricFamily(PREFIX + "kv_tier_capacity_blocks", "KV blocks a tier can hold", labels=labels),
+        "loaded": CounterMetricFamily(PREFIX + "kv_tier_loaded_blocks", "KV blocks loaded back into the pool from "
+                                      "a tier for a prefix hit (prompt tokens not recomputed: x block size)",
+                                      labels=labels),
+        "offloaded": CounterMetricFamily(PREFIX + "kv_tier_offloaded_blocks", "KV blocks copied down from the pool",
+                                         labels=["worker", "model_name"]),
+        "corrupt": CounterMetricFamily(PREFIX + "kv_tier_corrupt_blocks", "KV blocks from a tier that failed their "
+                                       "checksum (dropped and recomputed, never served)", labels=["worker", "model_name"]),
+    }
+
+
+def _add_tiers(families: dict, s: WorkerStats, model: str) -> None:
+    t = s.tiers
+    for tier, held, capacity, loaded in (("host", t.host_blocks, t.host_capacity, t.loaded_host),
+                                         ("disk", t.disk_blocks, t.disk_capacity, t.loaded_disk)):
+        families["blocks"].add_metric([s.name, tier, model], held)
+        families["capacity"].add_metric([s.name, tier, model], capacity)
+        families["loaded"].add_metric([s.name, tier, model], loaded)
+    families["offloaded"].add_metric([s.name, model], t.offloaded)
+    families["corrupt"].add_metric([s.name, model], t.corrupt)
 
 
 class RequestTracker:

@@ -9,11 +9,13 @@ calls of the data group, and none of them blocks an event loop.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
+from pathlib import Path
 
-from cluster.config import WorkerConfig
+from cluster.config import EngineConfig, WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
@@ -34,6 +36,15 @@ def _node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _own_disk_tier(engine: EngineConfig, name: str) -> EngineConfig:
+    """Each worker's disk tier in its own folder under --kv-disk-dir, named by the worker: a
+    restarted worker (same name) finds its files again, and no two writers share an index."""
+    cache = engine.cache
+    if cache.kv_disk_dir is None:
+        return engine
+    return dataclasses.replace(engine, cache=dataclasses.replace(cache, kv_disk_dir=str(Path(cache.kv_disk_dir) / name)))
+
+
 class EngineWorker:
     role = "worker"
 
@@ -41,7 +52,7 @@ class EngineWorker:
         """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py)."""
         self.name = name
         self.config = config
-        self.engine = LLMEngine(config.engine, speculator_factory=speculator_factory)
+        self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory)
         self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
         options = {}
         if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
@@ -109,6 +120,7 @@ class EngineWorker:
             queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),
             preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
             spec_heads=heads.versions() if heads is not None else (),
+            tiers=self.engine.tiers.stats() if self.engine.tiers is not None else None,
             taken_at=time.monotonic(),
             **self._role_stats())
 

@@ -165,6 +165,21 @@ class HandoffStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """A worker's KV tiers (cluster/kv/tiers.py), in blocks (one slot of a tier holds one block)."""
+    host_blocks: int = 0
+    host_capacity: int = 0
+    disk_blocks: int = 0
+    disk_capacity: int = 0
+    offloaded: int = 0            # blocks copied down from the pool
+    loaded_host: int = 0          # blocks loaded back into the pool for a prefix hit, by the tier they came from
+    loaded_disk: int = 0
+    corrupt: int = 0              # blocks that failed their checksum (recomputed instead)
+    recovered: int = 0            # disk blocks found at start-up (a restarted worker's)
+    parked: int = 0               # requests waiting for their blocks to load
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A worker's answer to a stats poll: its health (incarnation, readiness, step counter), its
     load (KV blocks, queues) and counters for the metrics. Role-specific parts are None elsewhere."""
@@ -199,6 +214,7 @@ class WorkerStats:
     spec_heads: tuple[SpecHeadStats, ...] = ()    # --spec-online: tenants' live head versions
     prefill: PrefillStats | None = None
     handoff: HandoffStats | None = None
+    tiers: TierStats | None = None   # KV tiers below the pool, when configured
     # The worker's time.monotonic() when these were read: a push and a poll of one incarnation can
     # arrive out of order (a poll answered before a push is read after it); this orders them.
     taken_at: float = 0.0
@@ -246,7 +262,7 @@ def expect(message, cls):
 # A busy worker pushes its stats to its frontends over the token stream (a "stats" frame), so the
 # router's load view stays fresh without a Ray call per worker several times a second (each costs
 # the driver ~2 ms of CPU). The body is a msgpack map of the dataclass's fields, read back strictly.
-_STATS_PARTS = {"prefill": PrefillStats, "handoff": HandoffStats}
+_STATS_PARTS = {"prefill": PrefillStats, "handoff": HandoffStats, "tiers": TierStats}
 
 
 def stats_to_wire(stats: WorkerStats) -> dict:

@@ -67,6 +67,8 @@ class EngineLoop:
         self.steps = 0                  # steps that did work (read by the progress watchdog)
         self._idle_at: tuple | None = None   # the queue sizes of an idle step: sleep until they change
         self._stop = threading.Event()
+        if getattr(engine, "tiers", None) is not None:   # a finished tier job wakes an idle loop to poll it
+            engine.tiers.notify = lambda: self.soon(_nothing)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -286,6 +288,10 @@ class EngineLoop:
         self._streams.clear()
         for sink, errors in by_sink.items():
             self.sender.send(sink, encode_errors(errors))
+
+
+def _nothing(engine: LLMEngine) -> None:
+    """A command that only wakes the loop: the next step polls what changed."""
 
 
 def _log_failure(fut: Future) -> None:

@@ -29,25 +29,11 @@ from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import BlockHash
 from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.transfer.checksum import block_checksums
+from cluster.worker_messages import TierStats
 
 log = logging.getLogger(__name__)
 
 HOST, DISK = "host", "disk"
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """A worker's tiers, for its stats and the metrics (blocks, not bytes: a block is one slot)."""
-    host_blocks: int = 0
-    host_capacity: int = 0
-    disk_blocks: int = 0
-    disk_capacity: int = 0
-    offloaded: int = 0            # blocks copied down from the pool
-    loaded_host: int = 0          # blocks loaded back into the pool for a prefix hit, by the tier they came from
-    loaded_disk: int = 0
-    corrupt: int = 0              # blocks that failed their checksum (recomputed instead)
-    recovered: int = 0            # disk blocks found at start-up (a restarted worker's)
-    parked: int = 0               # requests waiting for their blocks to load
 
 
 @dataclass
