@@ -148,14 +148,15 @@ def vllm_preloads(venv: Path, choice: str) -> list[str]:
     return libs
 
 
-def start_vllm(venv: Path, model: Path, log: Path, kv_space_gib: int = 2, preload: str = "auto",
+def start_vllm(venv: Path, model: Path, log: Path, kv_space_gib: int | None = 2, preload: str = "auto",
                extra_args: list[str] = (), timeout: float = 900.0) -> Server:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
     # PYTHONPATH would put this repository's `kernels` package in front of the one vLLM imports.
     libs = vllm_preloads(venv, preload)
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cpu_list(),  # all cores: no core kept back
-               VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib))
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=cpu_list())  # all cores: no core kept back
+    if kv_space_gib is not None:   # None: the caller sizes the pool itself (--kv-cache-memory-bytes)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
     if libs:
         env["LD_PRELOAD"] = ":".join(libs)
     cmd = [str(venv / "bin" / "python"), str(REPO / "bench" / "vllm_shim.py"), "serve", str(model),

@@ -228,6 +228,7 @@ class KVTiers:
                 return None
             self.arena[:, :, block].copy_(self._staging)
             tier = DISK
+            self._promote(key, entry.checksum)
         if block_checksums(self.arena, [block])[0] != entry.checksum:
             log.warning("KV block %s from the %s tier failed its checksum: dropped, recomputed", key.hex(), tier)
             with self._lock:
@@ -237,6 +238,16 @@ class KVTiers:
                 self.counts["corrupt"] += 1
             return None
         return tier
+
+    def _promote(self, key: BlockHash, checksum: int) -> None:
+        """A block read from disk also goes to the host tier: the next hit is a memory copy.
+        (Checked against `checksum` with the block it was loaded into; a bad one is dropped there.)"""
+        with self._lock:
+            slot = self.host.take_slot()
+        if slot is not None:
+            self.host.slots[slot].copy_(self._staging)
+            with self._lock:
+                self.host.commit(key, slot, checksum)
 
     def _read_disk(self, key: BlockHash):
         if self.disk is None:
