@@ -193,6 +193,10 @@ class CacheConfig:
         None, f"bytes of the host tier below the KV pool (blocks evicted from the pool stay there, and a prefix hit "
               f"loads them back instead of recomputing; pinned host memory on GPU): {_SIZE_HELP}",
         parse=parse_memory_size, metavar="SIZE", default_text="no host tier")
+    kv_host_shared: str | None = setting(
+        None, "share the host tier between the workers of a node: every worker started with this name maps one "
+              "segment of --kv-host-bytes in /dev/shm (a prefix any of them stored is read by all)", metavar="NAME",
+        default_text="each worker's own host tier")
     kv_disk_dir: str | None = setting(None, "directory of the disk tier below the host tier (one file per block; a "
                                             "restarted worker reuses what its files hold)", metavar="DIR",
                                       default_text="no disk tier")
@@ -205,6 +209,11 @@ class CacheConfig:
             value = getattr(self, name)
             require(value is None or (isinstance(value, int) and value >= 0), name,
                     f"must be a number of bytes >= 0, got {value!r}")
+        require(self.kv_host_shared is None or (bool(self.kv_host_shared) and self.kv_host_shared.replace("-", "")
+                                                 .replace("_", "").isalnum()), "kv_host_shared",
+                f"must be a name of letters, digits, - and _, got {self.kv_host_shared!r}")
+        require(self.kv_host_shared is None or bool(self.kv_host_bytes), "kv_host_shared",
+                "needs --kv-host-bytes (the shared segment's size)")
         require(self.kv_disk_bytes is None or self.kv_disk_dir is not None, "kv_disk_bytes",
                 "needs --kv-disk-dir (where the disk tier's files go)")
         require(self.block_size > 0 and not self.block_size & (self.block_size - 1), "block_size",

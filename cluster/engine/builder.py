@@ -17,10 +17,11 @@ from cluster.engine.runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculation import SpecFootprint, Speculator
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.tier_plan import plan_tiers
-from cluster.kv.tier_store import DiskTier
-from cluster.kv.tiers import KVTiers
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
+from cluster.kv.shared_host import SharedHostTier
+from cluster.kv.tier_plan import plan_tiers
+from cluster.kv.tier_store import DiskTier, HostTier
+from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
@@ -153,7 +154,14 @@ def build_tiers(cache: CacheConfig, plan: MemoryPlan, kv_cache: PagedKVCache, po
         disk = DiskTier(tier_plan.disk_dir, kv_cache.layout.layout_hash(), tier_plan.disk_blocks * block_bytes)
         if disk.recovered:
             log.info("KV disk tier: %d blocks found in %s (reused)", disk.recovered, disk.dir)
-    tiers = KVTiers(pool, kv_cache.arena, tier_plan.host_blocks, disk)
+    arena = kv_cache.arena
+    block_shape = tuple(arena[:, :, 0].shape)
+    if cache.kv_host_shared and tier_plan.host_blocks:
+        host = SharedHostTier(cache.kv_host_shared, tier_plan.host_blocks, block_shape, arena.dtype,
+                              kv_cache.layout.layout_hash())
+    else:
+        host = HostTier(tier_plan.host_blocks, block_shape, arena.dtype, pin=device.type == "cuda")
+    tiers = KVTiers(pool, arena, host, disk)
     pool.on_cached = tiers.offload
     return tiers
 

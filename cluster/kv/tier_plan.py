@@ -15,6 +15,7 @@ import torch
 
 from cluster.config import KV_DISK_DEFAULT_BYTES, CacheConfig, format_size
 from cluster.kv.paged_cache import MemoryPlan, available_memory
+from cluster.kv.shared_host import segment_path
 
 
 @dataclass(frozen=True)
@@ -25,14 +26,16 @@ class TierPlan:
     disk_dir: str | None
     host_free: int            # host memory free beside the engine's plan when planned
     disk_free: int
+    shared: str | None = None   # the node-shared host segment's name
 
     @property
     def enabled(self) -> bool:
         return self.host_blocks > 0 or self.disk_dir is not None
 
     def describe(self) -> str:
-        host = (f"host {format_size(self.host_blocks * self.block_bytes)} ({self.host_blocks} blocks, "
-                f"{format_size(self.host_free)} free beside the engine)" if self.host_blocks else "host off")
+        host = (f"host {format_size(self.host_blocks * self.block_bytes)} ({self.host_blocks} blocks"
+                + (f", shared by this node's workers as {self.shared}" if self.shared else "")
+                + f", {format_size(self.host_free)} free beside the engine)" if self.host_blocks else "host off")
         disk = (f"disk {format_size(self.disk_blocks * self.block_bytes)} ({self.disk_blocks} blocks) in "
                 f"{self.disk_dir}, {format_size(self.disk_free)} free there" if self.disk_dir else "disk off")
         return f"KV tiers: {host}; {disk}"
@@ -46,7 +49,8 @@ def plan_tiers(cache: CacheConfig, plan: MemoryPlan, block_bytes: int, device: t
     if host_bytes and host_bytes < block_bytes:
         raise ValueError(f"--kv-host-bytes {format_size(host_bytes)} is smaller than one KV block "
                          f"({format_size(block_bytes)}); raise it or leave it out")
-    if host_bytes > host_free:
+    shared = cache.kv_host_shared is not None and segment_path(cache.kv_host_shared).exists()
+    if host_bytes > host_free and not shared:      # a node's shared segment made by another worker is counted
         raise ValueError(f"--kv-host-bytes {format_size(host_bytes)} does not fit: the host has "
                          f"{format_size(max(0, host_free))} free beside the engine's plan; lower it")
     disk_blocks, disk_free = 0, 0
@@ -60,7 +64,8 @@ def plan_tiers(cache: CacheConfig, plan: MemoryPlan, block_bytes: int, device: t
             raise ValueError(f"--kv-disk-bytes {format_size(disk_bytes)} does not fit in {cache.kv_disk_dir}: "
                              f"{format_size(disk_free)} free there (its block files included); lower it")
         disk_blocks = disk_bytes // block_bytes
-    return TierPlan(block_bytes, host_bytes // block_bytes, disk_blocks, cache.kv_disk_dir, host_free, disk_free)
+    return TierPlan(block_bytes, host_bytes // block_bytes, disk_blocks, cache.kv_disk_dir, host_free, disk_free,
+                    cache.kv_host_shared)
 
 
 def _disk_room(path: Path) -> int:

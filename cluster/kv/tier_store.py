@@ -32,6 +32,7 @@ _SUFFIX = ".kv"
 class TierEntry:
     where: int          # the host tier's slot; the disk tier's payload bytes
     checksum: int
+    gen: int = 0        # the slot's generation when read (a shared host tier reuses slots under readers)
 
 
 class HostTier:
@@ -54,6 +55,11 @@ class HostTier:
         if entry is not None:
             self.index.move_to_end(key)
         return entry
+
+    def still(self, entry: TierEntry) -> bool:
+        """The slot of `entry` kept its block while it was copied out: always, in a private tier
+        (only its own tier thread writes slots)."""
+        return True
 
     def take_slot(self) -> int | None:
         """A slot to write into, the least recently used entry's if none is free (it leaves the index)."""

@@ -27,6 +27,7 @@ import torch
 
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import BlockHash
+from cluster.kv.shared_host import SharedHostTier
 from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.transfer.checksum import block_checksums
 from cluster.worker_messages import TierStats
@@ -47,12 +48,12 @@ class _Load:
 
 
 class KVTiers:
-    def __init__(self, pool: BlockPool, arena: torch.Tensor, host_blocks: int, disk: DiskTier | None,
+    def __init__(self, pool: BlockPool, arena: torch.Tensor, host: HostTier | SharedHostTier, disk: DiskTier | None,
                  notify: Callable[[], None] | None = None):
         self.pool = pool
         self.arena = arena
         block_shape = tuple(arena[:, :, 0].shape)
-        self.host = HostTier(host_blocks, block_shape, arena.dtype, pin=arena.device.type == "cuda")
+        self.host = host
         self.disk = disk
         self._staging = torch.empty(block_shape, dtype=arena.dtype, pin_memory=arena.device.type == "cuda")
         self.notify = notify
@@ -221,6 +222,9 @@ class KVTiers:
             entry = self.host.get(key)
         if entry is not None:
             self.arena[:, :, block].copy_(self.host.slots[entry.where])
+            if not self.host.still(entry):      # another worker of the node reused the slot mid-copy
+                entry = None
+        if entry is not None:
             tier = HOST
         else:
             entry = self._read_disk(key)

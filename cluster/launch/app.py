@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import WorkerConfig
+from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig
 from cluster.metrics import ClusterMetrics
 from cluster.model.kernel_choice import engine_config_plan
@@ -174,6 +175,9 @@ class RunningCluster:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001
                 pass
+        if self.config.engine.cache.kv_host_shared:
+            # The node's shared host tier outlives killed workers (a restarted one finds it), not the cluster.
+            segment_path(self.config.engine.cache.kv_host_shared).unlink(missing_ok=True)
         if self.started_ray:
             ray.shutdown()
 

@@ -19,9 +19,9 @@ POOL = 24            # two prompts' worth: a third evicts the first
 
 
 def _engine(model_dir, tmp: Path | None = None, host: int | None = None, blocks: int = POOL,
-            caching: bool = True, disk_bytes: int | None = None) -> LLMEngine:
+            caching: bool = True, disk_bytes: int | None = None, shared: str | None = None) -> LLMEngine:
     cache = CacheConfig(block_size=BS, num_blocks=blocks, enable_prefix_caching=caching, kv_host_bytes=host,
-                        kv_disk_dir=str(tmp) if tmp else None, kv_disk_bytes=disk_bytes)
+                        kv_disk_dir=str(tmp) if tmp else None, kv_disk_bytes=disk_bytes, kv_host_shared=shared)
     return LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=128, num_threads=1, cache=cache,
                                   scheduler=SchedulerConfig(max_num_batched_tokens=64)))
 
@@ -127,6 +127,30 @@ def test_tenants_do_not_share_tier_blocks_and_an_abort_while_loading_leaks_nothi
     deltas = engine.step()
     assert [d.request_id for d in deltas if d.finished] == [rid]
     _settle(engine)
+
+
+def test_workers_sharing_a_host_tier_read_each_others_prefixes(model, reference):
+    """Two engines (two workers of a node) map one shared host segment: a prompt the first computed
+    is loaded by the second, never computed there."""
+    import uuid
+    from cluster.kv.shared_host import segment_path
+    name = uuid.uuid4().hex[:12]
+    host = 64 * _block_bytes(_engine(model))
+    a, b = _engine(model, host=host, shared=name), _engine(model, host=host, shared=name)
+    try:
+        assert list(_run(a, 0).token_ids) == reference[0]
+        _settle(a)
+        computed = b.prompt_tokens_computed
+        hit = _run(b, 0)
+        assert list(hit.token_ids) == reference[0] and hit.num_cached_tokens == (PROMPT - 1) // BS * BS
+        assert b.tiers.stats().loaded_host == (PROMPT - 1) // BS
+        assert b.prompt_tokens_computed - computed == PROMPT - hit.num_cached_tokens
+        _settle(b)
+        assert a.tiers.stats().host_blocks == b.tiers.stats().host_blocks > 0    # one index
+    finally:
+        for e in (a, b):
+            e.tiers.close()
+        segment_path(name).unlink()
 
 
 def test_tier_configurations_that_do_not_fit_are_refused(model, tmp_path):

@@ -75,3 +75,57 @@ def test_capacity_plan_counts_blocks_and_names_the_flag(tmp_path):
     assert not plan_tiers(CacheConfig(), plan, 1024, torch.device("cpu")).enabled
     with pytest.raises(ValueError, match="--kv-disk-bytes 1 KiB is smaller than one KV block"):
         plan_tiers(CacheConfig(kv_disk_dir=str(tmp_path), kv_disk_bytes=1024), plan, 4096, torch.device("cpu"))
+
+
+def _shared(name: str, capacity: int = 4):
+    from cluster.kv.shared_host import SharedHostTier
+    return SharedHostTier(name, capacity, (8,), torch.float32, layout_tag="layout")
+
+
+def test_a_shared_host_tier_is_one_index_for_every_mapping_of_it():
+    import uuid
+    from cluster.kv.shared_host import segment_path
+    name = uuid.uuid4().hex[:12]
+    a, b = _shared(name), _shared(name)
+    try:
+        slot = a.take_slot()
+        a.slots[slot].fill_(7.0)
+        a.commit(_key(1), slot, checksum=11)
+        entry = b.get(_key(1))                       # the other worker finds it, bytes and checksum
+        assert entry.checksum == 11 and bool((b.slots[entry.where] == 7.0).all()) and b.still(entry)
+        for i in range(2, 6):                        # four more blocks through b: the LRU one (key 1) goes
+            s = b.take_slot()
+            b.commit(_key(i), s, checksum=i)
+        assert _key(1) not in a and len(a) == 4 and not a.still(entry)   # a reader of key 1 sees it moved
+        dup = a.take_slot()                          # the same key stored by two workers: one copy stays
+        a.commit(_key(5), dup, checksum=5)
+        assert len(a) == 3 and a.get(_key(5)).where != dup
+        for i in (2, 3, 4, 5):                       # deletion keeps every other key reachable
+            a.drop(_key(i))
+            assert all(_key(k) in b for k in range(i + 1, 6))
+        assert len(b) == 0
+        with pytest.raises(ValueError, match="made for another model or size"):
+            _shared(name, capacity=8)
+    finally:
+        a.close()
+        b.close()
+        segment_path(name).unlink()
+
+
+def test_a_slot_left_writing_by_a_dead_worker_is_reclaimed():
+    import subprocess
+    import sys
+    import uuid
+    from cluster.kv.shared_host import segment_path
+    name = uuid.uuid4().hex[:12]
+    code = ("import torch; from cluster.kv.shared_host import SharedHostTier as T; "
+            f"t = T({name!r}, 1, (8,), torch.float32, 'layout'); print(t.take_slot())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.strip() == "0", out.stderr
+    tier = _shared(name, capacity=1)
+    try:
+        assert tier.take_slot() == 0                 # its writer exited mid-copy: the slot is free again
+    finally:
+        tier.close()
+        segment_path(name).unlink()
