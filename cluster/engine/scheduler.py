@@ -234,7 +234,6 @@ class Scheduler:
             if self.hit_filter is not None:
                 hits = self.hit_filter(hits)
             self.pool.touch(hits)
-            self._unpin(seq)
             seq.block_ids = list(hits)
             seq.num_computed_tokens = len(hits) * bs
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -276,15 +275,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
-    def _unpin(self, seq: Sequence) -> None:
-        """Drop the pins a tier load left for admission (the hits hold their own references now)."""
-        if seq.tier_pins:
-            self.pool.free(reversed(seq.tier_pins))
-            seq.tier_pins = []
-
     def release(self, seq: Sequence) -> None:
         """Give back `seq`'s blocks; what they held is to be recomputed."""
-        self._unpin(seq)
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_computed_tokens = 0

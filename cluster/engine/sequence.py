@@ -42,9 +42,6 @@ class Sequence:
     # What the engine's speculator keeps on the request (decode/spec/: the EAGLE head's feature);
     # it outlives the request's end, since a P/D producer exports it after the last step.
     spec_state: object | None = None
-    # Pool blocks of its prompt's prefix that KV tiers loaded (and the cached ones before them),
-    # pinned from the load until admission takes its own references (cluster/kv/tiers.py).
-    tier_pins: list[int] = field(default_factory=list)
     tenant: str = ""     # the API key's tenant: per-tenant state beside the KV (decode/spec/online/)
 
     def __post_init__(self) -> None:

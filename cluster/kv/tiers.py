@@ -107,7 +107,7 @@ class KVTiers:
 
     def poll(self) -> list:
         """Finish what the tier thread completed: unpin offloaded blocks, publish loaded ones.
-        Returns the parked requests now ready to queue (pins handed over in `seq.tier_pins`)."""
+        Returns the parked requests now ready to queue."""
         ready = []
         while self._done:
             kind, job = self._done.popleft()
@@ -126,11 +126,12 @@ class KVTiers:
         self.pool.free(reversed(load.blocks[load.good:]))
         for tier in load.tiers:
             self.counts[tier] += 1
-        if load.seq.is_finished:          # aborted while it waited: nothing to hand over
-            self.pool.free(reversed(load.pins + kept))
-            return []
-        load.seq.tier_pins = load.pins + kept
-        return [load.seq]
+        # The pins end here, not at admission: a queued request that held blocks would be a
+        # resource the scheduler cannot see (two parked requests, each waiting behind blocks the
+        # other pins, stalled a decode worker). Freed, the blocks stay cached at the LRU's tail,
+        # where admission finds them as prefix hits.
+        self.pool.free(reversed(load.pins + kept))
+        return [] if load.seq.is_finished else [load.seq]   # an abort while it loaded: nothing to queue
 
     @property
     def busy(self) -> bool:

@@ -129,6 +129,29 @@ def test_tenants_do_not_share_tier_blocks_and_an_abort_while_loading_leaks_nothi
     _settle(engine)
 
 
+def test_requests_queued_after_their_loads_pin_nothing(model, reference):
+    """Loaded blocks are published and unpinned before their request is queued: a queued request
+    holding blocks would be a resource the scheduler cannot see (two of them, each waiting behind
+    the other's pins, once stalled a decode worker)."""
+    engine = _engine(model, host=64 * _block_bytes(_engine(model)), blocks=2 * ((PROMPT + 6) // BS + 1))
+    for seed in (0, 1, 2, 3):
+        _run(engine, seed)
+    _settle(engine)
+    ids = [engine.add_request(_prompt(seed), SP) for seed in (0, 1)]
+    assert all(engine.tiers.is_parked(engine.sequence(rid)) for rid in ids)
+    for seq in engine.tiers.drain():
+        engine.scheduler.add(seq)
+    assert engine.pool.num_used == 0 and len(engine.scheduler.waiting) == 2
+    tokens, finished = {rid: [] for rid in ids}, set()
+    while len(finished) < 2:
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+            if d.finished:
+                finished.add(d.request_id)
+    assert [tokens[rid] for rid in ids] == [reference[0], reference[1]]
+    _settle(engine)
+
+
 def test_workers_sharing_a_host_tier_read_each_others_prefixes(model, reference):
     """Two engines (two workers of a node) map one shared host segment: a prompt the first computed
     is loaded by the second, never computed there."""
