@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sysconfig
 import tempfile
@@ -61,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--think", type=float, default=3.0, help="seconds between a reply and the next turn")
     ap.add_argument("--stagger", type=float, default=1.5, help="seconds between session starts")
     ap.add_argument("--pool-gib", type=float, default=0.25, help="KV pool per worker (vLLM: VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="both servers' context (vLLM sizes its pool check by it)")
     ap.add_argument("--host-bytes", default="2GiB")
     ap.add_argument("--disk-bytes", default="4GiB")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "agent_sessions")
@@ -158,7 +160,7 @@ def served_counts(mode: str, before: dict, after: dict, block: int) -> dict:
 def start(mode: str, args, logs: Path, disk_dir: Path):
     if mode.startswith("vllm"):
         extra = ["--kv-cache-memory-bytes", str(int(args.pool_gib * (1 << 30))), "--enable-prefix-caching",
-                 "--block-size", str(BLOCK)]
+                 "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len)]
         if mode == "vllm-offload":       # its CPU KV offloading, where its CPU build has it
             extra += ["--kv-offloading-size", str(parse_size(args.host_bytes) / (1 << 30)),
                       "--kv-offloading-backend", "native"]
@@ -167,9 +169,10 @@ def start(mode: str, args, logs: Path, disk_dir: Path):
         return server, server.target + "/metrics"
     port = free_port()
     extra = ["--kv-cache-memory", f"{int(args.pool_gib * 1024)}MiB", "--metrics-port", str(port),
-             "--block-size", str(BLOCK)]
+             "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len)]
     if mode == "tiers-on":
-        extra += ["--kv-host-bytes", args.host_bytes, "--kv-disk-dir", str(disk_dir), "--kv-disk-bytes", args.disk_bytes]
+        extra += ["--kv-host-bytes", args.host_bytes, "--kv-host-shared", f"bench{os.getpid()}", "--kv-disk-dir",
+                  str(disk_dir), "--kv-disk-bytes", args.disk_bytes]
     server = start_splitserve("pd-http", args.model, logs / f"{mode}.log", None, extra_args=extra)
     return server, f"http://127.0.0.1:{port}/metrics"
 
