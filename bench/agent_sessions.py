@@ -8,8 +8,9 @@ library) and the model's answer to the history, with a think time between turns.
 staggered, so many are open at once and their histories, together, are several times what the KV
 pools hold: a session's next turn finds its history evicted from the pool, unless a tier below
 kept it. Every request goes through the OpenAI completions API over HTTP (token-id prompts,
-greedy, streamed), to `splitserve serve --prefill 1 --decode 1` with the same pool size per worker
-and tiers off or on, and to `vllm serve` (its CPU build, prefix caching on) with the same pool.
+greedy, streamed), to `splitserve serve --colocated` (or `--layout pd`: one prefill and one decode
+worker, each with the pool) with tiers off or on, and to `vllm serve` (its CPU build, prefix
+caching on) with the same pool.
 
 It prints, per mode: TTFT p50 / p99, the prompt tokens that were reusable (a prefix an earlier
 request already sent, in whole 16-token blocks), how many of them each server served from its
@@ -54,15 +55,18 @@ def parse_args() -> argparse.Namespace:
                     choices=["tiers-off", "tiers-on", "vllm", "vllm-offload"])
     ap.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M-Instruct (the default model)")
     ap.add_argument("--vllm-venv", type=Path, default=None)
-    ap.add_argument("--sessions", type=int, default=40)
+    ap.add_argument("--sessions", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=1024)
     ap.add_argument("--turn-tokens", type=int, default=384, help="user instruction + tool output per turn")
     ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--think", type=float, default=3.0, help="seconds between a reply and the next turn")
-    ap.add_argument("--stagger", type=float, default=1.5, help="seconds between session starts")
+    ap.add_argument("--think", type=float, default=10.0, help="seconds between a reply and the next turn")
+    ap.add_argument("--stagger", type=float, default=1.0, help="seconds between session starts")
     ap.add_argument("--pool-gib", type=float, default=0.25, help="KV pool per worker (vLLM: VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="both servers' context (vLLM sizes its pool check by it)")
+    ap.add_argument("--layout", choices=["colocated", "pd"], default="colocated",
+                    help="colocated: one engine, one pool, as vLLM has; pd: one prefill and one decode worker, "
+                         "each with the pool")
     ap.add_argument("--host-bytes", default="2GiB")
     ap.add_argument("--disk-bytes", default="4GiB")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "agent_sessions")
@@ -173,7 +177,7 @@ def start(mode: str, args, logs: Path, disk_dir: Path):
     if mode == "tiers-on":
         extra += ["--kv-host-bytes", args.host_bytes, "--kv-host-shared", f"bench{os.getpid()}", "--kv-disk-dir",
                   str(disk_dir), "--kv-disk-bytes", args.disk_bytes]
-    server = start_splitserve("pd-http", args.model, logs / f"{mode}.log", None, extra_args=extra)
+    server = start_splitserve(f"{args.layout}-http", args.model, logs / f"{mode}.log", None, extra_args=extra)
     return server, f"http://127.0.0.1:{port}/metrics"
 
 
@@ -203,6 +207,8 @@ def run_mode(mode: str, args, system, sessions_of, logs: Path) -> dict:
             "requests": len(ttft), "prompt_tokens": sum(s.prompt_tokens for s in sessions), "reusable": reusable,
             **counts, "served_share": (counts["pool"] + counts["host"] + counts["disk"]) / max(1, reusable),
             "tier_share": (counts["host"] + counts["disk"]) / max(1, reusable),
+            # of the reusable tokens the pool no longer held: the share a lower tier served
+            "tier_of_misses": (counts["host"] + counts["disk"]) / max(1, reusable - counts["pool"]),
             "output_tok_s": sum(s.output_tokens for s in sessions) / wall, "wall_s": wall}
 
 
@@ -226,11 +232,11 @@ def main() -> None:
             print(f"{mode}: could not run: {exc}", flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
     print(f"{'mode':10} {'TTFT p50':>9} {'p99':>7} {'reusable':>9} {'pool':>8} {'host':>8} {'disk':>8} "
-          f"{'computed':>9} {'served':>7} {'tiers':>6} {'out tok/s':>9}")
+          f"{'computed':>9} {'served':>7} {'tiers':>6} {'of miss':>7} {'out tok/s':>9}")
     for r in rows:
         print(f"{r['mode']:10} {r['ttft_p50']:9.3f} {r['ttft_p99']:7.3f} {r['reusable']:9d} {r['pool']:8.0f} "
               f"{r['host']:8.0f} {r['disk']:8.0f} {r['computed']:9.0f} {r['served_share']:7.1%} {r['tier_share']:6.1%} "
-              f"{r['output_tok_s']:9.1f}")
+              f"{r['tier_of_misses']:7.1%} {r['output_tok_s']:9.1f}")
 
 
 if __name__ == "__main__":

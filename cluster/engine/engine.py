@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from itertools import islice
 from collections.abc import Iterable, Iterator, Sequence as Seq
 
 import torch
@@ -31,6 +32,9 @@ from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
+
+# How many requests at the queue's head may load KV from the tiers at once: those about to run.
+TIER_LOOKAHEAD = 4
 
 
 class LLMEngine:
@@ -53,6 +57,8 @@ class LLMEngine:
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
+        if self.tiers is not None and self.pool.enable_prefix_caching:
+            self.scheduler.admit_gate = lambda seq: not self._needs_tier_check(seq)
         self.requests = Requests(self.tokenizer, self.scheduler)
         self.hold_hook: HoldHook | None = None   # set by a prefill worker (prefill/handoff.py)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
@@ -138,14 +144,32 @@ class LLMEngine:
         return request_id
 
     def _queue(self, seq: Sequence) -> None:
-        """Queue a new request, unless KV tiers hold blocks of its prompt past the pool's cached
-        prefix: then it waits for them to load (prefetch on arrival) and is queued by `step`."""
-        if self.tiers is not None and self.pool.enable_prefix_caching and not seq.wants_prompt_logprobs:
-            bs = self.layout.block_size
-            seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt)
-            if self.tiers.prefetch(seq, seq.block_hashes, (seq.num_tokens - 1) // bs):
-                return
+        """Queue a new request; when it is next in line and KV tiers hold blocks of its prompt past
+        the pool's cached prefix, `_prefetch_next` parks it while they load."""
         self.scheduler.add(seq)
+        self._prefetch_next()
+
+    def _needs_tier_check(self, seq: Sequence) -> bool:
+        return not (seq.tiers_checked or seq.block_ids or seq.num_computed_tokens or seq.wants_prompt_logprobs)
+
+    def _prefetch_next(self) -> None:
+        """Ask the KV tiers for the prefixes of the requests next in line, in queue order (prefetch
+        at admission, not on arrival: blocks loaded for a request that then waits behind a long
+        queue would be evicted again before it runs). At most TIER_LOOKAHEAD requests load at once;
+        a parked request leaves the queue and `step` puts it back at the front. The scheduler admits
+        no request before it was asked (`admit_gate`), so none recomputes what a tier holds."""
+        if self.tiers is None or not self.pool.enable_prefix_caching:
+            return
+        waiting, bs = self.scheduler.waiting, self.layout.block_size
+        for seq in [s for s in islice(waiting, self.scheduler.config.max_num_seqs) if self._needs_tier_check(s)]:
+            seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt)
+            usable = (seq.num_tokens - 1) // bs
+            if self.tiers.would_load(seq.block_hashes, usable):
+                if self.tiers.num_parked >= TIER_LOOKAHEAD or self.pool.num_free <= 1:
+                    return    # its load waits for a slot (or a free block); the queue waits behind it
+                if self.tiers.prefetch(seq, seq.block_hashes, usable):
+                    waiting.remove(seq)
+            seq.tiers_checked = True
 
     def prefix_keys(self, token_ids: Seq[int], salt: str | None = None) -> list:
         """The pool's keys of the full blocks of `token_ids` (what a prefix hit looks up)."""
@@ -217,8 +241,8 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         out, self.requests.pending = self.requests.pending, []
         if self.tiers is not None:
-            for seq in self.tiers.poll():
-                self.scheduler.add(seq)
+            self.scheduler.waiting.extendleft(reversed(self.tiers.poll()))   # loaded: first in line
+            self._prefetch_next()
         plan = self.scheduler.schedule()
         out += self._ended(plan)
         self.idle_step = plan.empty and not out

@@ -92,6 +92,9 @@ class Scheduler:
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
         self.hit_filter = None
+        # False for a request that may not be admitted yet (its prefix is still to be asked of the
+        # KV tiers, engine._prefetch_next): the queue waits behind it, first come first served.
+        self.admit_gate: Callable[[Sequence], bool] | None = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
         self.queue_time_counts = [0] * len(QUEUE_TIME_BUCKETS)   # per bucket (not cumulative); +Inf: the rest
@@ -165,6 +168,8 @@ class Scheduler:
             return plan   # memory is tight: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.admit_gate is not None and not self.admit_gate(seq):
+                break
             n = self._admit(seq, budget)
             if n == 0:
                 break

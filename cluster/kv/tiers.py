@@ -85,6 +85,11 @@ class KVTiers:
             self._offloads.append((block, key))
             self._jobs.notify()
 
+    def would_load(self, keys: list[BlockHash], usable: int) -> bool:
+        """Whether a tier holds the block after the pool's cached prefix of `keys[:usable]`."""
+        cached = self.pool.match_prefix(keys[:usable])
+        return len(cached) < usable and self.holds(keys[len(cached)])
+
     def prefetch(self, seq, keys: list[BlockHash], usable: int) -> bool:
         """Park `seq` while the blocks of its prompt that a tier holds past the pool's own cached
         prefix load; False (queue it now) when there are none or no free blocks to load into."""
@@ -137,6 +142,10 @@ class KVTiers:
     def busy(self) -> bool:
         """Requests parked or blocks pinned for a copy: the engine has work to come back to."""
         return bool(self._parked or self._offloading)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
 
     def is_parked(self, seq) -> bool:
         return seq in self._parked

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import TIER_LOOKAHEAD, LLMEngine
 from cluster.types import SamplingParams
 
 BS = 4
@@ -149,6 +149,37 @@ def test_requests_queued_after_their_loads_pin_nothing(model, reference):
             if d.finished:
                 finished.add(d.request_id)
     assert [tokens[rid] for rid in ids] == [reference[0], reference[1]]
+    _settle(engine)
+
+
+def test_only_requests_next_in_line_load_and_the_rest_load_when_they_get_there(model, reference):
+    """Prefetch at admission, not on arrival: blocks loaded for a request deep in the queue would be
+    evicted again before it runs. The first TIER_LOOKAHEAD requests load; the others load as they
+    reach the head, and every one is served from the tier."""
+    engine = _engine(model, host=256 * _block_bytes(_engine(model)), blocks=96)
+    seeds = range(6)
+    for seed in seeds:
+        _run(engine, seed)
+    for salt in ("flush", "flush-again"):       # evicts every unsalted prompt from the pool
+        for seed in seeds:
+            _run(engine, seed, salt=salt)
+    _settle(engine)
+    assert all(engine.pool.match_prefix(engine.prefix_keys(_prompt(seed))) == [] for seed in seeds)
+    computed = engine.prompt_tokens_computed
+    ids = [engine.add_request(_prompt(seed), SP) for seed in seeds]
+    parked = [engine.tiers.is_parked(engine.sequence(rid)) for rid in ids]
+    assert parked == [True] * TIER_LOOKAHEAD + [False] * (len(ids) - TIER_LOOKAHEAD)
+    tokens, finished = {rid: [] for rid in ids}, set()
+    while len(finished) < len(ids):
+        engine.wait_for_tiers()
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+            if d.finished:
+                finished.add(d.request_id)
+    assert [tokens[rid] for rid in ids] == [reference[seed] for seed in seeds]
+    full = (PROMPT - 1) // BS
+    assert engine.tiers.stats().loaded_host >= len(ids) * full
+    assert engine.prompt_tokens_computed - computed == len(ids) * (PROMPT - full * BS)
     _settle(engine)
 
 
