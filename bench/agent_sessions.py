@@ -163,8 +163,9 @@ def served_counts(mode: str, before: dict, after: dict, block: int) -> dict:
 
 def start(mode: str, args, logs: Path, disk_dir: Path):
     if mode.startswith("vllm"):
+        # Its CPU attention takes blocks of a multiple of 32 tokens; the pool's bytes are the same.
         extra = ["--kv-cache-memory-bytes", str(int(args.pool_gib * (1 << 30))), "--enable-prefix-caching",
-                 "--block-size", str(BLOCK), "--max-model-len", str(args.max_model_len)]
+                 "--block-size", "32", "--max-model-len", str(args.max_model_len)]
         if mode == "vllm-offload":       # its CPU KV offloading, where its CPU build has it
             extra += ["--kv-offloading-size", str(parse_size(args.host_bytes) / (1 << 30)),
                       "--kv-offloading-backend", "native"]

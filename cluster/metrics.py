@@ -317,6 +317,25 @@ class ClusterMetrics:
                                 "worker, KV moved; short, cached, colocated, no_prefill_worker: on the decode "
                                 "worker)", ["model_name", "place"], registry=r)
 
+        self.kv_index_stale = Gauge(PREFIX + "router_kv_index_stale", "1 when the router has read no KV events "
+                                    "from this worker lately and routes on its load alone (summed over frontends: "
+                                    "how many of them)", ["model_name", "worker"], registry=r)
+        self.kv_index_blocks = Gauge(PREFIX + "router_kv_index_blocks", "blocks the router's KV index holds for the "
+                                     "worker, by tier (a shared host tier counts for each worker of it; summed over "
+                                     "frontends)", ["model_name", "worker", "tier"], registry=r)
+        self.kv_index_reads = Gauge(PREFIX + "router_kv_index_reads", "KV event batches applied to the router's "
+                                    "index, by kind (events: changes; snapshot: a full resync after a restart or "
+                                    "a gap)", ["model_name", "kind"], registry=r)
+
+    def update_kv_index(self, per_worker: dict, counts: dict) -> None:
+        """The router's cluster-wide KV index (router/kv_index.py): staleness and size per worker."""
+        for worker, (stale, pool, host, disk) in per_worker.items():
+            self.kv_index_stale.labels(model_name=self.model_name, worker=worker).set(int(stale))
+            for tier, n in (("pool", pool), ("host", host), ("disk", disk)):
+                self.kv_index_blocks.labels(model_name=self.model_name, worker=worker, tier=tier).set(n)
+        for kind, n in counts.items():
+            self.kv_index_reads.labels(model_name=self.model_name, kind=kind).set(n)
+
     def _histogram(self, name: str, text: str, buckets: tuple = _LATENCY_BUCKETS):
         """A request histogram of this model (its one label bound)."""
         family = Histogram(PREFIX + name, text, ["model_name"], registry=self._requests, buckets=buckets)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
+from cluster.kv.kv_events import KVEventBatch, KVEventLog
 from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
@@ -45,6 +47,16 @@ def _own_disk_tier(engine: EngineConfig, name: str) -> EngineConfig:
     return dataclasses.replace(engine, cache=dataclasses.replace(cache, kv_disk_dir=str(Path(cache.kv_disk_dir) / name)))
 
 
+def _kv_event_log(engine: LLMEngine, name: str, shared: str | None) -> KVEventLog:
+    """The log of what this worker's pool and tiers gain and lose, read by the router's index. A
+    node-shared host tier is one domain per node and segment: every worker of it reports into it."""
+    log = KVEventLog(name, host_domain=f"{socket.gethostname()}/{shared}" if shared else name)
+    engine.pool.events = log
+    if engine.tiers is not None:
+        engine.tiers.attach_events(log)
+    return log
+
+
 class EngineWorker:
     role = "worker"
 
@@ -53,6 +65,7 @@ class EngineWorker:
         self.name = name
         self.config = config
         self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory)
+        self.kv_log = _kv_event_log(self.engine, name, config.engine.cache.kv_host_shared)
         self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
         options = {}
         if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
@@ -68,6 +81,11 @@ class EngineWorker:
     def _start_loop(self) -> None:
         self.loop = EngineLoop(self.engine, sender=TokenSender(self.name),
                                stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
+
+    def kv_events(self, epoch: str, cursor: int) -> KVEventBatch:
+        """What this worker's pool and tiers gained and lost since the router's `cursor` (or a
+        snapshot): the router's cluster-wide KV index reads it (router/kv_index.py)."""
+        return self.kv_log.read(epoch, cursor)
 
     def _stats_frame(self) -> bytes:
         """`stats` as a token-stream frame (the engine loop pushes it to the frontends)."""

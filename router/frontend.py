@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.admission import AdmissionConfig
+from router.kv_index import feed_kv_events
 from router.connections import ConnectionLimits
 from router.router_config import RouterConfig
 from router.validation import Limits
@@ -67,7 +68,7 @@ class Frontend:
         self.siblings: list = []
         self.router = self.service = self.server = self.http = None
         self.port: int | None = None     # gRPC's, once bound (None: no gRPC server)
-        self._poll_task = self._ready_task = None
+        self._poll_task = self._ready_task = self._kv_task = None
 
     async def start(self) -> int | None:
         """Bind the servers (health NOT_SERVING until every worker is ready); the gRPC port."""
@@ -105,6 +106,9 @@ class Frontend:
                                   client_ca=cfg.tls_client_ca)
         if cfg.poll_stats_s is not None:
             self._poll_task = asyncio.ensure_future(self._poll_stats(clients))
+        self._kv_task = asyncio.ensure_future(feed_kv_events(
+            self.router.workers.kv_index, clients, cfg.router.kv_events_period_s, cfg.poll_timeout_s,
+            lambda index: self.metrics.update_kv_index(index.samples(), index.counts)))
         self._ready_task = asyncio.ensure_future(self._serve_when_ready())
         # What start-up made (torch, the tokenizer, the servers) lives as long as the process: out
         # of the collector's sight, a full collection under a request flood walks only new objects
@@ -159,8 +163,9 @@ class Frontend:
         """Streams in flight end with UNAVAILABLE ("shutting down"), then the server stops."""
         if self._poll_task is not None:
             self._poll_task.cancel()
-        if self._ready_task is not None:
-            self._ready_task.cancel()
+        for task in (self._ready_task, self._kv_task):
+            if task is not None:
+                task.cancel()
         await self.service.set_serving(False)
         self.service.admission.close()
         await self.router.shutdown()

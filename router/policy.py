@@ -16,10 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from cluster.kv.hashing import BlockHash
+from router.kv_index import ClusterKVIndex
+
+
+# A cached block in a tier below the pool saves its prefill but costs a copy: worth a little less
+# than one in the pool (a host copy takes microseconds per block, a disk read tens of them).
+HOST_BLOCK_WEIGHT = 0.9
+DISK_BLOCK_WEIGHT = 0.7
 
 
 @dataclass
@@ -31,10 +39,22 @@ class WorkerView:
     blocks_total: int = 1
     running: int = 0
     healthy: bool = True
-    cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU order
+    cached: OrderedDict = field(default_factory=OrderedDict)   # block hash -> when last sent, LRU order
     cache_capacity: int = 1 << 16
+    index: ClusterKVIndex | None = None     # the workers' own KV events, when the router reads them
 
-    def cached_prefix(self, hashes: list[BlockHash]) -> int:
+    def cached_prefix(self, hashes: list[BlockHash]) -> float:
+        """The prompt's leading blocks this worker would not compute: with the KV index, what the
+        worker says it holds, a block in a tier below the pool counted for a little less (it has to
+        be loaded); a worker whose events stopped counts as holding nothing (load decides). Without
+        the index: the router's own record of what it sent the worker."""
+        if self.index is not None:
+            c = self.index.cached(self.name, hashes)
+            score = c.pool + HOST_BLOCK_WEIGHT * (c.host - c.pool) + DISK_BLOCK_WEIGHT * (c.disk - c.host)
+            since = self.index.heard_at(self.name)
+            if since is not None:     # what this router sent it after that read is not in the events yet
+                score = max(score, self._sent_since(hashes, since))
+            return score
         n = 0
         for h in hashes:
             if h not in self.cached:
@@ -42,9 +62,18 @@ class WorkerView:
             n += 1
         return n
 
-    def remember(self, hashes: list[BlockHash]) -> None:
+    def _sent_since(self, hashes: list[BlockHash], since: float) -> int:
+        n = 0
         for h in hashes:
-            self.cached[h] = None
+            if self.cached.get(h, -1.0) < since:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: list[BlockHash]) -> None:
+        now = time.monotonic()
+        for h in hashes:
+            self.cached[h] = now
             self.cached.move_to_end(h)
         while len(self.cached) > self.cache_capacity:
             self.cached.popitem(last=False)

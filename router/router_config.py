@@ -24,12 +24,17 @@ class RouterConfig:
     unavailable_wait_s: float = setting(120.0, "how long a request waits for a routable worker of a role (the "
                                                "cluster starting, or every such worker restarting)")
     max_attempts: int = setting(8, "decode attempts per request (failovers and busy retries)")
+    kv_events_period_s: float = setting(0.5, "how often the router reads the workers' KV events (its cluster-wide "
+                                             "index of the blocks each worker's pool and tiers hold)")
+    kv_index_stale_s: float = setting(5.0, "a worker whose KV events could not be read for this long is routed on "
+                                           "load alone, never on its last known cached blocks, until they arrive")
 
     def __post_init__(self) -> None:
         require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens",
                 f"must be >= 0, got {self.local_prefill_max_tokens}")
         require(0 <= self.local_prefill_cached_fraction <= 1, "local_prefill_cached_fraction",
                 f"must be in [0, 1], got {self.local_prefill_cached_fraction}")
-        for name in ("final_delta_grace_s", "stall_timeout_s", "unavailable_wait_s"):
+        for name in ("final_delta_grace_s", "stall_timeout_s", "unavailable_wait_s", "kv_events_period_s",
+                     "kv_index_stale_s"):
             require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         require(self.max_attempts >= 1, "max_attempts", f"must be >= 1, got {self.max_attempts}")

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from cluster.worker_messages import WorkerStats
 from router.health import Change, WorkerHealth, is_actor_death
+from router.kv_index import ClusterKVIndex
 from router.policy import WorkerView
 from router.router_config import RouterConfig
 from router.workers import WorkerClient
@@ -38,8 +39,9 @@ class WorkerPool:
         self.config = config
         self.policy = policy
         self.clients = {**prefill, **decode}
-        self.views = {n: WorkerView(n, "prefill", healthy=False) for n in prefill} | \
-            {n: WorkerView(n, "decode", healthy=False) for n in decode}
+        self.kv_index = ClusterKVIndex(config.kv_index_stale_s)   # fed by router.kv_index.feed_kv_events
+        self.views = {n: WorkerView(n, "prefill", healthy=False, index=self.kv_index) for n in prefill} | \
+            {n: WorkerView(n, "decode", healthy=False, index=self.kv_index) for n in decode}
         self.health = {n: WorkerHealth(n, stall_s=config.stall_timeout_s) for n in self.views}
         self.latest: dict[str, WorkerStats] = {}     # worker -> the newest stats read (polled or pushed)
         self._routable_changed = asyncio.Event()
@@ -76,6 +78,7 @@ class WorkerPool:
         a timeout or an error of the call's own is not a dead worker."""
         if is_actor_death(exc) and self.health[name].died() is Change.DIED:
             log.warning("worker %s died (%s); routing around it until it is back", name, type(exc).__name__)
+            self.kv_index.forget(name)
             self._set_routable(self.views[name])
 
     def update_stats(self, stats: WorkerStats) -> None:

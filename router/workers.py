@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from cluster.kv.kv_events import KVEventBatch
 from cluster.worker_messages import CONTROL, DecodeCall, GenerateCall, MessageRefused, PrefillCall, PrefillResult, \
     WorkerStats, expect
 
@@ -69,6 +70,9 @@ class WorkerClient:
 
     async def stats(self) -> WorkerStats:
         return expect(await self._control(self.handle.stats).remote(), WorkerStats)
+
+    async def kv_events(self, epoch: str, cursor: int) -> KVEventBatch:
+        return expect(await self._control(self.handle.kv_events).remote(epoch, cursor), KVEventBatch)
 
     async def metadata(self) -> bytes:
         return await self._control(self.handle.metadata).remote()

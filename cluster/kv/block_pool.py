@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from cluster.kv.hashing import BlockHash
+from cluster.kv.kv_events import KVTier
 
 
 class NoFreeBlocks(RuntimeError):
@@ -33,6 +34,7 @@ class BlockPool:
         self.hits = 0
         self.on_allocate = None   # called with newly allocated block ids (per-block side state resets)
         self.on_cached = None     # called with (block, key) when a block is published (KV tiers copy it down)
+        self.events = None        # a KVEventLog (cluster/kv/kv_events.py): keys stored and evicted, for the router
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -94,6 +96,8 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(KVTier.POOL, block_hash)
         if self.on_cached is not None:
             self.on_cached(block, block_hash)
 
@@ -108,6 +112,8 @@ class BlockPool:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.removed(KVTier.POOL, h)
 
     def check_idle(self) -> None:
         """Raise if any block is still referenced: every request has released what it took."""

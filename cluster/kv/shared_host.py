@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from cluster.kv.hashing import BlockHash
+from cluster.kv.kv_events import KVTier
 from cluster.kv.tier_store import TierEntry
 
 _MAGIC = b"SSKVSHM1"
@@ -54,6 +55,7 @@ class SharedHostTier:
         slots_at = -(-(table_at + 8 * self._table_len) // 4096) * 4096
         size = slots_at + slot_bytes * capacity
         self._thread_lock = threading.Lock()
+        self.events = None      # a KVEventLog: the changes this worker makes, for the router
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         with self._locked():
             self._attach(size, capacity, slot_bytes, layout_tag)
@@ -121,7 +123,9 @@ class SharedHostTier:
                 if not len(valid):
                     return None
                 slot = int(valid[np.argmin(self.entries["stamp"][valid])])
-                self._unlink(bytes(self.entries["key"][slot]))
+                evicted = bytes(self.entries["key"][slot])
+                self._unlink(evicted)
+                self._note(evicted, False)
             self.entries["state"][slot] = _WRITING
             self.entries["gen"][slot] += 1
             self.entries["pid"][slot] = os.getpid()
@@ -137,6 +141,7 @@ class SharedHostTier:
             self.entries["stamp"][slot] = self._tick()
             self.entries["state"][slot] = _VALID
             self._insert(key, slot)
+            self._note(key, True)
 
     def give_back(self, slot: int) -> None:
         with self._locked():
@@ -147,6 +152,16 @@ class SharedHostTier:
             slot = self._unlink(key)
             if slot >= 0:
                 self.entries["state"][slot] = _FREE
+                self._note(key, False)
+
+    def keys(self) -> list[BlockHash]:
+        """Every key the segment holds, whoever stored it (the router's snapshot of this tier)."""
+        with self._locked():
+            return [bytes(k) for k in self.entries["key"][self.entries["state"] == _VALID]]
+
+    def _note(self, key: BlockHash, stored: bool) -> None:
+        if self.events is not None:
+            (self.events.stored if stored else self.events.removed)(KVTier.HOST, key)
 
     def close(self) -> None:
         del self.entries, self.table, self.slots, self._header

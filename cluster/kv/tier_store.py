@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from cluster.kv.hashing import BlockHash
+from cluster.kv.kv_events import KVTier
 
 _MAGIC = b"SSKVBLK1"
 _HEADER = struct.Struct("<8sQQ")     # magic, checksum, payload bytes
@@ -43,6 +44,11 @@ class HostTier:
         self.slots = torch.empty((capacity, *block_shape), dtype=dtype, pin_memory=pin)
         self.index: OrderedDict[BlockHash, TierEntry] = OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
+        self.events = None      # a KVEventLog: what this tier gained and lost, for the router
+
+    def _note(self, key: BlockHash, stored: bool) -> None:
+        if self.events is not None:
+            (self.events.stored if stored else self.events.removed)(KVTier.HOST, key)
 
     def __contains__(self, key: BlockHash) -> bool:
         return key in self.index
@@ -67,11 +73,13 @@ class HostTier:
             return self._free.pop()
         if not self.index:
             return None
-        _, entry = self.index.popitem(last=False)
+        key, entry = self.index.popitem(last=False)
+        self._note(key, False)
         return entry.where
 
     def commit(self, key: BlockHash, slot: int, checksum: int) -> None:
         self.index[key] = TierEntry(slot, checksum)
+        self._note(key, True)
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
@@ -80,6 +88,7 @@ class HostTier:
         entry = self.index.pop(key, None)
         if entry is not None:
             self._free.append(entry.where)
+            self._note(key, False)
 
 
 class DiskTier:
@@ -91,6 +100,7 @@ class DiskTier:
         self.limit = limit
         self.index: OrderedDict[BlockHash, TierEntry] = OrderedDict()
         self.bytes = 0
+        self.events = None      # a KVEventLog (set after the scan: `KVTiers.attach_events` reports what it found)
         self.recovered = self._scan()
 
     def __contains__(self, key: BlockHash) -> bool:
@@ -143,6 +153,8 @@ class DiskTier:
         os.replace(tmp, self._path(key))
         self.index[key] = TierEntry(size, checksum)
         self.bytes += size
+        if self.events is not None:
+            self.events.stored(KVTier.DISK, key)
         return True
 
     def read_into(self, key: BlockHash, out: memoryview) -> TierEntry | None:
@@ -165,6 +177,8 @@ class DiskTier:
         entry = self.index.pop(key, None)
         if entry is not None:
             self.bytes -= entry.where
+            if self.events is not None:
+                self.events.removed(KVTier.DISK, key)
         self._path(key).unlink(missing_ok=True)
 
     def _trim(self, incoming: int) -> None:

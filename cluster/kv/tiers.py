@@ -27,6 +27,7 @@ import torch
 
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import BlockHash
+from cluster.kv.kv_events import KVEventLog, KVTier
 from cluster.kv.shared_host import SharedHostTier
 from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.transfer.checksum import block_checksums
@@ -142,6 +143,21 @@ class KVTiers:
     def busy(self) -> bool:
         """Requests parked or blocks pinned for a copy: the engine has work to come back to."""
         return bool(self._parked or self._offloading)
+
+    def attach_events(self, log: KVEventLog) -> None:
+        """Report the tiers' changes to `log` from now on, and what they hold already (a disk tier
+        a restarted worker found, a shared host tier other workers filled)."""
+        with self._lock:
+            self.host.events = log
+            if isinstance(self.host, SharedHostTier):
+                log.snapshot_sources[KVTier.HOST] = self.host.keys
+            else:
+                for key in self.host.index:
+                    log.stored(KVTier.HOST, key)
+            if self.disk is not None:
+                self.disk.events = log
+                for key in self.disk.index:
+                    log.stored(KVTier.DISK, key)
 
     @property
     def num_parked(self) -> int:

@@ -3,8 +3,9 @@ worker, pools of 40 blocks, one host tier shared by the node's workers (--kv-hos
 worker's disk tier under --kv-disk-dir; round-robin routing, so a prompt's next request goes to the
 other prefill worker. Prompts evicted from a pool, or computed by the other worker, are served from
 the tiers, not recomputed, with the single engine's tokens; a prefill worker SIGKILLed while
-requests load costs no request, and the restarted worker finds its disk tier. Every test ends with
-every pool empty."""
+requests load costs no request, and the restarted worker finds its disk tier. The router's index,
+fed by the workers' KV events, knows which worker holds which block in which tier, and stops
+trusting a worker whose events stop. Every test ends with every pool empty."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ import torch
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.shared_host import segment_path
 from cluster.launch.app import ClusterConfig
 from cluster.types import SamplingParams
@@ -59,7 +61,8 @@ def tiered(tiny_model_dir, tmp_path_factory):
     cfg = ClusterConfig(http_port=None, port=_free_port(), num_prefill=2, num_decode=1, max_tokens_limit=64,
                         policy="round_robin",
                         engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, cache=cache),
-                        data_plane=DataPlaneConfig(transport="nixl"), router=RouterConfig(local_prefill_max_tokens=4, local_prefill_cached_fraction=1.0))
+                        data_plane=DataPlaneConfig(transport="nixl"), router=RouterConfig(local_prefill_max_tokens=4, local_prefill_cached_fraction=1.0,
+                                               kv_events_period_s=0.2, kv_index_stale_s=2.0))
     c = ClusterThread(cfg)
     c.disk = disk
     yield c
@@ -150,4 +153,37 @@ def test_a_prefill_worker_killed_while_loading_costs_no_request_and_finds_its_di
     assert [_one(tiered, p) for p in prompts[:2]] == outs[:2]
     after = _all(tiered)
     assert _sum(after, "prompt_tokens_computed") - _sum(before, "prompt_tokens_computed") == 2
+    tiered.wait_idle(timeout=30)
+
+
+def _index_settled(c: ClusterThread, check, timeout=10.0):
+    """`check(index)` true within `timeout` (the router reads KV events every 0.2 s)."""
+    index, limit = c.cluster.router.workers.kv_index, time.monotonic() + timeout
+    while not check(index):
+        assert time.monotonic() < limit, index.samples()
+        time.sleep(0.1)
+    return index
+
+
+def test_the_router_index_knows_each_workers_blocks_and_distrusts_a_silent_worker(tiered, reference):
+    prompt = _prompts(seed=4, n=1)[0]
+    keys = hash_prefix_blocks(prompt, BS)
+    before = _prefills(tiered)
+    assert _one(tiered, prompt) == reference([prompt])[0]
+    after = _prefills(tiered)
+    computed_on = next(n for n in after if after[n].prompt_tokens_computed > before[n].prompt_tokens_computed)
+    other = next(n for n in after if n != computed_on)
+    full = len(keys)
+    index = _index_settled(tiered, lambda i: i.cached(computed_on, keys).pool == full
+                           and i.cached(other, keys).host == full)
+    assert index.cached(other, keys).pool == 0          # the other worker holds it only in the node's host tier
+    assert not any(index.is_stale(n) for n in _all(tiered))
+    os.kill(after[other].pid, signal.SIGSTOP)           # its events stop arriving
+    try:
+        _index_settled(tiered, lambda i: i.is_stale(other))
+        assert index.cached(other, keys).host == 0      # never routed on claims it no longer confirms
+        assert index.cached(computed_on, keys).pool == full
+    finally:
+        os.kill(after[other].pid, signal.SIGCONT)
+    _index_settled(tiered, lambda i: not i.is_stale(other) and i.cached(other, keys).host == full)
     tiered.wait_idle(timeout=30)
