@@ -226,18 +226,24 @@ def main() -> None:
     print(f"{args.sessions} sessions x {args.turns} turns; working set ~{working_set} tokens; pool per worker "
           f"{args.pool_gib} GiB", flush=True)
     rows = []
+    header = (f"{'mode':10} {'TTFT p50':>9} {'p99':>7} {'reusable':>9} {'pool':>8} {'host':>8} {'disk':>8} "
+              f"{'computed':>9} {'served':>7} {'tiers':>6} {'of miss':>7} {'out tok/s':>9}")
     for mode in args.modes:
         try:
             rows.append(run_mode(mode, args, system, lambda: build_sessions(tokenizer, args)[1], logs))
+            print(header + "\n" + row_line(rows[-1]), flush=True)
         except Exception as exc:  # noqa: BLE001 - a mode that cannot run is reported, the others still are
             print(f"{mode}: could not run: {exc}", flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=1))
-    print(f"{'mode':10} {'TTFT p50':>9} {'p99':>7} {'reusable':>9} {'pool':>8} {'host':>8} {'disk':>8} "
-          f"{'computed':>9} {'served':>7} {'tiers':>6} {'of miss':>7} {'out tok/s':>9}")
+    print("\n" + header)
     for r in rows:
-        print(f"{r['mode']:10} {r['ttft_p50']:9.3f} {r['ttft_p99']:7.3f} {r['reusable']:9d} {r['pool']:8.0f} "
-              f"{r['host']:8.0f} {r['disk']:8.0f} {r['computed']:9.0f} {r['served_share']:7.1%} {r['tier_share']:6.1%} "
-              f"{r['tier_of_misses']:7.1%} {r['output_tok_s']:9.1f}")
+        print(row_line(r))
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['mode']:10} {r['ttft_p50']:9.3f} {r['ttft_p99']:7.3f} {r['reusable']:9d} {r['pool']:8.0f} "
+            f"{r['host']:8.0f} {r['disk']:8.0f} {r['computed']:9.0f} {r['served_share']:7.1%} {r['tier_share']:6.1%} "
+            f"{r['tier_of_misses']:7.1%} {r['output_tok_s']:9.1f}")
 
 
 if __name__ == "__main__":
