@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.kv_events import KVEventKind, KVEventLog, KVTier
 from cluster.kv.tier_store import DiskTier, HostTier
 from router.kv_index import CachedLength, ClusterKVIndex
 from router.policy import PrefixAwarePolicy, WorkerView
 
-import torch
 
 K = [bytes([i]) * 16 for i in range(12)]
 
