@@ -18,6 +18,31 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"      # aborted by the caller
 
 
+class StructuredKind(str, enum.Enum):
+    """What a structured-output constraint is written in (cluster/engine/grammar.py compiles it)."""
+    JSON_SCHEMA = "json_schema"    # spec: a JSON schema (JSON text)
+    JSON_OBJECT = "json_object"    # any JSON object; spec empty
+    REGEX = "regex"
+    CHOICE = "choice"              # spec: a JSON array of the allowed strings
+    GRAMMAR = "grammar"            # an EBNF grammar (GBNF, a `root` rule)
+    LARK = "lark"                  # a Lark grammar
+    TOOL_CALL = "tool_call"        # spec: a JSON array of {"name", "parameters"}: one Hermes-format call
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output: every sampled token keeps the output a prefix of a
+    string the constraint accepts, and the output ends only where it is complete."""
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.kind, StructuredKind), f"structured kind must be a StructuredKind, got {self.kind!r}")
+        _check(isinstance(self.spec, str), "a structured constraint's spec must be a string")
+        _check(bool(self.spec) or self.kind is StructuredKind.JSON_OBJECT,
+               f"a {self.kind.value} constraint needs its spec")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler. Defaults are greedy decoding of 16 tokens."""
@@ -37,6 +62,7 @@ class SamplingParams:
     cache_salt: str | None = None  # isolates prefix-cache entries per tenant
     speculative: str | None = None  # None: the engine's default; "off", or a method the engine has loaded
     num_speculative_tokens: int | str | None = None  # None: the engine's default; k >= 1, or "auto"
+    structured: StructuredOutput | None = None   # constrained decoding (cluster/engine/grammar.py)
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -75,6 +101,10 @@ class SamplingParams:
         _check(k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool)
                                                      and 1 <= k <= MAX_SPECULATIVE_TOKENS),
                f"num_speculative_tokens must be 'auto' or an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               "structured must be a StructuredOutput")
+        _check(self.structured is None or not self.ignore_eos,
+               "ignore_eos cannot be combined with a structured output constraint (the output ends where it is complete)")
 
     @property
     def greedy(self) -> bool:

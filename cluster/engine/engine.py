@@ -19,6 +19,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine import builder, offline
 from cluster.engine.forks import spawn_forks
+from cluster.engine.grammar import GrammarRuntime, accept_outputs, mask_plan
 from cluster.engine.graphs import DecodeGraphs
 from cluster.engine.hooks import HoldHook
 from cluster.engine.outputs import Requests
@@ -64,6 +65,7 @@ class LLMEngine:
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._grammar: GrammarRuntime | None = None   # built on the first constrained request
         if self.speculator is not None:
             self.speculator.attach(self)
             self.requests.on_finish = self.speculator.release
@@ -182,8 +184,20 @@ class LLMEngine:
             self.tiers.wait(timeout)
 
     def new_sequence(self, request_id: str, ids: list[int], sampling: SamplingParams, **fields) -> Sequence:
-        """A request's record with its own generator, registered (not queued: `scheduler.add`)."""
-        return self.requests.add(Sequence(request_id, tuple(ids), sampling, self._generator(sampling), **fields))
+        """A request's record with its own generator, registered (not queued: `scheduler.add`).
+        A constrained one gets its grammar matcher, past the output tokens it already has."""
+        seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), **fields)
+        if sampling.structured is not None:
+            seq.grammar = self.grammar.matcher(sampling.structured, seq.output_token_ids)
+        return self.requests.add(seq)
+
+    @property
+    def grammar(self) -> GrammarRuntime:
+        """Constrained decoding's compiler and mask thread (cluster/engine/grammar.py)."""
+        if self._grammar is None:
+            self._grammar = GrammarRuntime(self.tokenizer, self.model_config.vocab_size,
+                                           self.generation.eos_token_ids)
+        return self._grammar
 
     def validate_speculation(self, sampling: SamplingParams) -> None:
         method = sampling.speculative
@@ -204,6 +218,8 @@ class LLMEngine:
         seq = self.requests.seqs[request_id]
         if not seq.sampling.greedy and seq.generator is not None:
             self.skip_draws(seq.generator, n)
+        if seq.grammar is not None:      # the resumed tokens end its prompt: the matcher moves past them
+            accept_outputs({seq: seq.prompt_token_ids[-n:]})
 
     def skip_draws(self, generator: torch.Generator, n: int) -> None:
         """The draws of n plain sampled tokens, made as the sampler makes them: on the engine's
@@ -262,7 +278,10 @@ class LLMEngine:
         drafts = attach_drafts(self.speculator, self.scheduler, plan) if self.speculator and plan.decodes else {}
         for c in plan.prefills + plan.decodes:   # a prompt's 1-token chunk is scheduled as a decode
             self.prompt_tokens_computed += max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start)
+        masks = self.grammar.begin(jobs) if (jobs := mask_plan(plan, drafts)) else None
         logits, sampled_seqs = self.runner.execute(plan)
+        if masks is not None:
+            masks.apply(logits, sampled_seqs, drafts)
         if self.runner.prompt_logits:
             record_prompt_logprobs(self.runner.prompt_logits)
             self.runner.prompt_logits = []
@@ -276,6 +295,8 @@ class LLMEngine:
         parents = {seq: list(seq.forks) for seq in tokens if seq.forks}
         spawned = spawn_forks(self, list(parents), forked)
         self.scheduler.update(plan, tokens)
+        accept_outputs({**{seq: seq.token_ids[n:] for seq, n in before.items()},
+                        **{fork: (t,) for fork, t in forked.items()}})
         if self.speculator is not None:
             self.speculator.after_update(parents)
         return [self.requests.delta(seq, seq.token_ids[n:]) for seq, n in before.items()] + spawned

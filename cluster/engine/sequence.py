@@ -43,6 +43,7 @@ class Sequence:
     # it outlives the request's end, since a P/D producer exports it after the last step.
     spec_state: object | None = None
     tenant: str = ""     # the API key's tenant: per-tenant state beside the KV (decode/spec/online/)
+    grammar: object | None = None   # its structured-output matcher (cluster/engine/grammar.py), or None
     tiers_checked: bool = False   # the KV tiers were asked for its prompt's blocks (engine._prefetch_next)
 
     def __post_init__(self) -> None:
