@@ -21,6 +21,8 @@ from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.finish_reasons import to_openai
+from router.structured import ConstraintError, openai_constraint
+from router.tool_calls import ToolError, ToolSpec, parse_tools, prepare_messages
 from router.validation import Limits, ValidationError, clip, cut_message, validate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
@@ -68,6 +70,7 @@ class Job:
     logprobs: int | None          # top-N per token (completions' `logprobs`, chat's `top_logprobs`)
     echo: bool
     return_token_ids: bool
+    tools: ToolSpec | None = None  # chat with tools: calls are parsed out of the replies (router/tool_calls.py)
 
     @property
     def num_requests(self) -> int:
@@ -112,7 +115,7 @@ def _type_names(types) -> str:
     return " or ".join(names.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
 
 
-_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix", "response_format", "tool_choice")
+_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "suffix")
 
 
 def _neutral(name: str, value) -> bool:
@@ -121,10 +124,6 @@ def _neutral(name: str, value) -> bool:
         return True
     if name in ("presence_penalty", "frequency_penalty"):
         return value == 0
-    if name == "tool_choice":
-        return value in ("none", "auto")        # "auto" with tools: the text comes back as it is
-    if name == "response_format":
-        return isinstance(value, dict) and value.get("type") == "text"
     return False
 
 
@@ -138,7 +137,16 @@ def _refuse_unsupported(body: dict) -> None:
         raise _err("best_of", "is not supported (only best_of == n)")
 
 
-def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, limits: Limits):
+def _constraint(body: dict) -> pb.StructuredOutput | None:
+    """response_format, structured_outputs or guided_* (router/structured.py), as the proto field."""
+    try:
+        return openai_constraint(body)
+    except ConstraintError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, limits: Limits,
+              constraint: pb.StructuredOutput | None = None):
     sp = pb.SamplingParams(
         temperature=_number(body, "temperature", 1.0), top_k=_int(body, "top_k", -1, INT32_MAX, 0),
         min_p=_number(body, "min_p", 0.0), ignore_eos=bool(_field(body, "ignore_eos", bool, False)),
@@ -178,18 +186,29 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, 
         if not 0 <= seed < 2**63:
             raise _err("seed", f"must be a non-negative 63-bit integer, got {clip(seed)}")
         sp.seed = seed
+    if constraint is not None:
+        sp.structured.CopyFrom(constraint)
     return sp
 
 
 _PARAMS = {"prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt": "prompt"}
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "tools")
 
 
-def _validated(proto, limits: Limits, tokenize, prompt_param: str, tenant: str) -> GenerateRequest:
+def _constraint_param(body: dict) -> str:
+    """The body's field a constraint the grammar library refuses came from."""
+    return next((name for name in _CONSTRAINT_FIELDS if body.get(name) not in (None, [])), "response_format")
+
+
+def _validated(proto, limits: Limits, tokenize, prompt_param: str, tenant: str,
+               constraint_param: str = "response_format") -> GenerateRequest:
     try:
         return validate(proto, limits, tokenize, tenant)
     except ValidationError as exc:
         param = exc.field.removeprefix("sampling.")
         param = prompt_param if _PARAMS.get(param) == "prompt" else param
+        param = constraint_param if param.startswith("structured") else param
         raise ApiError(400, f"{param}{str(exc)[len(exc.field):]}", param=param) from None
 
 
@@ -250,9 +269,10 @@ def _memo(tokenize):
 
 
 def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
-            max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str) -> tuple[PromptGroup, ...]:
+            max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str,
+            constraint: pb.StructuredOutput | None = None) -> tuple[PromptGroup, ...]:
     n = _samples_per_prompt(body, len(prompts), limits)
-    base = _sampling(body, max_tokens_default, logprobs, limits)
+    base = _sampling(body, max_tokens_default, logprobs, limits, constraint)
     tokenize = _memo(tokenize) if tokenize is not None else None
     rid = uuid.uuid4().hex
     groups = []
@@ -270,7 +290,7 @@ def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
                 proto.token_ids.ids.extend(prompt)
             if echo and logprobs is not None and j == 0:   # the prompt's are the same for every sample
                 proto.sampling.prompt_logprobs = logprobs
-            reqs.append(_validated(proto, limits, tokenize, prompt_param, tenant))
+            reqs.append(_validated(proto, limits, tokenize, prompt_param, tenant, _constraint_param(body)))
         echo_text = (prompt if isinstance(prompt, str) else detokenize(prompt)) if echo else ""
         groups.append(PromptGroup(tuple(reqs), p * n, echo_text))
     return tuple(groups)
@@ -333,7 +353,8 @@ def parse_completion(body, limits: Limits, tokenize, detokenize, tenant: str = "
     logprobs = _int(body, "logprobs", 0, limits.bounds.max_logprobs)
     echo = bool(_field(body, "echo", bool, False))
     groups = _groups(body, _prompts(body["prompt"], limits.vocab_size), limits, tokenize, detokenize,
-                     min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_limit), logprobs, echo, "prompt", tenant)
+                     min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_limit), logprobs, echo, "prompt", tenant,
+                     _constraint(body))
     return Job(Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
                logprobs, echo, bool(_field(body, "return_token_ids", bool, False)))
 
@@ -349,12 +370,23 @@ def render_chat(body: dict, limits: Limits, template: ChatTemplate | None) -> st
     continue_final = bool(_field(body, "continue_final_message", bool, False))
     if generation_prompt and continue_final:
         raise _err("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
+    tools = chat_tools(body)
+    own = "tools" in template.source      # the template renders tools itself; else router/tool_calls.py does
+    messages = prepare_messages(body.get("messages"), tools, own)
     try:
-        return template.render(body.get("messages"), add_generation_prompt=generation_prompt, tools=body.get("tools"),
+        return template.render(messages, add_generation_prompt=generation_prompt,
+                               tools=body.get("tools") if own and tools is not None and tools.parses_calls else None,
                                extra=_field(body, "chat_template_kwargs", dict, {}),
                                continue_final_message=continue_final)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
+
+
+def chat_tools(body: dict) -> ToolSpec | None:
+    try:
+        return parse_tools(body)
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
 
 
 def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_rendered, tenant: str = "") -> Job:
@@ -367,10 +399,18 @@ def parse_chat(body, limits: Limits, template: ChatTemplate | None, tokenize_ren
     logprobs = (top or 0) if _field(body, "logprobs", bool, False) else None
     if top is not None and logprobs is None:
         raise _err("top_logprobs", "needs logprobs: true")
+    tools = chat_tools(body)
+    constraint = _constraint(body)
+    if tools is not None and (forced := tools.constraint()) is not None:
+        if constraint is not None:
+            raise _err("tool_choice", "a required or named tool call cannot be combined with response_format "
+                                      "or another output constraint")
+        constraint = forced
     groups = _groups(body, [tokenize_rendered(text)], limits, None, None, None, logprobs,
-                     False, "messages", tenant)
+                     False, "messages", tenant, constraint)
     return Job(Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, groups, stream, usage,
-               logprobs, False, bool(_field(body, "return_token_ids", bool, False)))
+               logprobs, False, bool(_field(body, "return_token_ids", bool, False)),
+               tools if tools is not None and tools.parses_calls else None)
 
 
 # --- responses ------------------------------------------------------------------------------------

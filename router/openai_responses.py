@@ -16,6 +16,7 @@ from cluster.errors import RequestError, error_message
 from cluster.types import TokenDelta
 from router.attempts import merge_streams
 from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, PromptGroup, usage
+from router.tool_calls import ToolCallParser, parse_text
 
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "NOT_FOUND": 404, "ALREADY_EXISTS": 400,
            "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400}
@@ -33,6 +34,8 @@ class JobResponse:
         self._groups = {g.first_index + j: g for g in job.groups for j in range(len(g.requests))}
         self._trackers = {r.request_id: metrics.track(r) if metrics else None for g in job.groups for r in g.requests}
         self._choices = {i: Choice(i) for i in self._index.values()}
+        # With tools: each streamed choice's text is taken apart into content and calls as it comes.
+        self._parsers = {i: ToolCallParser() for i in self._choices} if job.tools is not None else {}
 
     def _deltas(self) -> AsyncIterator[TokenDelta]:
         """Every sample's deltas, as they come: one router stream per prompt (its n samples a group)."""
@@ -72,9 +75,14 @@ class JobResponse:
             for j in range(len(g.requests)):
                 c = choices[g.first_index + j]
                 if job.endpoint is Endpoint.CHAT:
-                    item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+                    if job.tools is not None:
+                        content, calls = parse_text(c.text)
+                        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                        reason = "tool_calls" if calls and reason == "stop" else reason
+                    item = {"index": c.index, "message": message,
                             "logprobs": self.logprobs.chat(c.logprobs) if job.logprobs is not None else None,
-                            "finish_reason": c.finish_reason}
+                            "finish_reason": reason}
                 else:
                     prompt_lps = choices[g.first_index].prompt_logprobs
                     item = {"index": c.index, "text": g.echo_text + c.text, "finish_reason": c.finish_reason,
@@ -142,12 +150,21 @@ class JobResponse:
         if first:
             out.append({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
-        if d.text or d.token_ids:
-            chunk = {"index": c.index, "delta": {"content": d.text}, "finish_reason": None,
+        text, calls = d.text, []
+        parser = self._parsers.get(c.index)
+        if parser is not None:
+            text, calls = parser.feed(d.text)
+            if reason is not None:
+                text += parser.finish()
+                reason = "tool_calls" if parser.calls and reason == "stop" else reason
+        if text or (d.token_ids and parser is None):
+            chunk = {"index": c.index, "delta": {"content": text}, "finish_reason": None,
                      "logprobs": self.logprobs.chat(list(d.logprobs)) if self.job.logprobs is not None else None}
             if self.job.return_token_ids:
                 chunk["token_ids"] = list(d.token_ids)
             out.append(chunk)
+        out += [{"index": c.index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+                for call in calls]
         if reason is not None:
             out.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out

@@ -69,7 +69,7 @@ class Limits:
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                    "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens")
+                    "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens", "ignore_eos")
 
 
 def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
@@ -88,6 +88,10 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
     if isinstance(k, int) and not 1 <= k <= limits.max_speculative_tokens:
         raise ValidationError("sampling.num_speculative_tokens",
                               f"must be in [1, {limits.max_speculative_tokens}] (or auto_lookahead), got {k}")
+    structured = None
+    if has("structured"):
+        from router.structured import from_proto  # noqa: PLC0415 - it imports this module
+        structured = from_proto(msg.structured)
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p if has("top_p") else 1.0,
@@ -98,7 +102,7 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
             logprobs=msg.logprobs if has("logprobs") else None,
             prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
             cache_salt=tenant_salt(tenant, msg.cache_salt),
-            speculative=speculative, num_speculative_tokens=k)
+            speculative=speculative, num_speculative_tokens=k, structured=structured)
     except ValueError as exc:
         text = str(exc)
         field = next((f for f in _SAMPLING_FIELDS if text.startswith(f) or f" {f}" in text[:30]), "sampling")
