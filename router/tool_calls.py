@@ -141,16 +141,14 @@ def prepare_messages(messages, spec: ToolSpec | None, template_handles_tools: bo
 def _as_text(message):
     if not isinstance(message, dict):
         return message
-    if message.get("role") == "assistant" and message.get("tool_calls"):
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
         calls = message["tool_calls"]
         blocks = [f"{OPEN}\n{json.dumps(_call_json(c))}\n{CLOSE}" for c in calls if isinstance(c, dict)]
         text = "\n".join(([message["content"]] if isinstance(message.get("content"), str) and message["content"]
                           else []) + blocks)
         return {"role": "assistant", "content": text}
-    if message.get("role") == "tool":
-        content = message.get("content")
-        return {"role": "user", "content": f"<tool_response>\n{content if isinstance(content, str) else ''}\n"
-                                           "</tool_response>"}
+    if message.get("role") == "tool" and isinstance(message.get("content"), str):
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     return message
 
 

@@ -129,8 +129,11 @@ def test_unsupported_fields_at_neutral_values_are_accepted():
     job = _parse(prompt="a", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, response_format={"type": "text"},
                  tool_choice="auto", suffix="", best_of=1)
     assert job.num_requests == 1
-    for body in ({"response_format": {"type": "json_object"}}, {"tool_choice": "required"}, {"suffix": "x"}):
+    for body in ({"suffix": "x"}, {"logit_bias": {"1": 2}}):
         assert _error(prompt="a", **body).param == next(iter(body))
+    # Structured output is supported (router/structured.py): it reaches the sampling parameters.
+    job = _parse(prompt="a", response_format={"type": "json_object"})
+    assert job.groups[0].requests[0].sampling.structured.kind.value == "json_object"
 
 
 def test_the_default_max_tokens_respects_a_lower_server_limit():
