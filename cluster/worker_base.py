@@ -9,6 +9,7 @@ calls of the data group, and none of them blocks an event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
@@ -145,6 +146,17 @@ class EngineWorker:
     def _role_stats(self) -> dict:
         """The role's part of `stats`: `prefill=PrefillStats(...)` or `handoff=HandoffStats(...)`."""
         return {}
+
+    async def _compile(self, sampling) -> None:
+        """A constrained request's grammar, compiled off the engine thread (a large schema takes
+        milliseconds to seconds, and the step loop must not wait on it): the engine then finds it
+        in its LRU. A constraint the library refuses is the request's fault."""
+        if sampling.structured is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammar.compiled, sampling.structured)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def _add_request(self, e: LLMEngine, *args, **kwargs) -> str:
         """`e.add_request`, with the engine's refusal (a bad prompt or option) typed as the

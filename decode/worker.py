@@ -92,6 +92,8 @@ class DecodeWorker(EngineWorker):
         """Both phases here (colocated mode, or a prompt not worth a handoff). A failover's
         `resume_samples` resumes the seeded generator where the attempt before stopped instead of
         restarting from the seed; `forks` are computed on the prompt once."""
+        await self._compile(call.sampling)
+
         def start(e: LLMEngine):
             self._add_request(e, list(call.prompt_ids), call.sampling, call.request_id,
                               forks=[Fork(f.request_id, f.sampling) for f in call.forks], tenant=call.tenant)
@@ -111,6 +113,7 @@ class DecodeWorker(EngineWorker):
         if arena is None or max(handle.block_ids) >= arena:
             raise RequestError(f"decode worker {self.name} refused the KV handle: its blocks are not inside a "
                                f"known producer's arena ({handle.producer!r})")
+        await self._compile(call.sampling)
         times = {"sent": call.sent_at or time.time(), "called": time.time()}
 
         def begin(e: LLMEngine):

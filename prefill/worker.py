@@ -48,6 +48,7 @@ class PrefillWorker(EngineWorker):
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """The prompt's KV and first token (and each fork's first token, from the same logits),
         published under one handle for a decode worker to continue."""
+        await self._compile(call.sampling)
         first_only = [Fork(f.request_id, replace(f.sampling, max_tokens=1)) for f in call.forks]
         forks = {f.request_id: f.sampling for f in call.forks}
         prompt_ids = list(call.prompt_ids)

@@ -10,6 +10,7 @@ implements it), the prefill side of a P/D handoff behind the `HoldHook` of `hook
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from itertools import islice
 from collections.abc import Iterable, Iterator, Sequence as Seq
@@ -66,6 +67,7 @@ class LLMEngine:
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarRuntime | None = None   # built on the first constrained request
+        self._grammar_lock = threading.Lock()
         if self.speculator is not None:
             self.speculator.attach(self)
             self.requests.on_finish = self.speculator.release
@@ -194,9 +196,10 @@ class LLMEngine:
     @property
     def grammar(self) -> GrammarRuntime:
         """Constrained decoding's compiler and mask thread (cluster/engine/grammar.py)."""
-        if self._grammar is None:
-            self._grammar = GrammarRuntime(self.tokenizer, self.model_config.vocab_size,
-                                           self.generation.eos_token_ids)
+        with self._grammar_lock:       # a worker may compile off the engine thread
+            if self._grammar is None:
+                self._grammar = GrammarRuntime(self.tokenizer, self.model_config.vocab_size,
+                                               self.generation.eos_token_ids)
         return self._grammar
 
     def validate_speculation(self, sampling: SamplingParams) -> None:

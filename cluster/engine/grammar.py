@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,23 +122,27 @@ class GrammarRuntime:
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()     # workers compile off the engine thread (EngineWorker._compile)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.mask_rows = 0
         self.mask_seconds = 0.0
 
     def compiled(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        if spec in self._compiled:
-            self._compiled.move_to_end(spec)
-            return self._compiled[spec]
+        """The constraint compiled against this tokenizer, from the LRU when it was seen lately."""
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
         try:
             grammar = self.compiler.compile_grammar(build_grammar(spec))
         except GrammarError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise GrammarError(f"{spec.kind.value}: {_first_line(exc)}") from None
-        self._compiled[spec] = grammar
-        if len(self._compiled) > COMPILED_CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[spec] = grammar
+            if len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return grammar
 
     def matcher(self, spec: StructuredOutput, done: list[int]) -> xgr.GrammarMatcher:
