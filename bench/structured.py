@@ -103,7 +103,8 @@ def libraries(tokens: list[int]) -> None:
     ll_tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
     ll_info = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False, "item_separator": ", ",
+                                                                         "key_separator": ": "})
     matcher = llguidance.LLMatcher(ll_tok, grammar)
     ll_compile = time.perf_counter() - t0
     assert not matcher.is_error(), matcher.get_error()

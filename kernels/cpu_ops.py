@@ -47,6 +47,7 @@ _SIGNATURES = {
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
     "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
     "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
+    "ss_masked_argmax": (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT, _P, _P),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
@@ -227,6 +228,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     _fns["ss_silu_mul"](gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _DTYPE_CODES[gate_up.dtype])
     return out
+
+
+def masked_argmax(logits: torch.Tensor, masks: torch.Tensor, rows: list[int], mask_rows: list[int],
+                  vocab: int, steer: bool = False) -> tuple[list[int], list[float]] | None:
+    """For each rows[j] of fp32 `logits` [R, V'] (V' >= vocab, rows contiguous): the argmax of the
+    row with every token its mask (int32 `masks` row mask_rows[j], bit t & 31 of word t >> 5)
+    forbids set to -inf, -1 when it forbids all; and the row's unmasked maximum. `steer`: that
+    token's logit is raised above the row's maximum, in place. None when the ops are not built."""
+    fn = _fns.get("ss_masked_argmax")
+    if fn is None:
+        return None
+    index = torch.tensor(rows, dtype=torch.int64)
+    mask_index = torch.tensor(mask_rows, dtype=torch.int64)
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    maxes = torch.empty(len(rows), dtype=torch.float32)
+    fn(logits.data_ptr(), logits.stride(0), masks.data_ptr(), masks.stride(0), index.data_ptr(), mask_index.data_ptr(),
+       len(rows), vocab, int(steer), tokens.data_ptr(), maxes.data_ptr())
+    return tokens.tolist(), maxes.tolist()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -547,3 +547,47 @@ void ss_linear(const void *x, int64_t x_stride, const void *w, const void *bias,
                int64_t rows, void *out, int64_t out_stride, int dtype) {
     ss_linear_cols(x, x_stride, w, bias, 0, n_dim, k_dim, rows, out, out_stride, dtype);
 }
+
+/* Greedy decoding under a grammar (cluster/engine/grammar.py): for each of n logits rows rows[j]
+ * (fp32), the first index of the largest logit its token bitmask (mask row mask_rows[j]: bit
+ * i & 31 of word i >> 5) allows, and the row's largest logit overall; token -1 when the mask
+ * allows nothing. One pass over the row for both maxima (vectorised), one more up to the first
+ * index that holds the allowed one: what torch.argmax of the fully masked row gives, without
+ * writing -inf over the ~49k logits the mask forbids. With `steer`, that token's logit is then
+ * raised above the row's maximum, so that any later argmax of the row picks it. */
+void ss_masked_argmax(float *logits, int64_t row_stride, const int32_t *masks, int64_t mask_stride,
+                      const int64_t *rows, const int64_t *mask_rows, int64_t n, int64_t vocab, int steer,
+                      int64_t *out_token, float *out_max) {
+    for (int64_t j = 0; j < n; j++) {
+        float *x = logits + rows[j] * row_stride;
+        const uint32_t *m = (const uint32_t *)(masks + mask_rows[j] * mask_stride);
+        float best = -INFINITY, top = -INFINITY;
+        uint32_t any = 0;
+        for (int64_t w = 0; w * 32 < vocab; w++) {
+            const uint32_t bits = m[w];
+            const float *xs = x + w * 32;
+            const int lim = vocab - w * 32 < 32 ? (int)(vocab - w * 32) : 32;
+            any |= bits;
+#pragma omp simd reduction(max : best, top)
+            for (int b = 0; b < lim; b++) {
+                const float v = xs[b];
+                top = v > top ? v : top;
+                const float a = ((bits >> b) & 1u) ? v : -INFINITY;
+                best = a > best ? a : best;
+            }
+        }
+        int64_t token = -1;
+        for (int64_t i = 0; any && i < vocab; i++) {
+            if (((m[i >> 5] >> (i & 31)) & 1u) && x[i] == best) {
+                token = i;
+                break;
+            }
+        }
+        if (steer && token >= 0) {
+            const float lift = fabsf(top) * 1e-3f;
+            x[token] = top + (lift > 1.0f ? lift : 1.0f);
+        }
+        out_token[j] = token;
+        out_max[j] = top;
+    }
+}

@@ -161,3 +161,32 @@ def test_linear_at_any_row_count_is_batch_invariant(dtype, n, k):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(alone.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("vocab,width", [(49152, 49152), (1000, 1024), (37, 64)])
+def test_masked_argmax_equals_torch_argmax_of_the_masked_row(vocab, width):
+    """Structured output's greedy rows (cluster/engine/grammar.py): the kernel's token is torch's
+    argmax with every forbidden logit at -inf (ties: the first index), -1 when nothing is allowed,
+    and with `steer` the row's argmax becomes that token."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, width, generator=g)
+    logits[2, :vocab] = torch.randint(0, 3, (vocab,), generator=g).float()      # many ties
+    words = -(-vocab // 32)
+    masks = torch.randint(-2**31, 2**31 - 1, (7, words), dtype=torch.int32, generator=g)
+    masks[1] = 0                                                       # mask row 1 forbids everything
+    masks[3] = 0
+    masks[3, 0] = 1 << 5                                               # only token 5
+    rows, mask_rows = [0, 2, 3, 4, 5], [4, 6, 3, 1, 0]
+    bits = ((masks.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(7, -1)[:, :vocab]
+    want = []
+    for r, m in zip(rows, mask_rows):
+        masked = torch.where(bits[m], logits[r, :vocab], torch.tensor(float("-inf")))
+        want.append(int(masked.argmax()) if bits[m].any() else -1)
+    before = logits.clone()
+    tokens, maxes = cpu_ops.masked_argmax(logits, masks, rows, mask_rows, vocab, steer=True)
+    assert tokens == want
+    assert maxes == [float(before[r, :vocab].max()) for r in rows]
+    for r, t in zip(rows, tokens):
+        if t >= 0:
+            assert int(logits[r, :vocab].argmax()) == t
+    assert torch.equal(logits[1], before[1])                          # rows not named are untouched
