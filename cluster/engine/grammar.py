@@ -126,7 +126,8 @@ class GrammarRuntime:
         self._lock = threading.Lock()     # workers compile off the engine thread (EngineWorker._compile)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.mask_rows = 0
-        self.mask_seconds = 0.0
+        self.mask_seconds = 0.0      # filling masks, on the mask thread (beside the forward)
+        self.apply_seconds = 0.0     # applying them, on the step's own path
 
     def compiled(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         """The constraint compiled against this tokenizer, from the LRU when it was seen lately."""
@@ -192,6 +193,11 @@ class MaskJob:
         if self.future is None:
             return
         bitmask, live = self.future.result()
+        t0 = time.perf_counter()
+        self._apply(logits, sampled, drafts, bitmask, live)
+        self.runtime.apply_seconds += time.perf_counter() - t0
+
+    def _apply(self, logits: torch.Tensor, sampled: list, drafts: dict, bitmask: torch.Tensor, live: dict) -> None:
         src, dst, lazy, row = [], [], [], 0
         for seq in sampled:
             draft = drafts.get(seq)
