@@ -134,6 +134,7 @@ class EngineWorker:
             kv_bytes=self.engine.memory_plan.kv_bytes, kv_limit=self.engine.memory_plan.limit,
             waiting=waiting, running=running, prefix_queries=pool.queries, prefix_hits=pool.hits,
             prompt_tokens_computed=self.engine.prompt_tokens_computed,
+            prompt_seconds=self.engine.prompt_seconds,
             kv_refused=self.mailbox.refused + getattr(self.transport, "refused", 0),
             kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
             queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),

@@ -43,6 +43,9 @@ class PrefillCall:
     sampling: SamplingParams
     forks: tuple[Fork, ...] = ()
     stats_sink: SinkAddress | None = None     # the caller's token stream: the worker's stats go there
+    # Publish the KV even when the request ends with its first token: a prefix exported for another
+    # worker to read (router: PrefillPlace.FETCHED), not a request of its own.
+    export: bool = False
 
     def __post_init__(self):
         _check_call(self)
@@ -63,6 +66,9 @@ class GenerateCall:
     resume_samples: int = 0
     forks: tuple[Fork, ...] = ()
     tenant: str = ""     # the API key's: the request's per-tenant state on the worker (decode/spec/online/)
+    # An encoded KVHandle of the prompt's leading blocks, exported by another worker that holds them
+    # (in its pool or tiers): pulled and cached here first, so only the rest is computed.
+    prefix_handle: bytes | None = None
 
     def __post_init__(self):
         _check_call(self)
@@ -162,6 +168,9 @@ class HandoffStats:
     declined: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    fetched: int = 0          # prompts whose leading blocks were pulled from the worker holding them
+    fetched_blocks: int = 0
+    fetch_failed: int = 0     # such pulls that failed (those blocks were computed here)
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,7 @@ class TierStats:
     corrupt: int = 0              # blocks that failed their checksum (recomputed instead)
     recovered: int = 0            # disk blocks found at start-up (a restarted worker's)
     parked: int = 0               # requests waiting for their blocks to load
+    load_seconds: float = 0.0     # the tier thread's time loading blocks (with loaded_*: its speed)
 
 
 @dataclass(frozen=True)
@@ -201,6 +211,7 @@ class WorkerStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prompt_tokens_computed: int = 0
+    prompt_seconds: float = 0.0     # engine time of the steps that computed prompt tokens (its prefill speed)
     kv_refused: int = 0
     kv_discarded: int = 0
     queue_seconds: float = 0.0

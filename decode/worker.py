@@ -51,6 +51,7 @@ class _Handoff:
     tenant: str = ""
     aborted: bool = False
     times: dict = field(default_factory=dict)   # phase -> time.time(), for `handoff_timings`
+    prefix_of: GenerateCall | None = None        # a prefix fetched for this call, which runs here once it lands
 
     @property
     def members(self) -> list[str]:
@@ -80,7 +81,8 @@ class DecodeWorker(EngineWorker):
     def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory = make_speculator):
         super().__init__(name, config, speculator_factory=speculator_factory)
         self._handoffs: dict[str, _Handoff] = {}          # lease id -> handoff (engine thread only)
-        self.handoffs = {"done": 0, "failed": 0, "declined": 0, "bytes": 0, "seconds": 0.0}
+        self.handoffs = {"done": 0, "failed": 0, "declined": 0, "bytes": 0, "seconds": 0.0, "fetched": 0,
+                         "fetched_blocks": 0, "fetch_failed": 0}
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
         self._start_loop()
         self.progress = KVProgress(self._poll_consumer, f"kv-{name}")
@@ -91,16 +93,78 @@ class DecodeWorker(EngineWorker):
     async def generate(self, call: GenerateCall) -> FinishReason:
         """Both phases here (colocated mode, or a prompt not worth a handoff). A failover's
         `resume_samples` resumes the seeded generator where the attempt before stopped instead of
-        restarting from the seed; `forks` are computed on the prompt once."""
+        restarting from the seed; `forks` are computed on the prompt once. With a `prefix_handle`
+        (router: PrefillPlace.FETCHED) the prompt's leading blocks are pulled from the worker that
+        holds them and cached here first; a pull that fails only costs their computation."""
         await self._compile(call.sampling)
+        handle = self._prefix_handle(call)
 
         def start(e: LLMEngine):
-            self._add_request(e, list(call.prompt_ids), call.sampling, call.request_id,
-                              forks=[Fork(f.request_id, f.sampling) for f in call.forks], tenant=call.tenant)
-            if call.resume_samples:
-                e.skip_samples(call.request_id, call.resume_samples)
-        last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks)
+            if handle is None or not self._start_prefix_pull(e, call, handle):
+                self._start_generate(e, call)
+        last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks, abort=self._abort)
         return last.finish_reason
+
+    def _start_generate(self, e: LLMEngine, call: GenerateCall) -> None:
+        self._add_request(e, list(call.prompt_ids), call.sampling, call.request_id,
+                          forks=[Fork(f.request_id, f.sampling) for f in call.forks], tenant=call.tenant)
+        if call.resume_samples:
+            e.skip_samples(call.request_id, call.resume_samples)
+
+    def _prefix_handle(self, call: GenerateCall) -> KVHandle | None:
+        if call.prefix_handle is None:
+            return None
+        try:
+            handle = KVHandle.decode(call.prefix_handle)
+        except ValueError as exc:
+            log.warning("prefix handle for %s refused (%s); computing the prompt", call.request_id, exc)
+            return None
+        arena = self.peer_blocks.get(handle.producer)
+        if arena is None or max(handle.block_ids) >= arena or handle.num_tokens > len(call.prompt_ids):
+            self.consumer.decline(handle, "refused")
+            return None
+        return handle
+
+    def _start_prefix_pull(self, e: LLMEngine, call: GenerateCall, handle: KVHandle) -> bool:
+        """Pull the exported prefix into free blocks; False (declined: computed instead) without room."""
+        try:
+            blocks = e.pool.allocate(len(handle.block_ids))
+        except NoFreeBlocks:
+            self.consumer.decline(handle, "no free blocks")
+            return False
+        try:
+            pull = self.consumer.start_pull(handle, blocks)
+        except Exception:  # noqa: BLE001 - a prefix we cannot read is computed, never the request's loss
+            e.pool.free(reversed(blocks))
+            self.consumer.decline(handle, "refused")
+            return False
+        self._handoffs[pull.lease_id] = _Handoff(call.request_id, list(call.prompt_ids), call.sampling, handle, -1,
+                                                 tuple(Fork(f.request_id, f.sampling) for f in call.forks),
+                                                 tenant=call.tenant, prefix_of=call)
+        return True
+
+    def _prefix_landed(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
+        """A fetched prefix's pull ended: its blocks join this pool's prefix cache (checked by the
+        transport's checksums), then the request starts here and finds them as prefix hits."""
+        if pull.state is PullState.DONE:
+            bs = e.layout.block_size
+            n = h.handle.num_tokens // bs
+            keys = e.prefix_keys(h.prompt_ids[:n * bs], h.sampling.cache_salt)
+            for block, key in zip(pull.local_blocks, keys):
+                e.pool.cache_block(block, key)
+            self.handoffs["fetched"] += 1
+            self.handoffs["fetched_blocks"] += n
+            self.handoffs["bytes"] += len(h.handle.block_ids) * e.layout.bytes_per_block()
+            self.handoffs["seconds"] += pull.timings.get("acked", pull.timings["start"]) - pull.timings["start"]
+        else:
+            self.handoffs["fetch_failed"] += 1
+            log.warning("prefix fetch for %s failed (%s); computing the prompt", h.request_id, pull.error)
+        e.pool.free(reversed(pull.local_blocks))
+        try:
+            self._start_generate(e, h.prefix_of)
+        except Exception as exc:  # noqa: BLE001 - the request's own fault (a bad option): it ends here
+            for rid in h.members:
+                self.loop.fail(rid, exc)
 
     async def decode(self, call: DecodeCall) -> FinishReason:
         """Continue a request prefilled elsewhere; streams deltas from its second token on (its
@@ -158,6 +222,9 @@ class DecodeWorker(EngineWorker):
     def _pull_ended(self, e: LLMEngine, pull: KVPull, h: _Handoff) -> None:
         """Join the batch in the same turn the pull ends: no hop back through asyncio. Until
         `add_prefilled` (decode/handoff.py) has taken the blocks they are this function's to free, on every path."""
+        if h.prefix_of is not None and not h.aborted and self.loop.has_stream(h.request_id):
+            self._prefix_landed(e, pull, h)
+            return
         if h.aborted:
             e.pool.free(reversed(pull.local_blocks))
             self.loop.emit([TokenDelta(rid, (), "", FinishReason.ABORT, (), len(h.prompt_ids), 1, 0)

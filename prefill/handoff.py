@@ -92,9 +92,11 @@ def first_reason(e: LLMEngine, last: TokenDelta, sampling: SamplingParams) -> Fi
 
 
 def publish_first(hold: KVHold, producer: KVProducer, request_id: str, prompt_ids: list[int],
-                  sampling: SamplingParams, last: TokenDelta, forks: dict[str, SamplingParams]) -> FirstToken:
+                  sampling: SamplingParams, last: TokenDelta, forks: dict[str, SamplingParams],
+                  export: bool = False) -> FirstToken:
     """On the engine thread, in the turn that finished the prefill: the lease starts and the
-    handle leaves at once, not a step later."""
+    handle leaves at once, not a step later. `export`: the blocks are published even though the
+    request ended (a prefix another worker reads)."""
     e = hold.engine
     firsts = tuple(replace(d, finish_reason=first_reason(e, d, forks[d.request_id]))
                    for d in hold.take_fork_firsts(request_id))
@@ -109,7 +111,7 @@ def publish_first(hold: KVHold, producer: KVProducer, request_id: str, prompt_id
     reason = first_reason(e, last, sampling)
     handle = None
     if request_id in hold:
-        if reason is not None and all(d.finish_reason is not None for d in firsts):
+        if reason is not None and all(d.finish_reason is not None for d in firsts) and not export:
             hold.release(request_id)
         else:
             blocks, n = hold.take(request_id)

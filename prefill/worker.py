@@ -54,16 +54,17 @@ class PrefillWorker(EngineWorker):
         prompt_ids = list(call.prompt_ids)
 
         def publish(e: LLMEngine, last: TokenDelta) -> PrefillResult:
-            return self._publish(e, call.request_id, prompt_ids, call.sampling, last, forks)
+            return self._publish(e, call.request_id, prompt_ids, call.sampling, last, forks, call.export)
         return await self.loop.run(
             call.request_id, lambda e: self._add_request(e, prompt_ids, replace(call.sampling, max_tokens=1),
                                                          call.request_id, hold_kv=True, forks=first_only),
             on_end=publish, stats_sink=call.stats_sink)
 
     def _publish(self, e: LLMEngine, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                 last: TokenDelta, forks: dict[str, SamplingParams] | None = None) -> PrefillResult:
+                 last: TokenDelta, forks: dict[str, SamplingParams] | None = None,
+                 export: bool = False) -> PrefillResult:
         """On the engine thread, in the turn that finished the prefill (prefill/handoff.py)."""
-        first = publish_first(self.hold, self.producer, request_id, prompt_ids, sampling, last, forks or {})
+        first = publish_first(self.hold, self.producer, request_id, prompt_ids, sampling, last, forks or {}, export)
         return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, first.reason,
                              first.handle, last.num_prompt_tokens, last.num_cached_tokens, last.logprobs,
                              last.prompt_logprobs, first.forks)

@@ -91,17 +91,41 @@ class Attempts:
                     self.active[m.request_id].remove(view.name)
             return Prefilled(result, result.first_deltas(tuple(f.request_id for f in forks)), view.name)
 
+    async def export_prefix(self, req: GenerateRequest, plan) -> bytes | None:
+        """Have `plan.source` export the prompt's first `plan.blocks` blocks (loaded from its tiers,
+        published under a lease kept under the request's id, as a prefill's is); the encoded handle
+        for the decode worker to pull, or None when the source could not (the prompt is then
+        computed as if no worker held it)."""
+        n = plan.blocks * self.config.block_size
+        call = PrefillCall(req.request_id, req.prompt_token_ids[:n],
+                           replace(req.sampling, max_tokens=1, logprobs=None, prompt_logprobs=None, structured=None,
+                                   speculative=None, num_speculative_tokens=None),
+                           stats_sink=self.receiver.address, export=True)
+        self.active[req.request_id].append(plan.source)
+        try:
+            result = await self.workers.clients[plan.source].prefill(call)
+        except (asyncio.CancelledError, RequestError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - busy or failed: the prompt is computed instead
+            log.info("prefix export from %s failed (%s); computing it", plan.source, error_message(exc))
+            self.active[req.request_id].remove(plan.source)
+            return None
+        if result.handle is None:
+            self.active[req.request_id].remove(plan.source)
+        return result.handle
+
     async def decode(self, members: list[GenerateRequest], dec: WorkerView, hashes, prefilled: Prefilled | None,
-                     streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+                     streamed: dict[str, list[int]], prefix: bytes | None = None) -> AsyncIterator[TokenDelta]:
         """Attempts on decode workers until every member has ended. The first continues the handoff
-        (`prefilled`) into every member, or computes the prompt there once. When an attempt fails,
+        (`prefilled`) into every member, or computes the prompt there once (first pulling `prefix`,
+        a handle another worker exported, when given). When an attempt fails,
         each unfinished member goes on alone from the prompt plus every token it has streamed (its
         seeded generator resumed past them): on another worker, or on a busy one once it has room."""
         failures, busy_wait = 0, 0.02
         while True:
             view, done = dec, set()
             try:
-                async for d in self._attempt(members, view, prefilled, streamed):
+                async for d in self._attempt(members, view, prefilled, streamed, prefix):
                     if d.finished:
                         done.add(d.request_id)
                     yield d
@@ -111,7 +135,7 @@ class Attempts:
                 raise
             except Exception as exc:  # noqa: BLE001 - busy or failed: `_attempt_failed` says which
                 busy = self._attempt_failed(view, members[0].request_id, exc, prefilled)
-                prefilled = None
+                prefilled = prefix = None
                 failures += not busy
                 if failures >= self.config.max_attempts:
                     raise
@@ -155,21 +179,21 @@ class Attempts:
         return policy.choose_decode(hashes, [v for v in candidates if v is not view] or candidates), False
 
     async def _attempt(self, members: list[GenerateRequest], view: WorkerView, prefilled: Prefilled | None,
-                       streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+                       streamed: dict[str, list[int]], prefix: bytes | None = None) -> AsyncIterator[TokenDelta]:
         """One attempt of `members` on one decode worker."""
         for m in members:
             self.active[m.request_id].append(view.name)
         view.in_flight += 1
         try:
-            make, forks = self._call(members, prefilled, streamed)
+            make, forks = self._call(members, prefilled, streamed, prefix)
             async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks):
                 yield d
         finally:
             view.in_flight -= 1
 
     @staticmethod
-    def _call(members: list[GenerateRequest], prefilled: Prefilled | None, streamed: dict[str, list[int]]
-              ) -> tuple[Callable[..., GenerateCall | DecodeCall], tuple[Fork, ...]]:
+    def _call(members: list[GenerateRequest], prefilled: Prefilled | None, streamed: dict[str, list[int]],
+              prefix: bytes | None = None) -> tuple[Callable[..., GenerateCall | DecodeCall], tuple[Fork, ...]]:
         """What an attempt asks of its worker: continue the handoff into every member, resume a
         failover from the tokens already streamed (a member alone by then), or compute the prompt
         there once. The call lacks its stream (sink, key: `_stream` opens them) and comes with its forks."""
@@ -184,7 +208,8 @@ class Attempts:
             left = replace(lead.sampling, max_tokens=max(1, lead.sampling.max_tokens - len(done)), prompt_logprobs=None)
             return partial(GenerateCall, lead.request_id, (*lead.prompt_token_ids, *done), left,
                            resume_samples=len(done), tenant=lead.tenant), ()
-        return (partial(GenerateCall, lead.request_id, lead.prompt_token_ids, lead.sampling, tenant=lead.tenant),
+        return (partial(GenerateCall, lead.request_id, lead.prompt_token_ids, lead.sampling, tenant=lead.tenant,
+                        prefix_handle=prefix),
                 tuple(Fork(m.request_id, m.sampling) for m in rest))
 
     def _release_lease(self, prefill_worker: str, request_id: str) -> None:

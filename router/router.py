@@ -29,6 +29,7 @@ from router.admission import SHUTTING_DOWN
 from router.attempts import Attempts
 from router.health import WorkerHealth
 from router.policy import WorkerView
+from router.prefix_fetch import FetchPlan, plan_fetch
 from router.router_config import RouterConfig
 from router.worker_pool import NoWorker, ShuttingDown, WorkerPool
 from router.workers import WorkerClient
@@ -42,6 +43,7 @@ class PrefillPlace(Enum):
     HANDOFF = "handoff"                      # on a prefill worker; its KV moved to the decode worker
     SHORT = "short"                          # within --local-prefill-max-tokens: on the decode worker
     CACHED = "cached"                        # mostly cached on the decode worker already
+    FETCHED = "fetched"                      # mostly cached on another worker: pulled from it (prefix_fetch.py)
     COLOCATED = "colocated"                  # every worker runs both phases
     NO_PREFILL_WORKER = "no_prefill_worker"  # none routable, or none could take it: the decode worker
 
@@ -179,9 +181,13 @@ class Router:
         self.check_capacity(req)
         hashes = hash_prefix_blocks(req.prompt_token_ids, self.config.block_size, req.sampling.cache_salt)
         dec = self.workers.policy.choose_decode(hashes, await self.workers.routable("decode"))
-        prefilled = None
+        prefilled = prefix = None
         members = [req, *forks]
         place = self._prefill_place(req, hashes, dec)
+        fetch = self._fetch_plan(hashes, dec) if place is PrefillPlace.HANDOFF else None
+        if fetch is not None:
+            prefix = await self.attempts.export_prefix(req, fetch)
+            place = PrefillPlace.FETCHED if prefix is not None else place
         if place is PrefillPlace.HANDOFF:
             dec.in_flight += 1          # counted from the choice on, so requests arriving together spread
             try:
@@ -198,8 +204,13 @@ class Router:
             members = [m for m in members if not prefilled.firsts[m.request_id].finished]
             if not members:
                 return
-        async for d in self.attempts.decode(members, dec, hashes, prefilled, streamed):
+        async for d in self.attempts.decode(members, dec, hashes, prefilled, streamed, prefix):
             yield d
+
+    def _fetch_plan(self, hashes, dec: WorkerView) -> FetchPlan | None:
+        """A prefill worker holding most of the prompt, if pulling from it beats computing (prefix_fetch.py)."""
+        return plan_fetch(hashes, dec, self.workers.healthy("prefill"), self.workers.latest, self.config.block_size,
+                          self.config.local_prefill_cached_fraction, self.config.prefix_fetch)
 
     def _prefill_place(self, req: GenerateRequest, hashes, dec: WorkerView) -> PrefillPlace:
         """Conditional disaggregation: on the decode worker when colocated, for a short prompt, one

@@ -28,6 +28,10 @@ class RouterConfig:
                                              "index of the blocks each worker's pool and tiers hold)")
     kv_index_stale_s: float = setting(5.0, "a worker whose KV events could not be read for this long is routed on "
                                            "load alone, never on its last known cached blocks, until they arrive")
+    prefix_fetch: str = setting("auto", "a prompt mostly cached on a prefill worker (its pool or KV tiers, e.g. on "
+                                        "another node) but not on the decode worker: pull those blocks from it when "
+                                        "that is measured to be cheaper than computing them (auto), never (off), "
+                                        "or whenever it holds them (always)", choices=("auto", "off", "always"))
 
     def __post_init__(self) -> None:
         require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens",

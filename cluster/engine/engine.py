@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from itertools import islice
 from collections.abc import Iterable, Iterator, Sequence as Seq
@@ -64,6 +65,7 @@ class LLMEngine:
         self.requests = Requests(self.tokenizer, self.scheduler)
         self.hold_hook: HoldHook | None = None   # set by a prefill worker (prefill/handoff.py)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
+        self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarRuntime | None = None   # built on the first constrained request
@@ -266,7 +268,10 @@ class LLMEngine:
         out += self._ended(plan)
         self.idle_step = plan.empty and not out
         if not plan.empty:
+            t0, computed = time.perf_counter(), self.prompt_tokens_computed
             out += self._update(plan, *self._run(plan))
+            if self.prompt_tokens_computed > computed:
+                self.prompt_seconds += time.perf_counter() - t0
         return out
 
     def _ended(self, plan: StepPlan) -> list[TokenDelta]:

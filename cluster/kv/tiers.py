@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class KVTiers:
         self._parked: dict[object, _Load] = {}
         self._offloading = 0          # offload jobs not yet polled back (their blocks pinned)
         self.counts = {"offloaded": 0, HOST: 0, DISK: 0, "corrupt": 0}
+        self.load_seconds = 0.0       # the tier thread's time in loads (the router's fetch-or-compute costs)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-tiers", daemon=True)
         self._thread.start()
@@ -184,7 +186,7 @@ class KVTiers:
             disk = (len(self.disk), self.disk.limit // max(1, self._staging.nbytes)) if self.disk else (0, 0)
             return TierStats(len(self.host), self.host.capacity, *disk, self.counts["offloaded"], self.counts[HOST],
                              self.counts[DISK], self.counts["corrupt"], self.disk.recovered if self.disk else 0,
-                             len(self._parked))
+                             len(self._parked), self.load_seconds)
 
     def close(self) -> None:
         with self._jobs:
@@ -235,12 +237,16 @@ class KVTiers:
                 self.disk.write(key, payload, checksum)
 
     def _load(self, load: _Load) -> None:
-        for key, block in zip(load.keys, load.blocks):
-            tier = self._copy_in(key, block)
-            if tier is None:
-                return
-            load.good += 1
-            load.tiers.append(tier)
+        t0 = time.perf_counter()
+        try:
+            for key, block in zip(load.keys, load.blocks):
+                tier = self._copy_in(key, block)
+                if tier is None:
+                    return
+                load.good += 1
+                load.tiers.append(tier)
+        finally:
+            self.load_seconds += time.perf_counter() - t0
 
     def _copy_in(self, key: BlockHash, block: int) -> str | None:
         """Copy `key`'s bytes into pool block `block` and check them; the tier they came from."""
