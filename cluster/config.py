@@ -203,6 +203,9 @@ class CacheConfig:
     kv_disk_bytes: int | None = setting(None, f"bytes the disk tier may take in --kv-disk-dir: {_SIZE_HELP}",
                                         parse=parse_memory_size, metavar="SIZE",
                                         default_text="16 GiB when --kv-disk-dir is given")
+    kv_disk_io: str = setting("auto", "how the disk tier reads and writes its files: through NIXL's POSIX backend "
+                                      "(nixl), Python's file I/O (plain), or NIXL where its POSIX backend loads (auto)",
+                              choices=("auto", "nixl", "plain"))
 
     def __post_init__(self) -> None:
         for name in ("kv_host_bytes", "kv_disk_bytes"):

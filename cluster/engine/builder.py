@@ -20,6 +20,7 @@ from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
 from cluster.kv.shared_host import SharedHostTier
 from cluster.kv.tier_plan import plan_tiers
+from cluster.kv.disk_io import make_file_io
 from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
@@ -151,7 +152,8 @@ def build_tiers(cache: CacheConfig, plan: MemoryPlan, kv_cache: PagedKVCache, po
     log.info("%s", tier_plan.describe())
     disk = None
     if tier_plan.disk_dir is not None:
-        disk = DiskTier(tier_plan.disk_dir, kv_cache.layout.layout_hash(), tier_plan.disk_blocks * block_bytes)
+        disk = DiskTier(tier_plan.disk_dir, kv_cache.layout.layout_hash(), tier_plan.disk_blocks * block_bytes,
+                        make_file_io(block_bytes, cache.kv_disk_io))
         if disk.recovered:
             log.info("KV disk tier: %d blocks found in %s (reused)", disk.recovered, disk.dir)
     arena = kv_cache.arena

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.kv.disk_io import FileIO, PlainFileIO
 from cluster.kv.hashing import BlockHash
 from cluster.kv.kv_events import KVTier
 
@@ -94,10 +95,12 @@ class HostTier:
 class DiskTier:
     """Files under `root/<layout hash>/`, at most `limit` payload bytes in all."""
 
-    def __init__(self, root: str | os.PathLike, layout_tag: str, limit: int):
+    def __init__(self, root: str | os.PathLike, layout_tag: str, limit: int, io: FileIO | None = None):
+        """`io`: how payloads reach the files (cluster/kv/disk_io.py: NIXL's POSIX backend or plain)."""
         self.dir = Path(root) / layout_tag
         self.dir.mkdir(parents=True, exist_ok=True)
         self.limit = limit
+        self.io = io or PlainFileIO()
         self.index: OrderedDict[BlockHash, TierEntry] = OrderedDict()
         self.bytes = 0
         self.events = None      # a KVEventLog (set after the scan: `KVTiers.attach_events` reports what it found)
@@ -149,7 +152,7 @@ class DiskTier:
         tmp = self.dir / f".{key.hex()}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(_MAGIC, checksum, size))
-            f.write(payload)
+            self.io.write(f, _HEADER.size, payload)
         os.replace(tmp, self._path(key))
         self.index[key] = TierEntry(size, checksum)
         self.bytes += size
@@ -166,7 +169,7 @@ class DiskTier:
         try:
             with open(path, "rb") as f:
                 header = _parse_header(f.read(_HEADER.size))
-                if header is None or header[1] != out.nbytes or f.readinto(out) != out.nbytes:
+                if header is None or header[1] != out.nbytes or self.io.readinto(f, _HEADER.size, out) != out.nbytes:
                     raise OSError("malformed block file")
         except OSError:
             self.drop(key)

@@ -10,7 +10,18 @@ import torch
 from cluster.config import CacheConfig
 from cluster.kv.paged_cache import MemoryPlan
 from cluster.kv.tier_plan import plan_tiers
+from cluster.kv.disk_io import NixlFileIO, PlainFileIO, make_file_io
 from cluster.kv.tier_store import DiskTier, HostTier
+
+
+def _nixl_io():
+    try:
+        return NixlFileIO(64)
+    except Exception:  # noqa: BLE001
+        pytest.skip("NIXL's POSIX backend does not load here")
+
+
+IO = [pytest.param(PlainFileIO, id="plain"), pytest.param(_nixl_io, id="nixl-posix")]
 
 
 def _key(i: int) -> bytes:
@@ -35,8 +46,9 @@ def test_host_tier_reuses_the_least_recently_used_slot():
     assert HostTier(0, (4,), torch.float32, pin=False).take_slot() is None
 
 
-def test_disk_tier_round_trip_limit_and_restart(tmp_path):
-    disk = DiskTier(tmp_path, "layout", limit=3 * 64)
+@pytest.mark.parametrize("io", IO)
+def test_disk_tier_round_trip_limit_and_restart(tmp_path, io):
+    disk = DiskTier(tmp_path, "layout", limit=3 * 64, io=io())
     for i in range(4):                              # the fourth write evicts the oldest file
         assert disk.write(_key(i), _payload(i), checksum=100 + i)
     assert _key(0) not in disk and len(disk) == 3 and disk.bytes == 3 * 64
@@ -49,20 +61,38 @@ def test_disk_tier_round_trip_limit_and_restart(tmp_path):
     (tmp_path / "layout" / ".partial.123.tmp").write_bytes(b"half a block")    # a killed writer's file
     (tmp_path / "layout" / "zz.kv").write_bytes(b"not a block")
     os.utime(tmp_path / "layout" / (_key(1).hex() + ".kv"), ns=(1, 1))        # the oldest on restart
-    again = DiskTier(tmp_path, "layout", limit=2 * 64)
+    again = DiskTier(tmp_path, "layout", limit=2 * 64, io=io())
     assert again.recovered == 2 and _key(1) not in again                    # trimmed to the limit, oldest first
     assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == sorted(
         _key(i).hex() + ".kv" for i in (2, 3))
     assert DiskTier(tmp_path, "other-layout", limit=1 << 20).recovered == 0
 
 
-def test_a_truncated_block_file_is_dropped_not_read(tmp_path):
-    disk = DiskTier(tmp_path, "layout", limit=1 << 20)
+@pytest.mark.parametrize("io", IO)
+def test_a_truncated_block_file_is_dropped_not_read(tmp_path, io):
+    disk = DiskTier(tmp_path, "layout", limit=1 << 20, io=io())
     disk.write(_key(1), _payload(1), checksum=1)
     path = tmp_path / "layout" / (_key(1).hex() + ".kv")
     path.write_bytes(path.read_bytes()[:-10])
     assert disk.read_into(_key(1), memoryview(bytearray(64))) is None
     assert _key(1) not in disk and not path.exists()
+
+
+def test_the_file_io_is_nixl_where_its_posix_backend_loads():
+    io = make_file_io(64)
+    assert io.name in ("nixl-posix", "plain")
+    assert make_file_io(64, "plain").name == "plain"
+    if io.name == "nixl-posix":
+        disk_bytes = bytes(range(64))
+        path = None
+        import tempfile
+        with tempfile.NamedTemporaryFile("wb", delete=False) as f:   # written by NIXL, read back plainly
+            f.write(b"0123")
+            io.write(f, 4, memoryview(disk_bytes))
+            path = f.name
+        with open(path, "rb") as f:
+            assert f.read() == b"0123" + disk_bytes
+        os.unlink(path)
 
 
 def test_capacity_plan_counts_blocks_and_names_the_flag(tmp_path):
