@@ -163,7 +163,8 @@ class LLMEngine:
         at admission, not on arrival: blocks loaded for a request that then waits behind a long
         queue would be evicted again before it runs). At most TIER_LOOKAHEAD requests load at once;
         a parked request leaves the queue and `step` puts it back at the front. The scheduler admits
-        no request before it was asked (`admit_gate`), so none recomputes what a tier holds."""
+        no request before it was asked (`admit_gate`), so none recomputes what a tier holds; one
+        that waits for a load slot does not hold up the requests behind it that need no load."""
         if self.tiers is None or not self.pool.enable_prefix_caching:
             return
         waiting, bs = self.scheduler.waiting, self.layout.block_size
@@ -172,7 +173,7 @@ class LLMEngine:
             usable = (seq.num_tokens - 1) // bs
             if self.tiers.would_load(seq.block_hashes, usable):
                 if self.tiers.num_parked >= TIER_LOOKAHEAD or self.pool.num_free <= 1:
-                    return    # its load waits for a slot (or a free block); the queue waits behind it
+                    continue  # its load waits for a slot (or a free block); it waits, the others go on
                 if self.tiers.prefetch(seq, seq.block_hashes, usable):
                     waiting.remove(seq)
             seq.tiers_checked = True

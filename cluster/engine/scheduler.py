@@ -93,7 +93,7 @@ class Scheduler:
         # state at the hit's last position, kept only for blocks this engine computed).
         self.hit_filter = None
         # False for a request that may not be admitted yet (its prefix is still to be asked of the
-        # KV tiers, engine._prefetch_next): the queue waits behind it, first come first served.
+        # KV tiers, engine._prefetch_next): it keeps its place, the requests behind it go on.
         self.admit_gate: Callable[[Sequence], bool] | None = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
@@ -166,10 +166,19 @@ class Scheduler:
             budget -= n
         if plan.preempted or plan.stalled:
             return plan   # memory is tight: admit nobody new this step
+        plan.budget_left = self._admit_waiting(plan, budget)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        """Admit queued requests in order while the budget, the batch and the pool allow. One the
+        gate holds (its KV tiers not asked yet: no free load slot) keeps its place and the ones
+        behind it go on; none jumps a request that waits for memory. Returns the budget left."""
+        held = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if self.admit_gate is not None and not self.admit_gate(seq):
-                break
+                held.append(self.waiting.popleft())
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -178,8 +187,8 @@ class Scheduler:
             self.running.append(seq)
             self._add_chunk(plan, seq, n)
             budget -= n
-        plan.budget_left = budget
-        return plan
+        self.waiting.extendleft(reversed(held))
+        return budget
 
     # --- speculation ---------------------------------------------------------------------------
     def lookahead_room(self, seq: Sequence, k: int, plan: StepPlan) -> int:
