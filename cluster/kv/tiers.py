@@ -102,10 +102,15 @@ class KVTiers:
             if not self.holds(key):
                 break
             lower.append(key)
-        lower = lower[:max(0, self.pool.num_free - 1)]     # leave a block for the rest of the prompt
         if not lower:
             return False
+        # Pin the cached prefix first: those of its blocks nobody holds are in the free queue, and
+        # pinning takes them out of it, so only what is free after that is room for the load.
         self.pool.touch(cached)
+        lower = lower[:max(0, self.pool.num_free - 1)]     # leave a block for the rest of the prompt
+        if not lower:
+            self.pool.free(reversed(cached))
+            return False
         load = _Load(seq, lower, self.pool.allocate(len(lower)), list(cached))
         self._parked[seq] = load
         with self._jobs:

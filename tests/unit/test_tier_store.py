@@ -159,3 +159,37 @@ def test_a_slot_left_writing_by_a_dead_worker_is_reclaimed():
     finally:
         tier.close()
         segment_path(name).unlink()
+
+
+def test_a_load_never_takes_more_blocks_than_are_free_once_its_cached_prefix_is_pinned():
+    """The cached prefix's blocks that nobody holds sit in the free queue; pinning them for the load
+    takes them out of it. The load is sized after that (it once was sized before, and a decode
+    worker's prefetch failed with NoFreeBlocks: 'need 6 blocks, 1 free')."""
+    from cluster.kv.block_pool import BlockPool
+    from cluster.kv.tiers import KVTiers
+    pool = BlockPool(10)
+    keys = [_key(i) for i in range(12)]
+    cached = pool.allocate(5)
+    for block, key in zip(cached, keys):
+        pool.cache_block(block, key)
+    pool.free(reversed(cached))                      # cached, held by nobody: in the free queue
+    held = pool.allocate(3)                          # 2 blocks free besides the 5 cached ones
+    assert pool.num_free == 7
+    arena = torch.zeros(1, 2, 10, 4)
+    host = HostTier(8, (1, 2, 4), torch.float32, pin=False)
+    for key in keys[5:11]:                           # the next 6 blocks are in the host tier
+        host.commit(key, host.take_slot(), checksum=0)
+    tiers = KVTiers(pool, arena, host, None)
+    try:
+        seq = type("Seq", (), {"is_finished": False})()
+        assert tiers.prefetch(seq, keys, 11)         # loads what fits: 1 block, leaving one free
+        assert pool.num_free == 1
+        ready = []
+        while not ready:
+            tiers.wait(0.05)
+            ready = tiers.poll()
+        assert ready == [seq]
+    finally:
+        tiers.close()
+    pool.free(reversed(held))
+    pool.check_idle()                                # the load's pins and blocks all came back
