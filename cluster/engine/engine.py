@@ -26,7 +26,7 @@ from cluster.engine.graphs import DecodeGraphs
 from cluster.engine.hooks import HoldHook
 from cluster.engine.outputs import Requests
 from cluster.engine.sampler import record_prompt_logprobs
-from cluster.engine.scheduler import StepPlan
+from cluster.engine.scheduler import Gate, StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import (Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens,
                                         compact_trees)
@@ -61,7 +61,7 @@ class LLMEngine:
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
         if self.tiers is not None and self.pool.enable_prefix_caching:
-            self.scheduler.admit_gate = lambda seq: not self._needs_tier_check(seq)
+            self.scheduler.admit_gate = self._admission
         self.requests = Requests(self.tokenizer, self.scheduler)
         self.hold_hook: HoldHook | None = None   # set by a prefill worker (prefill/handoff.py)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
@@ -154,6 +154,14 @@ class LLMEngine:
         the pool's cached prefix, `_prefetch_next` parks it while they load."""
         self.scheduler.add(seq)
         self._prefetch_next()
+
+    def _admission(self, seq: Sequence) -> Gate:
+        """The scheduler's gate: a request whose prefix the tiers have not been asked for waits; for
+        a load slot it lets the requests behind it go on, for room to load into it does not
+        (they would take that room: first come first served on memory)."""
+        if not self._needs_tier_check(seq):
+            return Gate.ADMIT
+        return Gate.STOP if self.pool.num_free <= 1 else Gate.HOLD
 
     def _needs_tier_check(self, seq: Sequence) -> bool:
         return not (seq.tiers_checked or seq.block_ids or seq.num_computed_tokens or seq.wants_prompt_logprobs)

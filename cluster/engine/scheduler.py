@@ -19,6 +19,7 @@ schedule, in Prometheus buckets, and preemptions.
 """
 from __future__ import annotations
 
+import enum
 import time
 from bisect import bisect_left
 from collections import deque
@@ -51,6 +52,13 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence: its last logits are sampled."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+
+class Gate(enum.Enum):
+    """The admission gate's answer for a queued request (`Scheduler.admit_gate`)."""
+    ADMIT = "admit"
+    HOLD = "hold"      # not yet; the requests behind it may go first
+    STOP = "stop"      # not yet, and nobody behind it either
 
 
 @dataclass
@@ -92,9 +100,10 @@ class Scheduler:
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
         self.hit_filter = None
-        # False for a request that may not be admitted yet (its prefix is still to be asked of the
-        # KV tiers, engine._prefetch_next): it keeps its place, the requests behind it go on.
-        self.admit_gate: Callable[[Sequence], bool] | None = None
+        # Whether a queued request may be admitted now (engine._prefetch_next: its prefix is still
+        # to be asked of the KV tiers): ADMIT, HOLD (it keeps its place, the requests behind it go
+        # on: it waits for a load slot) or STOP (nobody behind it goes first: it waits for memory).
+        self.admit_gate: Callable[[Sequence], Gate] | None = None
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
         self.queue_time_counts = [0] * len(QUEUE_TIME_BUCKETS)   # per bucket (not cumulative); +Inf: the rest
@@ -172,11 +181,15 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         """Admit queued requests in order while the budget, the batch and the pool allow. One the
         gate holds (its KV tiers not asked yet: no free load slot) keeps its place and the ones
-        behind it go on; none jumps a request that waits for memory. Returns the budget left."""
+        behind it go on; none jumps a request that waits for memory (the pool's, or room to load
+        its prefix into: the gate's STOP). Returns the budget left."""
         held = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.admit_gate is not None and not self.admit_gate(seq):
+            gate = Gate.ADMIT if self.admit_gate is None else self.admit_gate(seq)
+            if gate is Gate.STOP:
+                break
+            if gate is Gate.HOLD:
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(seq, budget)
