@@ -186,9 +186,10 @@ def parse_text(text: str) -> tuple[str | None, list[dict]]:
         kept.append(text[at:m.start()])
         at = m.end()
         calls.append(call)
+    if not calls:
+        return text, []
     kept.append(text[at:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None) if calls else text, calls
+    return "".join(kept).strip() or None, calls
 
 
 class ToolCallParser:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -107,12 +106,6 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) 
         vocab_type = xgr.VocabType.RAW
     return xgr.TokenizerInfo(vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids),
                              add_prefix_space=False)
-
-
-@dataclass(frozen=True)
-class MaskStats:
-    rows: int
-    seconds: float
 
 
 class GrammarRuntime:

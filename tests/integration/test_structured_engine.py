@@ -164,3 +164,16 @@ def test_bad_constraints_are_refused_by_name():
         build_grammar(StructuredOutput(StructuredKind.GRAMMAR, "root ::= undefined_rule"))
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured=JSON_SCHEMA)
+
+
+def test_compiled_grammars_are_cached_and_bounded(plain, monkeypatch):
+    import cluster.engine.grammar as grammar
+    runtime = plain.grammar
+    monkeypatch.setattr(grammar, "COMPILED_CACHE_SIZE", 2)
+    runtime._compiled.clear()
+    specs = [StructuredOutput(StructuredKind.REGEX, f"a{{{i}}}") for i in range(1, 4)]
+    first = runtime.compiled(specs[0])
+    assert runtime.compiled(specs[0]) is first                 # a hit: the same compiled grammar
+    for spec in specs[1:]:
+        runtime.compiled(spec)
+    assert list(runtime._compiled) == specs[1:]                # the least recently used one went
