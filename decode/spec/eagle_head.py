@@ -49,7 +49,8 @@ class EagleHead(nn.Module):
         self.lm_head = nn.Linear(h, draft_vocab, bias=False) if draft_vocab else None
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()       # like `forward`: the target's rows are inference tensors, and the
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:   # fused linear must not record autograd
         """f from what the target's forward returned (the hidden hook's rows)."""
         return hidden if self.fuse is None else self.fuse.forward(hidden)
 
