@@ -17,12 +17,20 @@ class Worker:
         self.proc = ctx.Process(target=kv_worker.serve, args=(child, str(model_dir), transport, name),
                                 kwargs=kwargs, daemon=True)
         self.proc.start()
-        if not self.conn.poll(120):
-            raise RuntimeError("worker did not start")
-        msgpack.unpackb(self.conn.recv_bytes())
         self.name = name
+        self.asked_to_exit = False
+        self.started = False   # its ready message is read on first use: a test's workers start together
+
+    def _wait_started(self):
+        if self.started:
+            return
+        if not self.conn.poll(120):
+            raise RuntimeError(f"{self.name}: worker did not start")
+        msgpack.unpackb(self.conn.recv_bytes())
+        self.started = True
 
     def call(self, op, timeout=60, **kwargs):
+        self._wait_started()
         self.conn.send_bytes(msgpack.packb({"op": op, **kwargs}))
         if not self.conn.poll(timeout):
             raise TimeoutError(f"{self.name}: {op} did not answer within {timeout}s")
@@ -32,19 +40,24 @@ class Worker:
         return reply["result"]
 
     def send(self, op, **kwargs):
+        self._wait_started()
         self.conn.send_bytes(msgpack.packb({"op": op, **kwargs}))
 
     def kill(self):
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 
-    def close(self):
-        if self.proc.is_alive():
+    def ask_to_exit(self):
+        if self.proc.is_alive() and not self.asked_to_exit:
+            self.asked_to_exit = True
             try:
                 self.conn.send_bytes(msgpack.packb({"op": "exit"}))
-                self.proc.join(10)
             except (BrokenPipeError, OSError):
                 pass
+
+    def close(self):
+        self.ask_to_exit()
+        self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
 
@@ -58,6 +71,8 @@ def spawn_worker(tiny_model_dir):
         started.append(w)
         return w
     yield start
+    for w in started:   # all asked first: they wind down together
+        w.ask_to_exit()
     for w in started:
         w.close()
 
