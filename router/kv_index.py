@@ -9,7 +9,8 @@ take it. A node-shared host tier is one set per `host_domain`, read by every wor
 Staleness: a worker whose log has not been read for `stale_after_s` (the calls time out, the
 worker hangs) is marked stale: its claims are not used (routing treats it as holding nothing,
 routing on load), `splitserve_router_kv_index_stale{worker}` says so, and a warning is logged
-once per episode. A worker the router never read is not routed on claims either.
+once per episode. A worker the router has not read yet (the cluster starting, a restarted worker)
+has no claims: routing counts what the router itself sent it (`policy.WorkerView.cached_prefix`).
 """
 from __future__ import annotations
 
@@ -91,6 +92,11 @@ class ClusterKVIndex:
                 w.stale = True
             return True
         return False
+
+    def has_heard(self, worker: str) -> bool:
+        """Whether `worker`'s events have been read since it started (or since `forget`)."""
+        w = self.workers.get(worker)
+        return w is not None and w.heard_at is not None
 
     def heard_at(self, worker: str) -> float | None:
         """When `worker`'s events were last read (None: stale or never)."""

@@ -47,25 +47,23 @@ class WorkerView:
         """The prompt's leading blocks this worker would not compute: with the KV index, what the
         worker says it holds, a block in a tier below the pool counted for a little less (it has to
         be loaded); a worker whose events stopped counts as holding nothing (load decides). Without
-        the index: the router's own record of what it sent the worker."""
-        if self.index is not None:
-            c = self.index.cached(self.name, hashes)
-            score = c.pool + HOST_BLOCK_WEIGHT * (c.host - c.pool) + DISK_BLOCK_WEIGHT * (c.disk - c.host)
-            since = self.index.heard_at(self.name)
-            if since is not None:     # what this router sent it after that read is not in the events yet
-                score = max(score, self._sent_since(hashes, since))
-            return score
-        n = 0
-        for h in hashes:
-            if h not in self.cached:
-                break
-            n += 1
-        return n
+        the index, or before its first read of this worker (the cluster starting, a restarted
+        worker): the router's own record of what it sent the worker."""
+        if self.index is None or not self.index.has_heard(self.name):
+            return self._sent_since(hashes)
+        c = self.index.cached(self.name, hashes)
+        score = c.pool + HOST_BLOCK_WEIGHT * (c.host - c.pool) + DISK_BLOCK_WEIGHT * (c.disk - c.host)
+        since = self.index.heard_at(self.name)
+        if since is not None:     # what this router sent it after that read is not in the events yet
+            score = max(score, self._sent_since(hashes, since))
+        return score
 
-    def _sent_since(self, hashes: list[BlockHash], since: float) -> int:
+    def _sent_since(self, hashes: list[BlockHash], since: float = float("-inf")) -> int:
+        """Leading blocks of `hashes` this router sent the worker at `since` or later."""
         n = 0
         for h in hashes:
-            if self.cached.get(h, -1.0) < since:
+            at = self.cached.get(h)
+            if at is None or at < since:
                 break
             n += 1
         return n

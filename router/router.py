@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from enum import Enum
 
 from cluster.errors import RequestError
@@ -26,7 +27,7 @@ from cluster.token_stream import TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
 from cluster.worker_messages import WorkerStats, stats_from_wire
 from router.admission import SHUTTING_DOWN
-from router.attempts import Attempts
+from router.attempts import Attempts, Prefilled
 from router.health import WorkerHealth
 from router.policy import WorkerView
 from router.prefix_fetch import FetchPlan, plan_fetch
@@ -205,7 +206,7 @@ class Router:
             if not members:
                 return
         async for d in self.attempts.decode(members, dec, hashes, prefilled, streamed, prefix):
-            yield d
+            yield _with_prefill_hits(d, prefilled)
 
     def _fetch_plan(self, hashes, dec: WorkerView) -> FetchPlan | None:
         """A prefill worker holding most of the prompt, if pulling from it beats computing (prefix_fetch.py)."""
@@ -232,3 +233,14 @@ class Router:
         self.workers.close()
         for q in list(self.receiver.queues.values()):
             q.push(ShuttingDown(SHUTTING_DOWN))
+
+
+def _with_prefill_hits(delta: TokenDelta, prefilled: Prefilled | None) -> TokenDelta:
+    """A handed-off request's usage counts the prompt tokens its prefill worker served from its
+    prefix cache: the decode worker that ends it computed none of the prompt (it reports 0)."""
+    if prefilled is None or not delta.finished:
+        return delta
+    first = prefilled.firsts.get(delta.request_id)
+    if first is None or first.num_cached_tokens <= delta.num_cached_tokens:
+        return delta
+    return replace(delta, num_cached_tokens=first.num_cached_tokens)

@@ -8,6 +8,7 @@ prefix, a client without a certificate, a Ray client without the token, and a se
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import struct
@@ -127,22 +128,47 @@ def test_another_tenants_abort_is_answered_as_an_unknown_id(served, pki):
 
 
 def test_the_prefix_cache_is_partitioned_per_tenant(served, pki):
+    prompt = list(range(120, 184))      # no other test's: alpha's first request finds nothing cached
     cached = {}
     for key in ("alpha-1", "alpha-1", "beta", "alpha-2", "bare"):
-        msgs = list(_client(served, pki, key).stream(PROMPT, max_tokens=2))
+        msgs = list(_client(served, pki, key).stream(prompt, max_tokens=2))
         cached.setdefault(key, []).append(msgs[-1].usage.cached_prompt_tokens)
     assert cached["alpha-1"][0] == 0 and cached["alpha-1"][1] > 0      # a tenant hits its own prefix
     assert cached["beta"] == [0] and cached["bare"] == [0]             # another cannot, even by timing
     assert cached["alpha-2"][0] > 0                                     # keys of one tenant share it
 
 
-def test_usage_metrics_name_tenants_never_keys(served, pki):
-    _client(served, pki, "beta").generate("x", max_tokens=2)
+def _tls_context(served, pki):
     import ssl
     ctx = ssl.create_default_context(cadata=pki["ca"].decode())
     with open(served.tmp_client_pem, "wb") as f:
         f.write(pki["client"][1] + pki["client"][0])
     ctx.load_cert_chain(served.tmp_client_pem)
+    return ctx
+
+
+def test_a_handed_off_prompt_reports_the_prefill_workers_cache_hits(served, pki):
+    """The decode worker that ends a handed-off request computed none of its prompt: its usage
+    counts the prompt tokens the prefill worker served from its prefix cache, on both APIs."""
+    base = list(range(250, 314))                    # 16 blocks no other test sends
+    client = _client(served, pki, "beta")
+    assert list(client.stream(base, max_tokens=2))[-1].usage.cached_prompt_tokens == 0
+    # Its first 10 blocks, then 6 new ones: the decode worker holds too little of it to prefill it
+    # there, so the prefill worker computes it (the 10 blocks from its cache) and hands it off.
+    grpc_last = list(client.stream(base[:40] + list(range(320, 344)), max_tokens=2, ignore_eos=True))[-1]
+    assert (grpc_last.usage.completion_tokens, grpc_last.usage.cached_prompt_tokens) == (2, 40)
+    body = json.dumps({"prompt": base[:40] + list(range(350, 374)), "max_tokens": 2, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"https://127.0.0.1:{served.cluster.http_port}/v1/completions", data=body,
+                                     headers={"Authorization": f"Bearer {KEYS['beta']}",
+                                              "Content-Type": "application/json"})
+    usage = json.loads(urllib.request.urlopen(request, context=_tls_context(served, pki), timeout=30).read())["usage"]
+    assert (usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == (2, 40)
+    served.wait_idle()
+
+
+def test_usage_metrics_name_tenants_never_keys(served, pki):
+    _client(served, pki, "beta").generate("x", max_tokens=2)
+    ctx = _tls_context(served, pki)
     url = f"https://127.0.0.1:{served.cluster.http_port}/metrics"
     with pytest.raises(urllib.error.HTTPError) as e:     # the API port's metrics name tenants: a key is needed
         urllib.request.urlopen(url, context=ctx, timeout=10)

@@ -1,6 +1,7 @@
 """The KV event log of a worker and the router's cluster-wide index built from it: batched events
 read with a cursor, snapshots after a gap or a restart, cached lengths per tier, a node-shared host
-tier, and staleness (claims of a worker whose events stopped are never routed on)."""
+tier, staleness (claims of a worker whose events stopped are never routed on), and routing on
+what the router sent a worker it has not read yet."""
 from __future__ import annotations
 
 import logging
@@ -111,6 +112,20 @@ def test_a_worker_whose_events_stop_is_routed_on_load_alone(caplog):
     assert views[1].cached_prefix(K[:8]) == 8 and not index.is_stale("p1")
     index.forget("p1")                          # died: nothing claimed until its restart reports
     assert views[1].cached_prefix(K[:8]) == 0
+
+
+def test_a_worker_not_read_yet_is_routed_on_what_the_router_sent_it():
+    index = ClusterKVIndex(stale_after_s=5.0)
+    view = WorkerView("d0", "decode", index=index)
+    view.remember(K[:6])
+    assert view.cached_prefix(K[:8]) == 6       # the cluster starting: no events read yet (the race
+    log = KVEventLog("d0")                      # that sent a prompt its decode worker held elsewhere)
+    for k in K[:3]:
+        log.stored(KVTier.POOL, k)
+    index.apply(log.read("", 0))
+    assert view.cached_prefix(K[:8]) == 3       # read after the router sent them: the worker's word
+    view.remember(K[:8])
+    assert view.cached_prefix(K[:8]) == 8       # sent after that read: not in its events yet
 
 
 def test_pool_and_tiers_report_what_they_gain_and_lose(tmp_path):
