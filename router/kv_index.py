@@ -135,21 +135,32 @@ def _leading(hashes: list[BlockHash], held: Callable[[BlockHash], bool]) -> int:
 
 async def feed_kv_events(index: ClusterKVIndex, clients: Mapping, period_s: float, timeout_s: float,
                          on_round: Callable[[ClusterKVIndex], None] | None = None) -> None:
-    """Read every worker's KV events each `period_s` (all at once: one slow worker delays none);
-    `on_round` (the metrics) sees the index after each round."""
-    async def one(name, client):
-        try:
-            epoch, cursor = index.cursor(name)
-            asked_at = index.clock()
-            index.apply(await asyncio.wait_for(client.kv_events(epoch, cursor), timeout_s), asked_at)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a worker that does not answer goes stale, see is_stale
-            log.debug("reading KV events of %s failed: %r", name, exc)
-    while True:
-        await asyncio.gather(*(one(n, c) for n, c in clients.items()))
-        for name in clients:
-            index.is_stale(name)           # logs the moment a worker goes stale
-        if on_round is not None:
-            on_round(index)
-        await asyncio.sleep(period_s)
+    """Read every worker's KV events each `period_s`; `on_round` (the metrics) sees the index after
+    each round. Each worker's read runs on its own: a worker whose last read is still out (slow, or
+    hung until `timeout_s`) is skipped that round, so it delays no other worker's updates (a
+    round that waited for it would leave the others unread past the stale window: all stale)."""
+    reading: dict[str, asyncio.Future] = {}
+    try:
+        while True:
+            for name, client in list(clients.items()):   # read afresh: a restarted worker's client
+                if name not in reading or reading[name].done():
+                    reading[name] = asyncio.ensure_future(_read_kv_events(index, name, client, timeout_s))
+            for name in clients:
+                index.is_stale(name)           # logs the moment a worker goes stale
+            if on_round is not None:
+                on_round(index)
+            await asyncio.sleep(period_s)
+    finally:
+        for task in reading.values():
+            task.cancel()
+
+
+async def _read_kv_events(index: ClusterKVIndex, name: str, client, timeout_s: float) -> None:
+    try:
+        epoch, cursor = index.cursor(name)
+        asked_at = index.clock()
+        index.apply(await asyncio.wait_for(client.kv_events(epoch, cursor), timeout_s), asked_at)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a worker that does not answer goes stale, see is_stale
+        log.debug("reading KV events of %s failed: %r", name, exc)

@@ -4,6 +4,7 @@ tier, staleness (claims of a worker whose events stopped are never routed on), a
 what the router sent a worker it has not read yet."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.kv_events import KVEventKind, KVEventLog, KVTier
 from cluster.kv.tier_store import DiskTier, HostTier
-from router.kv_index import CachedLength, ClusterKVIndex
+from router.kv_index import CachedLength, ClusterKVIndex, feed_kv_events
 from router.policy import PrefixAwarePolicy, WorkerView
 
 
@@ -126,6 +127,39 @@ def test_a_worker_not_read_yet_is_routed_on_what_the_router_sent_it():
     assert view.cached_prefix(K[:8]) == 3       # read after the router sent them: the worker's word
     view.remember(K[:8])
     assert view.cached_prefix(K[:8]) == 8       # sent after that read: not in its events yet
+
+
+class _LogClient:
+    """A worker's KV event reads as the router sees them (a coroutine per read), or one that hangs."""
+    def __init__(self, log: KVEventLog | None):
+        self.log, self.reads = log, 0
+
+    async def kv_events(self, epoch: str, cursor: int):
+        self.reads += 1
+        if self.log is None:
+            await asyncio.Event().wait()    # hung: never answers
+        return self.log.read(epoch, cursor)
+
+
+def test_a_hung_worker_delays_no_other_workers_kv_events():
+    index = ClusterKVIndex(stale_after_s=5.0)
+    log = KVEventLog("p0")
+    clients = {"hung": _LogClient(None), "p0": _LogClient(log)}
+    rounds = []
+
+    async def run():
+        feed = asyncio.ensure_future(feed_kv_events(index, clients, 0.01, 30.0, rounds.append))
+        await asyncio.sleep(0.2)
+        log.stored(KVTier.POOL, K[0])       # arrives while the other worker's read is still out
+        await asyncio.sleep(0.2)
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+
+    asyncio.run(run())
+    assert clients["hung"].reads == 1       # one read out at a time per worker
+    assert clients["p0"].reads >= 5 and len(rounds) >= 5
+    assert index.cached("p0", K[:1]).pool == 1 and not index.is_stale("p0")
+    assert index.is_stale("hung")
 
 
 def test_pool_and_tiers_report_what_they_gain_and_lose(tmp_path):
