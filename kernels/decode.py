@@ -86,14 +86,15 @@ def _split_kv_kernel(q_ptr, k_cache, v_cache, out_ptr, part_o, part_lse, tables,
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
     row_tok = (q_start + query).to(tl.int64)
-    mask = valid[:, None] & d_mask[None, :]
     if SPLIT:
         base = (row_tok * num_heads + head) * num_splits + split
-        tl.store(part_o + base[:, None] * BLOCK_D + offs_d[None, :], o, mask=mask)
+        # Whole BLOCK_D rows (zeros past HEAD_DIM): the merges read them all, and a padding lane
+        # left unwritten held whatever the workspace held (NaN garbage times a weight).
+        tl.store(part_o + base[:, None] * BLOCK_D + offs_d[None, :], o, mask=valid[:, None])
         tl.store(part_lse + base, tl.where(has, m_i + tl.math.log2(l_safe), float("-inf")), mask=valid)
     else:
         tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
+                 o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_mask[None, :])
 
 
 @triton.jit

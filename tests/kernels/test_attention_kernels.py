@@ -5,6 +5,8 @@ bf16 runs with its dot operands upcast inside the kernel (the interpreter's bf16
 
 The sweep is a hand-picked covering set rather than the full product: the interpreter costs
 ~0.1 s per launch and every value of every axis appears at least once."""
+import warnings
+
 import pytest
 import torch
 
@@ -63,6 +65,21 @@ def test_verify(case):
             d ** -0.5, window)
     got = paged_verify_attention(*args, max_context=max(lens), partition_size=part)
     _close(got, paged_verify_attention_ref(*args), dtype)
+
+
+def test_a_split_reads_no_workspace_lane_it_did_not_write():
+    """Head dim 24 pads to 32 lanes: the partitions write whole rows, so a workspace full of inf
+    (what a reused buffer may hold; inf times an empty partition's weight 0 is NaN) reaches no
+    arithmetic, not even in the padding lanes."""
+    bs, hkv, d, lens = 8, 2, 24, [1, 9, 70]
+    k_cache, v_cache, tables, g = paged_batch(lens, bs, hkv, d, F32, seed=4)
+    q = torch.randn(len(lens), 4, d, generator=g)
+    args = (q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
+    workspace = (torch.full((4096 * 32,), float("inf")), torch.full((4096,), float("nan")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # numpy's "invalid value" under the interpreter
+        got = paged_decode_attention(*args, max_context=max(lens), partition_size=32, workspace=workspace)
+    _close(got, paged_decode_attention_ref(*args), F32)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
