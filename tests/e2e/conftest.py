@@ -62,19 +62,38 @@ class Worker:
             self.kill()
 
 
+class WorkerSet:
+    """Worker processes started on demand and closed together: a module's shared pairs and each
+    test's extra ones (all asked to exit first, so they wind down together)."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self.started: list[Worker] = []
+
+    def start(self, transport, name, kind="llama", **kwargs) -> Worker:
+        w = Worker(self.model_dir(kind), transport, name, **kwargs)
+        self.started.append(w)
+        return w
+
+    def close(self):
+        for w in self.started:
+            w.ask_to_exit()
+        for w in self.started:
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def worker_set(tiny_model_dir):
+    workers = WorkerSet(tiny_model_dir)
+    yield workers
+    workers.close()
+
+
 @pytest.fixture
 def spawn_worker(tiny_model_dir):
-    started = []
-
-    def start(transport, name, kind="llama", **kwargs):
-        w = Worker(tiny_model_dir(kind), transport, name, **kwargs)
-        started.append(w)
-        return w
-    yield start
-    for w in started:   # all asked first: they wind down together
-        w.ask_to_exit()
-    for w in started:
-        w.close()
+    workers = WorkerSet(tiny_model_dir)
+    yield workers.start
+    workers.close()
 
 
 def connect(a: Worker, b: Worker) -> None:

@@ -65,6 +65,10 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             raw = handle({**cmd, "op": "prefill"})
             return {"handle": raw, "prefill_s": time.perf_counter() - t0,
                     "checksum_s": producer.checksum_seconds}
+        if op == "configure":   # a module's shared workers take each test's lease and pull limits
+            producer.lease_seconds = float(cmd.get("lease_seconds", producer.lease_seconds))
+            consumer.timeout_s = float(cmd.get("timeout_s", consumer.timeout_s))
+            return {}
         if op == "set_verify":
             consumer.verify = producer.checksums = bool(cmd["on"])
             return {}
