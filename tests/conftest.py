@@ -23,3 +23,10 @@ def tiny_model_dir(tmp_path_factory):
             cache[kind] = make_model(tmp_path_factory.mktemp(kind), kind)
         return cache[kind]
     return get
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's shared Ray (tests/e2e/cluster_harness.py), ended here rather than at exit."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

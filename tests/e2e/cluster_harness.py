@@ -1,14 +1,32 @@
-"""Runs a real cluster (Ray actors, gRPC on 127.0.0.1) on a background event loop for tests."""
+"""Runs a real cluster (Ray actors, gRPC on 127.0.0.1) on a background event loop for tests.
+
+The session's clusters share one local Ray (started by the first, ended with the session, as a
+long-running `ray start` serves many `splitserve serve` runs): a cluster's stop kills its actors,
+and Ray's start and stop are paid once, not per cluster."""
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
 
+from cluster.launch.app import ray_environment, start_cluster
+
+# Logical CPUs only: enough that actors of a cluster still being killed never hold up the next one's.
+SESSION_RAY_CPUS = 64
+
+
+def session_ray() -> None:
+    """Start the session's local Ray on loopback, as `start_cluster` would, unless it runs."""
+    ray_environment()
+    import ray
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                 num_cpus=SESSION_RAY_CPUS)
+
 
 class ClusterThread:
     def __init__(self, cfg):
-        from cluster.launch.app import start_cluster
+        session_ray()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
