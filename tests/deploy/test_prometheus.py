@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,6 +23,7 @@ import yaml
 
 from served_cluster import ServeProcess
 from tools import DEPLOY, ROOT, require
+from helpers import free_port
 
 MONITORING = DEPLOY / "monitoring"
 RATE_INTERVAL = "1m"       # what Grafana's $__rate_interval stands for in these queries
@@ -82,12 +82,6 @@ def test_dashboard_reads_only_recorded_or_exported_series():
         for name in re.findall(r"splitserve:[a-z0-9_:]+", expr):
             assert name in recorded, f"{where} reads {name}, which no rule records"
         assert "$__rate_interval" in expr or "rate(" not in expr, f"{where}: rate windows use $__rate_interval"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _query(base: str, expr: str) -> dict:
@@ -152,7 +146,7 @@ def prometheus_over_cluster(tmp_path_factory):
     config["rule_files"] = [str(MONITORING / "prometheus-rules.yaml")]
     config["scrape_configs"][0]["static_configs"] = [{"targets": [serve.metrics_url.split("/")[2]]}]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    base = f"http://127.0.0.1:{_free_port()}"
+    base = f"http://127.0.0.1:{free_port()}"
     prom = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address={base[7:]}"], stdout=subprocess.DEVNULL,
                             stderr=(tmp / "prometheus.log").open("w"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
+from helpers import free_port
 
 BLOCKS = 48          # per worker, 4 tokens each: a few long requests fill a decode worker
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=123)
@@ -41,12 +41,6 @@ def _prompts(n, lengths, seed):
     return [torch.randint(3, 384, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     engine = LLMEngine(_engine_config(tiny_model_dir("llama"), num_blocks=1024))
@@ -60,7 +54,7 @@ class _Started:
     """The module's cluster, and what was seen while it started."""
 
     def __init__(self, model_dir):
-        self.port = _free_port()
+        self.port = free_port()
         self.health_seen: list[int] = []
         self.early: list = []
         cfg = ClusterConfig(http_port=None, engine=_engine_config(model_dir), data_plane=DataPlaneConfig(transport="nixl"),

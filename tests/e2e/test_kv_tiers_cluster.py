@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from router.client import Client
 from router.router import RouterConfig
+from helpers import free_port
 
 BS = 4
 BLOCKS = 40                  # per worker: two prompts of 61 tokens and their outputs
@@ -37,12 +37,6 @@ FULL = 15                    # full blocks of a 61-token prompt that a hit may r
 def _prompts(seed: int, n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 384, (61,), generator=g).tolist() for _ in range(n)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def tiered(tiny_model_dir, tmp_path_factory):
     disk, shared = tmp_path_factory.mktemp("kv-disk"), "test-" + uuid.uuid4().hex[:12]
     cache = CacheConfig(block_size=BS, num_blocks=BLOCKS, kv_host_bytes=2 << 20, kv_host_shared=shared,
                         kv_disk_dir=str(disk), kv_disk_bytes=64 << 20)
-    cfg = ClusterConfig(http_port=None, port=_free_port(), num_prefill=2, num_decode=1, max_tokens_limit=64,
+    cfg = ClusterConfig(http_port=None, port=free_port(), num_prefill=2, num_decode=1, max_tokens_limit=64,
                         policy="round_robin",
                         engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, cache=cache),
                         data_plane=DataPlaneConfig(transport="nixl"), router=RouterConfig(local_prefill_max_tokens=4, local_prefill_cached_fraction=1.0,

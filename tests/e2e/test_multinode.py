@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
+from helpers import free_port
 
 HEAD, PREFILL, DECODE = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 # The nodes run with Ray's token authentication; serve joins with --ray-token-file.
@@ -33,12 +33,6 @@ PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\ndef main():\n", 
 MAX_TOKENS = 12
 SERVED_NAME = "multinode"     # --served-model-name: the model_name of every series
 DECODE_NIXL = {"worker": "decode-0", "transport": "nixl", "model_name": SERVED_NAME}   # the handoff series' labels
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _session_processes(sid: int) -> dict[int, str]:
@@ -61,7 +55,7 @@ class RayNode:
         self.log = log_dir / f"ray-{ip}.log"
         self.proc = subprocess.Popen(
             ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", ip,
-             "--node-manager-port", str(_free_port(ip)), "--object-manager-port", str(_free_port(ip)), *args],
+             "--node-manager-port", str(free_port(ip)), "--object-manager-port", str(free_port(ip)), *args],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def processes(self) -> dict[int, str]:
@@ -101,13 +95,13 @@ def _wait_started(node: RayNode, timeout: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def ray_nodes(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("ray-nodes")
-    port = _free_port(HEAD)
+    port = free_port(HEAD)
     address = f"{HEAD}:{port}"
     nodes = []
     try:
         # The head holds no CPU, so no worker can land there: it runs only Ray's own services and the router.
         nodes.append(RayNode(HEAD, "--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false",
-                             "--ray-client-server-port", str(_free_port(HEAD)), joining=False, log_dir=log_dir))
+                             "--ray-client-server-port", str(free_port(HEAD)), joining=False, log_dir=log_dir))
         _wait_started(nodes[0])
         # One node at a time: nodes started together race for the same free ports.
         for ip, role in ((PREFILL, "prefill"), (DECODE, "decode")):

@@ -7,7 +7,6 @@ the prefix (from its pool, or loaded from its host tier), the decode worker pull
 computes only the rest, and the tokens are the single engine's. Every pool ends empty."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -21,15 +20,10 @@ from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from router.client import Client
 from router.router import RouterConfig
+from helpers import free_port
 
 BS = 4
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts(seed: int, n: int, length: int = 61) -> list[list[int]]:
@@ -48,7 +42,7 @@ def reference(tiny_model_dir):
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     cache = CacheConfig(block_size=BS, num_blocks=40, kv_host_bytes=2 << 20)
-    cfg = ClusterConfig(http_port=None, port=_free_port(), num_prefill=1, num_decode=2, max_tokens_limit=64,
+    cfg = ClusterConfig(http_port=None, port=free_port(), num_prefill=1, num_decode=2, max_tokens_limit=64,
                         policy="round_robin",
                         engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, cache=cache),
                         data_plane=DataPlaneConfig(transport="nixl"),
