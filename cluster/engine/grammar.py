@@ -24,11 +24,22 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import xgrammar as xgr
 
 from cluster.engine import draft_tree
 from kernels import cpu_ops
 from cluster.types import StructuredKind, StructuredOutput
+
+
+class _Xgrammar:
+    """xgrammar, imported on first use: it imports transformers, seconds of every worker's start,
+    and most engines never see a constrained request."""
+
+    def __getattr__(self, name: str):
+        import xgrammar  # noqa: PLC0415 - heavy optional dependency, loaded on the first grammar
+        return getattr(xgrammar, name)
+
+
+xgr = _Xgrammar()
 
 log = logging.getLogger(__name__)
 
