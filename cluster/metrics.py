@@ -5,19 +5,23 @@ The driver process owns the registry and serves it (`--metrics-port`); with seve
 processes it sums their request series at scrape time. Request-level series
 (latencies, lengths, tokens, finish reasons, admission) are recorded by the router as it streams;
 worker-level series (KV blocks, queues, preemptions, prefix cache, KV transfer) come from the
-workers' periodic stats snapshots through a collector, each labelled by worker, so one scrape
-target covers the whole cluster. docs/deploy.md maps vLLM's metric names to these.
+workers' stats snapshots through a collector that reads them, at each scrape, from the driver's
+`WorkerPool` (router/worker_pool.py, their one owner: a `WorkerStatsSource` here), each labelled
+by worker, so one scrape target covers the whole cluster. docs/deploy.md maps vLLM's metric names
+to these.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from cluster.worker_messages import WorkerStats, expect
+from cluster.worker_messages import StatsSource, WorkerStats, expect
 
 # No `_created` series (a creation timestamp per counter and histogram, which no dashboard reads and
 # which doubles their series). prometheus_client's switch is process-wide: set where every metric
@@ -58,6 +62,25 @@ class SampleFamily:
     documentation: str
     samples: tuple[Sample, ...]
     version: int = SAMPLES_VERSION
+
+
+@dataclass(frozen=True)
+class ReportCount:
+    """How many stats one worker has sent by one channel (`splitserve_worker_stats_reports_total`)."""
+    worker: str
+    source: StatsSource
+    count: int
+
+
+class WorkerStatsSource(Protocol):
+    """Where the workers' series are read: router/worker_pool.py `WorkerPool`, the one owner of each
+    worker's stats in the process that serves the metrics (the driver)."""
+
+    def latest_stats(self) -> Mapping[str, WorkerStats]:
+        """Worker -> its newest stats."""
+
+    def report_counts(self) -> list[ReportCount]:
+        """The stats each worker has sent, by channel."""
 
 
 # The workers' series: (name without the prefix, help, the `WorkerStats` field it reads).
@@ -141,10 +164,15 @@ class _WorkerCollector:
                                       "a promoted head (--spec-online)", labels=["worker", "tenant", "model_name"]),
                   "rollbacks")]
         tiers = _tier_families()
+        reports = CounterMetricFamily(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
+                                      "and source (poll: a Ray call; push: over the token stream while the "
+                                      "worker steps)", labels=["model_name", "worker", "source"])
         queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
                                       "time requests waited on a worker for their first schedule",
                                       labels=["worker", "role", "model_name"])
         transport, model = self.metrics.transport, self.metrics.model_name
+        for r in self.metrics.workers.report_counts():
+            reports.add_metric([model, r.worker, r.source.value], r.count)
         for s in self.metrics.worker_stats.values():
             for family, field in (*by_role, *discarded):
                 family.add_metric([s.name, s.role, model], getattr(s, field))
@@ -167,6 +195,7 @@ class _WorkerCollector:
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
         yield from tiers.values()
+        yield reports
 
 
 def _tier_families() -> dict:
@@ -273,22 +302,21 @@ class _FrontendCollector:
 
 
 class ClusterMetrics:
-    def __init__(self, transport: str, model_name: str, workers: bool = True, frontends: list | None = None):
+    def __init__(self, transport: str, model_name: str, workers: WorkerStatsSource | None = None,
+                 frontends: list | None = None):
         """`model_name`: the served model name (`--served-model-name`, else the model's id; the
-        router's `Limits.model_id`), a label of every series. `workers`: serve the workers' series
-        (the driver). `frontends`: actor frontends whose request series this registry sums instead
+        router's `Limits.model_id`), a label of every series. `workers`: where the workers' series
+        are read, read at each scrape (the driver's `WorkerPool`; None: no worker series, a frontend
+        process). `frontends`: actor frontends whose request series this registry sums instead
         of recording its own."""
         self.registry = CollectorRegistry()
         self.transport = transport
         self.model_name = model_name
-        self.worker_stats: dict[str, WorkerStats] = {}
-        self.has_workers = workers      # this registry holds the whole cluster's series
+        self.workers = workers
+        self.has_workers = workers is not None      # this registry holds the whole cluster's series
         r = self.registry
-        if workers:
+        if workers is not None:
             r.register(_WorkerCollector(self))
-            self.stats_reports = Counter(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
-                                         "and source (poll: a Ray call; push: over the token stream while the "
-                                         "worker steps)", ["model_name", "worker", "source"], registry=r)
         if frontends:
             r.register(_FrontendCollector(frontends))
             r = CollectorRegistry()      # this process records no request of its own
@@ -365,12 +393,10 @@ class ClusterMetrics:
         """Requests of `tenant` waiting for in-flight slots in this frontend."""
         self.queued.labels(model_name=self.model_name, tenant=tenant_label(tenant)).set(depth)
 
-    def update_worker(self, stats: WorkerStats, source: str = "poll") -> None:
-        """A worker's latest stats; `source`: "poll" (a Ray call) or "push" (its token stream)."""
-        if stats.supersedes(self.worker_stats.get(stats.name)):    # a poll answered before a push: dropped
-            self.worker_stats[stats.name] = stats
-        if self.has_workers:
-            self.stats_reports.labels(model_name=self.model_name, worker=stats.name, source=source).inc()
+    @property
+    def worker_stats(self) -> Mapping[str, WorkerStats]:
+        """Worker -> its newest stats, as the source holds them (none without one)."""
+        return self.workers.latest_stats() if self.workers is not None else {}
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)

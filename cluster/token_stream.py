@@ -22,7 +22,7 @@ naming it; the receiver counts it (`TokenReceiver.refused`), fails the streams t
 and drops that connection, never itself. Records are fixed-order arrays, not maps: one frame per
 step per frontend stays cheap to build and to read.
 Stats ride the same connections: a busy worker's load reaches the router with its tokens, and the
-router's Ray poll of that worker drops to the idle cadence (router/workers.py `StatsCadence`).
+router's Ray poll of that worker drops to the idle cadence (router/stats_poll.py `StatsCadence`).
 Version 3 added the stats kind.
 `key` is the frontend's number for one attempt of one request (`SinkAddress` + key travel in the
 control call that starts it), so a late frame from a dead worker can never reach a retry.

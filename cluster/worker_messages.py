@@ -10,6 +10,7 @@ go over the token stream (`cluster/token_stream.py`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 from cluster.token_stream import SinkAddress
@@ -252,6 +253,13 @@ class WorkerStats:
     def busy(self) -> bool:
         """Anything in flight: queued, running, blocks held or leases out."""
         return bool(self.running or self.waiting or self.blocks_used or self.leases)
+
+
+class StatsSource(enum.Enum):
+    """How a `WorkerStats` reached the router (router/worker_pool.py `WorkerPool.observe`; the
+    `source` label of `splitserve_worker_stats_reports_total`)."""
+    POLL = "poll"    # a Ray call (router/stats_poll.py)
+    PUSH = "push"    # over the worker's token stream, while it steps (cluster/token_stream.py)
 
 
 class MessageRefused(ValueError):

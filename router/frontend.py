@@ -4,9 +4,12 @@
 of them as Ray actors (processes) on the driver's node, all serving one port (gRPC sets
 SO_REUSEPORT, so the kernel spreads connections over them) and sharing the workers, as vLLM's
 `--api-server-count` does. A request belongs to the frontend that accepted it; an `Abort` that
-reaches another frontend is passed to its siblings; each frontend polls the workers' stats for its
-own routing view, and routing stays coherent across frontends because the prefix-aware policy's
-affinity is a pure function of the prompt (see `router/policy.py`).
+reaches another frontend is passed to its siblings. Each frontend process keeps its own
+`WorkerPool` (its routing view), fed by the stats pushed to its token receiver and by one stats
+poll in its process (`router/stats_poll.py`: an actor frontend runs its own; the in-process
+frontend's pool is the driver's, fed by the driver's poll). Routing stays coherent across
+frontends because the prefix-aware policy's affinity is a pure function of the prompt (see
+`router/policy.py`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from router.kv_index import feed_kv_events
 from router.connections import ConnectionLimits
 from router.router_config import RouterConfig
 from router.validation import Limits
-from router.workers import StatsCadence, WorkerClient, WorkerRoster, apply_poll, poll_workers
+from router.stats_poll import StatsCadence, run_stats_poll
+from router.worker_pool import WorkerPool
+from router.workers import WorkerClient, WorkerRoster
 
 if TYPE_CHECKING:
     from cluster.metrics import SampleFamily
@@ -53,18 +58,22 @@ class FrontendConfig:
     api_keys: tuple = ()                # cluster.secrets.ApiKey (or plain key strings)
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
-    poll_stats_s: float | None = None   # poll the workers' stats itself (actor frontends)
+    poll_stats_s: float | None = None   # run its own stats poll at this busy cadence (actor frontends)
     http_port: int | None = None        # the OpenAI-compatible HTTP API (router/http_server.py)
     http_reuse_port: bool = False       # several frontend processes share the HTTP port
     chat_template: str | None = None    # a Jinja file that overrides the model's chat template
 
 
 class Frontend:
-    def __init__(self, cfg: FrontendConfig, handles: Mapping[str, object], metrics=None):
-        """`handles`: worker name -> its Ray actor handle."""
+    def __init__(self, cfg: FrontendConfig, handles: Mapping[str, object], metrics=None,
+                 workers: WorkerPool | None = None):
+        """`handles`: worker name -> its Ray actor handle. `workers`: the driver's pool, when this
+        frontend runs in the driver's process (the driver's stats poll feeds it, and its metrics
+        read it); an actor frontend builds its own and polls for it (`cfg.poll_stats_s`)."""
         self.cfg = cfg
         self.handles = handles
         self.metrics = metrics
+        self.workers = workers
         self.siblings: list = []
         self.router = self.service = self.server = self.http = None
         self.port: int | None = None     # gRPC's, once bound (None: no gRPC server)
@@ -81,13 +90,13 @@ class Frontend:
         from router.tokenization import TokenCodec  # noqa: PLC0415
         cfg = self.cfg
         if self.metrics is None:
-            self.metrics = ClusterMetrics(cfg.transport, cfg.limits.model_id, workers=False)
-        clients = {n: WorkerClient(n, h) for n, h in self.handles.items()}
-        prefill = {n: clients[n] for n in cfg.roster.prefill}
-        decode = {n: clients[n] for n in cfg.roster.decode}
+            self.metrics = ClusterMetrics(cfg.transport, cfg.limits.model_id)
+        if self.workers is None:
+            self.workers = WorkerPool.of_roster(cfg.router, make_policy(cfg.policy),
+                                                {n: WorkerClient(n, h) for n, h in self.handles.items()}, cfg.roster)
         receiver = TokenReceiver(cfg.name, host=cfg.stream_host)
         await receiver.start()
-        self.router = Router(cfg.router, make_policy(cfg.policy), prefill, decode, receiver, metrics=self.metrics)
+        self.router = Router(cfg.router, self.workers, receiver, metrics=self.metrics)
         tokenizer = load_tokenizer(cfg.model_dir)
         self.service = InferenceService(self.router, cfg.limits, TokenCodec(tokenizer, cfg.limits.vocab_size),
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,
@@ -104,10 +113,11 @@ class Frontend:
                                      connections=cfg.connections)
             await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port, tls=cfg.tls,
                                   client_ca=cfg.tls_client_ca)
-        if cfg.poll_stats_s is not None:
-            self._poll_task = asyncio.ensure_future(self._poll_stats(clients))
+        if cfg.poll_stats_s is not None:     # an actor frontend: the stats poll of its own process
+            self._poll_task = asyncio.ensure_future(run_stats_poll(
+                self.workers, StatsCadence(busy_s=cfg.poll_stats_s), cfg.poll_timeout_s, demand=self.router))
         self._kv_task = asyncio.ensure_future(feed_kv_events(
-            self.router.workers.kv_index, clients, cfg.router.kv_events_period_s, cfg.poll_timeout_s,
+            self.workers.kv_index, self.workers.clients, cfg.router.kv_events_period_s, cfg.poll_timeout_s,
             lambda index: self.metrics.update_kv_index(index.samples(), index.counts)))
         self._ready_task = asyncio.ensure_future(self._serve_when_ready())
         # What start-up made (torch, the tokenizer, the servers) lives as long as the process: out
@@ -125,14 +135,6 @@ class Frontend:
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:
         await asyncio.wait_for(asyncio.shield(self._ready_task), timeout_s)
-
-    async def _poll_stats(self, clients: dict) -> None:
-        """The routing view of an actor frontend (the driver's supervisor does reconnection)."""
-        cadence = StatsCadence(busy_s=self.cfg.poll_stats_s)
-        while True:
-            due = {n: clients[n] for n in cadence.due(clients, self.router)}
-            got = apply_poll(self.router, await poll_workers(due, self.cfg.poll_timeout_s))
-            await cadence.sleep(got, self.router)
 
     # --- called by sibling frontends and the driver (Ray) --------------------------------------
     def set_siblings(self, siblings: list) -> None:

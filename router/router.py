@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from enum import Enum
 
@@ -25,7 +25,7 @@ from cluster.errors import RequestError
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.token_stream import TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
-from cluster.worker_messages import WorkerStats, stats_from_wire
+from cluster.worker_messages import StatsSource, stats_from_wire
 from router.admission import SHUTTING_DOWN
 from router.attempts import Attempts, Prefilled
 from router.health import WorkerHealth
@@ -33,7 +33,6 @@ from router.policy import WorkerView
 from router.prefix_fetch import FetchPlan, plan_fetch
 from router.router_config import RouterConfig
 from router.worker_pool import NoWorker, ShuttingDown, WorkerPool
-from router.workers import WorkerClient
 
 __all__ = ["NoWorker", "PrefillPlace", "Router", "RouterConfig", "ShuttingDown"]   # RouterConfig: the wiring's
 
@@ -50,16 +49,15 @@ class PrefillPlace(Enum):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, policy, prefill: Mapping[str, WorkerClient],
-                 decode: Mapping[str, WorkerClient], receiver: TokenReceiver, metrics=None):
-        """`prefill`/`decode`: worker name -> client (see cluster/launch/app.py)."""
+    def __init__(self, config: RouterConfig, workers: WorkerPool, receiver: TokenReceiver, metrics=None):
+        """`workers`: the pool of this router's workers (`WorkerPool.of_roster`, router/frontend.py);
+        the workers' pushed stats reach it through `receiver`."""
         self.config = config
         self.receiver = receiver
         self.metrics = metrics
-        self.workers = WorkerPool(config, policy, prefill, decode)
+        self.workers = workers
         self.in_flight = 0
         self.activity = asyncio.Event()          # set by each new request: wakes an idle stats poll
-        self.pushed: dict[str, tuple[float, WorkerStats]] = {}   # worker -> (monotonic time, stats) last pushed
         if receiver is not None:
             receiver.on_stats = self.stats_pushed
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
@@ -94,23 +92,15 @@ class Router:
         """Handoffs a full decode worker declined."""
         return self.attempts.busy_retries
 
-    def worker_polled(self, name: str, stats: WorkerStats) -> None:
-        self.workers.worker_polled(name, stats)
-
     def stats_pushed(self, worker: str, body: dict) -> None:
-        """Stats a worker pushed over its token stream (cluster/token_stream.py): the same view a
-        poll feeds. ValueError (the frame is refused) for a body this version does not read, or
-        stats that name another worker than the connection's."""
+        """Stats a worker pushed over its token stream (cluster/token_stream.py), observed by the pool
+        as a poll's are (a worker this frontend does not route is ignored there). ValueError (the
+        frame is refused) for a body this version does not read, or stats that name another worker
+        than the connection's."""
         stats = stats_from_wire(body)
         if stats.name != worker:
             raise ValueError(f"stats of {stats.name!r} from the connection of {worker!r}")
-        if worker not in self.workers.views:      # not routed by this frontend: nothing to update
-            return
-        self.pushed[worker] = (time.monotonic(), stats)
-        self.worker_polled(worker, stats)
-
-    def worker_failed(self, name: str, exc: BaseException) -> None:
-        self.workers.worker_failed(name, exc)
+        self.workers.observe(stats, StatsSource.PUSH, time.monotonic())
 
     async def routing_changed(self) -> None:
         """Returns at the next change of any worker's routability."""
@@ -210,8 +200,8 @@ class Router:
 
     def _fetch_plan(self, hashes, dec: WorkerView) -> FetchPlan | None:
         """A prefill worker holding most of the prompt, if pulling from it beats computing (prefix_fetch.py)."""
-        return plan_fetch(hashes, dec, self.workers.healthy("prefill"), self.workers.latest, self.config.block_size,
-                          self.config.local_prefill_cached_fraction, self.config.prefix_fetch)
+        return plan_fetch(hashes, dec, self.workers.healthy("prefill"), self.workers.latest_stats(),
+                          self.config.block_size, self.config.local_prefill_cached_fraction, self.config.prefix_fetch)
 
     def _prefill_place(self, req: GenerateRequest, hashes, dec: WorkerView) -> PrefillPlace:
         """Conditional disaggregation: on the decode worker when colocated, for a short prompt, one

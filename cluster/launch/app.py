@@ -25,9 +25,12 @@ from cluster.worker_messages import WorkerStats
 from decode.spec.compat import check_speculative_models
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
+from router.policy import make_policy
 from router.server import ServerInfo
+from router.stats_poll import PollRound, StatsCadence, apply_poll, poll_workers, run_stats_poll
 from router.validation import Limits
-from router.workers import StatsCadence, WorkerClient, WorkerRoster, apply_poll, poll_workers
+from router.worker_pool import WorkerPool
+from router.workers import WorkerClient, WorkerRoster
 
 log = logging.getLogger(__name__)
 
@@ -237,50 +240,42 @@ async def _bring_up(name: str, incarnation: str | None, workers: dict[str, Worke
         log.warning("bringing up worker %s failed (%s); retrying", name, exc)
 
 
-async def _supervise(router, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict, metrics,
-                     timeout_s: float = 5.0) -> None:
-    """Polls the workers' stats (all at once, in their control group): metrics, the bring-up of
-    restarted workers, and the routing view of the in-process frontend (`router`; None when the
-    frontends are actors, which poll for themselves). A slow poll is skipped, never a verdict."""
-    cadence = StatsCadence()
-    pending: dict[str, asyncio.Task] = {}
-    unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
-    seen: dict[str, float] = {}            # worker -> time of the last pushed stats put in the metrics
-    answered: dict[str, float] = {}        # worker -> when its stats last came (polled or pushed)
-    while True:
-        poll = await poll_workers({n: workers[n] for n in cadence.due(workers, router)}, timeout_s)
-        _pushed_metrics(router, metrics, seen)
-        alive = _alive(router, poll, answered, 2 * cadence.idle_s)
+class _Supervisor:
+    """What the driver does with each round of its stats poll (`run_stats_poll`'s `on_round`): the
+    bring-up of a worker that answers not ready (started again by Ray, a new incarnation), and the
+    handshakes a worker missed, retried while both ends live. It reads liveness from the pool's
+    records; a slow poll is skipped, never a verdict."""
+
+    def __init__(self, pool: WorkerPool, workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
+                 alive_s: float):
+        """`alive_s`: a worker heard from (polled or pushed) within this lives."""
+        self.pool, self.workers, self.roster, self.metas, self.alive_s = pool, workers, roster, metas, alive_s
+        self.pending: dict[str, asyncio.Task] = {}
+        self.unpaired: dict[str, set[str]] = {}     # worker -> peers its last handshake could not reach
+
+    def __call__(self, poll: PollRound) -> None:
+        alive = self._alive(poll)
         for name, stats in poll.stats.items():
-            metrics.update_worker(stats)
-            if not stats.ready and not (name in pending and not pending[name].done()):
+            if not stats.ready and not self._bringing_up(name):
                 log.warning("worker %s (incarnation %s) is up; connecting its peers", name, stats.incarnation[:8])
-                pending[name] = asyncio.ensure_future(
-                    _bring_up(name, stats.incarnation, workers, roster, metas, alive - {name}, unpaired))
+                self._bring_up(name, stats.incarnation, alive - {name})
         for name in alive:       # every round, polled or not: a ready worker unpaired with a live peer
-            if unpaired.get(name, set()) & alive and not (name in pending and not pending[name].done()):
-                pending[name] = asyncio.ensure_future(
-                    _bring_up(name, None, workers, roster, metas, unpaired[name] & alive, unpaired))
-        got = apply_poll(router, poll) if router is not None else list(poll.stats.values())
-        await cadence.sleep(got, router)
+            if self.unpaired.get(name, set()) & alive and not self._bringing_up(name):
+                self._bring_up(name, None, self.unpaired[name] & alive)
 
+    def _bring_up(self, name: str, incarnation: str | None, peers: set[str]) -> None:
+        self.pending[name] = asyncio.ensure_future(
+            _bring_up(name, incarnation, self.workers, self.roster, self.metas, peers, self.unpaired))
 
-def _alive(router, poll, answered: dict[str, float], within_s: float) -> set[str]:
-    """The workers that answered this round, or lately (not due this round: their pushed stats are
-    fresh), and whose poll did not fail this round."""
-    now = time.monotonic()
-    for n, (at, _) in (router.pushed.items() if router is not None else ()):
-        answered[n] = max(at, answered.get(n, at))
-    answered.update((n, now) for n in poll.stats)
-    return {n for n, at in answered.items() if n not in poll.failed and now - at < within_s}
+    def _bringing_up(self, name: str) -> bool:
+        return name in self.pending and not self.pending[name].done()
 
-
-def _pushed_metrics(router, metrics, seen: dict[str, float]) -> None:
-    """The metrics of the stats workers pushed to the in-process router since the last round."""
-    for name, (at, stats) in (router.pushed.items() if router is not None else ()):
-        if seen.get(name) != at:
-            seen[name] = at
-            metrics.update_worker(stats, "push")
+    def _alive(self, poll: PollRound) -> set[str]:
+        """The workers heard from lately (this round, or pushed: their stats are fresh), and whose
+        poll did not fail this round."""
+        now = time.monotonic()
+        return {n for n, r in self.pool.records.items()
+                if r.heard_at is not None and now - r.heard_at < self.alive_s and n not in poll.failed}
 
 
 def _log_router_node(ray) -> None:
@@ -302,11 +297,13 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     workers, roster = await _start_workers(cfg)
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
-    frontend, actors, port, metrics = await _start_frontend_processes(cfg, fcfg, workers)
+    frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers)
     metas: dict[str, bytes] = {}
     first_stats = await _first_bring_up(workers, roster, metas, frontend, actors)
-    supervisor = asyncio.ensure_future(_supervise(frontend.router if frontend else None, workers, roster, metas,
-                                                  metrics, fcfg.poll_timeout_s))
+    cadence = StatsCadence()     # the driver's one stats poll (actor frontends run their own)
+    supervisor = asyncio.ensure_future(run_stats_poll(
+        pool, cadence, fcfg.poll_timeout_s, demand=frontend.router if frontend else None,
+        on_round=_Supervisor(pool, workers, roster, metas, alive_s=2 * cadence.idle_s)))
     metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
                       if cfg.metrics_port is not None else None)
     http_port = frontend.http_port() if frontend is not None else (
@@ -402,17 +399,20 @@ def _server_info(cfg: ClusterConfig, roster: WorkerRoster) -> ServerInfo:
 
 
 async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, workers: dict[str, WorkerClient]
-                                    ) -> tuple[Frontend | None, list, int, ClusterMetrics]:
+                                    ) -> tuple[Frontend | None, list, int, WorkerPool, ClusterMetrics]:
     """The frontend in this process, or `--frontends N` actors; their port bound (health
-    NOT_SERVING: requests wait) and the metrics registry this driver serves."""
+    NOT_SERVING: requests wait); the driver's `WorkerPool` (the in-process frontend's, else its
+    own) and the metrics registry this driver serves, reading the workers' series from it."""
     handles = {n: c.handle for n, c in workers.items()}
     model_name = fcfg.limits.model_id          # the served name: a label of every series
+    pool = WorkerPool.of_roster(fcfg.router, make_policy(fcfg.policy), workers, fcfg.roster)
     if cfg.frontends == 1:
-        metrics = ClusterMetrics(cfg.data_plane.transport, model_name)
-        frontend = Frontend(fcfg, handles, metrics=metrics)
-        return frontend, [], await frontend.start(), metrics
+        metrics = ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool)
+        frontend = Frontend(fcfg, handles, metrics=metrics, workers=pool)
+        return frontend, [], await frontend.start(), pool, metrics
     actors, port = await _start_frontends(cfg, fcfg, handles)
-    return None, actors, port, ClusterMetrics(cfg.data_plane.transport, model_name, frontends=actors)
+    return None, actors, port, pool, ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool,
+                                                    frontends=actors)
 
 
 async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster, metas: dict,
@@ -425,7 +425,7 @@ async def _first_bring_up(workers: dict[str, WorkerClient], roster: WorkerRoster
         await _handshake(p, workers, roster, metas)
     await asyncio.gather(*(workers[s.name].set_ready(s.incarnation) for s in first))
     if frontend is not None:
-        apply_poll(frontend.router, await poll_workers(workers, 60.0))
+        apply_poll(frontend.workers, await poll_workers(workers, 60.0))
         await frontend.wait_ready()
     else:
         await asyncio.gather(*(f.wait_ready.remote() for f in actors))

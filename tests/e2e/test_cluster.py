@@ -228,7 +228,7 @@ def test_metrics_count_what_was_sent(cluster):
     outs = _concurrent(client, prompts, max_tokens=5, ignore_eos=True)
     cluster.wait_idle()
     # The workers' last stats of the requests: a prefill worker's leases end without a step (so
-    # without a push), and the driver's Ray poll reads them within 0.75 s (router/workers.py).
+    # without a push), and the driver's Ray poll reads them within 0.75 s (router/stats_poll.py).
     time.sleep(1.0)
     after = _scrape(cluster)
 

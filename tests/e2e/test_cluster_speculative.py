@@ -115,7 +115,7 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
                      for m in methods for name, key in (("draft", "tree_drafted"), ("accepted", "tree_accepted"))}
             assert all(want[("splitserve_spec_tree_draft_tokens_total", m)] > 0 for m in methods), want
         # The router's copy of an idle worker's stats is at most one idle poll (2 s) behind: its
-        # last push may predate the last step's counts (router/workers.py StatsCadence).
+        # last push may predate the last step's counts (router/stats_poll.py StatsCadence).
         deadline = time.monotonic() + 10
         while (scraped := {k: _scrape(pd).get(k) for k in want}) != want and time.monotonic() < deadline:
             time.sleep(0.25)

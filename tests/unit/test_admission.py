@@ -113,7 +113,7 @@ def test_queue_depth_and_refusals_are_counted_per_tenant():
         return m.queued.labels(model_name="m", tenant=tenant)._value.get()
 
     async def go():
-        m = ClusterMetrics("tcp", "m", workers=False)
+        m = ClusterMetrics("tcp", "m")
         a = Admission(AdmissionConfig(max_in_flight=2, max_queued=3, queue_timeout_s=5), m, tenants=("", "quiet"))
         assert depth(m, "anonymous") == depth(m, "quiet") == 0          # known tenants read 0 from the start
         held, flooding = await a.acquire("", 1), await a.acquire("flood", 1)

@@ -1,9 +1,10 @@
 """The health model's policy: liveness and progress, not latency (router/health.py)."""
 import asyncio
+import time
 
 import pytest
 
-from cluster.worker_messages import WorkerStats
+from cluster.worker_messages import StatsSource, WorkerStats
 from router.health import Change, Liveness, WorkerHealth, is_actor_death
 
 
@@ -80,46 +81,66 @@ def test_only_rays_actor_errors_count_as_death():
 def test_the_router_keeps_routing_to_a_worker_whose_call_failed_without_dying(exc):
     from router.policy import make_policy
     from router.router import Router, RouterConfig
+    from router.worker_pool import WorkerPool
 
     async def go():
-        r = Router(RouterConfig(), make_policy("least_loaded"), {}, {"d0": None}, receiver=None)
-        r.worker_polled("d0", _stats(blocks_free=8, blocks_total=8))
+        config = RouterConfig()
+        r = Router(config, WorkerPool(config, make_policy("least_loaded"), {}, {"d0": None}), receiver=None)
+        r.workers.observe(_stats(blocks_free=8, blocks_total=8), StatsSource.POLL, time.monotonic())
         assert r.views["d0"].healthy
-        r.worker_failed("d0", exc)
+        r.workers.worker_failed("d0", exc)
         assert r.views["d0"].healthy
         from ray.exceptions import ActorDiedError
-        r.worker_failed("d0", ActorDiedError())
+        r.workers.worker_failed("d0", ActorDiedError())
         assert not r.views["d0"].healthy
     asyncio.run(go())
 
 
 # --- the stats cadence: which workers the router polls over Ray ------------------------------------
-class _PushedTo:
-    """What `StatsCadence` reads of a router: the stats workers pushed, and requests in flight."""
+class _Demand:
+    """What `StatsCadence` reads of a router besides its pool: requests in flight."""
     def __init__(self):
-        self.pushed = {}
         self.in_flight = 1
-        self.views = {}
+        self.activity = asyncio.Event()
+
+
+def _pool(*names):
+    """A pool of these workers (a name starting with "p": a prefill worker), as the cadence reads it."""
+    from router.policy import make_policy
+    from router.router import RouterConfig
+    from router.worker_pool import WorkerPool
+    return WorkerPool(RouterConfig(), make_policy("least_loaded"), {n: None for n in names if n.startswith("p")},
+                      {n: None for n in names if not n.startswith("p")})
+
+
+def _push(pool, name, at):
+    """A push from `name` at `at` (monotonic), as the token stream brings it: it steps, so it has work."""
+    pool.observe(_stats_of(name, running=1, has_work=True), StatsSource.PUSH, at)
+
+
+def _stats_of(name, **fields):
+    return WorkerStats(name=name, role="prefill" if name.startswith("p") else "decode", incarnation="a", ready=True,
+                       **fields)
 
 
 def test_a_worker_that_pushes_its_stats_is_not_polled_over_ray_while_its_pushes_are_fresh(monkeypatch):
-    import router.workers as workers_mod
-    from router.workers import StatsCadence
+    import router.stats_poll as poll_mod
+    from router.stats_poll import StatsCadence
     now = [100.0]
-    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
-    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
-    assert cadence.due(["p", "d"], router) == ["p", "d"]          # first round: everyone
+    monkeypatch.setattr(poll_mod.time, "monotonic", lambda: now[0])
+    cadence, pool, router = StatsCadence(busy_s=0.25, idle_s=2.0), _pool("p", "d"), _Demand()
+    assert cadence.due(pool) == ["p", "d"]                         # first round: everyone
     cadence.next([], router.in_flight)                             # busy: a request in flight
     polls = {"p": 0, "d": 0}
     for _ in range(40):                                            # 10 s of 0.25 s rounds
         now[0] += 0.25
-        router.pushed["d"] = (now[0] - 0.05, _stats())             # d steps and pushes; p does not
-        for name in cadence.due(["p", "d"], router):
+        _push(pool, "d", now[0] - 0.05)                            # d steps and pushes; p does not
+        for name in cadence.due(pool):
             polls[name] += 1
     assert polls["p"] == 40                                        # stale: every round
     assert polls["d"] == 0                                         # fresh pushes: it lives, no Ray call
     waited = 0.0                                                   # its pushes stop (a long step, a stall):
-    while "d" not in cadence.due(["p", "d"], router):              # polled at the busy cadence again
+    while "d" not in cadence.due(pool):                            # polled at the busy cadence again
         now[0] += 0.25
         waited += 0.25
     assert waited <= 0.5
@@ -129,68 +150,67 @@ def test_a_worker_in_a_long_step_with_this_routers_work_is_not_polled_faster(mon
     """A prefill step of thousands of tokens runs for seconds on a CPU: a worker that pushes here
     and holds this router's work is late only because it steps, so it is polled only to hear that
     it lives; the same worker with nothing of this router's is polled at the busy cadence."""
-    import router.workers as workers_mod
-    from router.policy import WorkerView
-    from router.workers import StatsCadence
+    import router.stats_poll as poll_mod
+    from router.stats_poll import StatsCadence
     now = [100.0]
-    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
-    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
-    router.views = {"p": WorkerView("p", "prefill")}
-    router.views["p"].in_flight = 4
-    assert cadence.due(["p"], router) == ["p"]
+    monkeypatch.setattr(poll_mod.time, "monotonic", lambda: now[0])
+    cadence, pool, router = StatsCadence(busy_s=0.25, idle_s=2.0), _pool("p"), _Demand()
+    pool.views["p"].in_flight = 4
+    assert cadence.due(pool) == ["p"]
     cadence.next([], router.in_flight)
-    router.pushed["p"] = (now[0], _stats())                        # its last push: then a 6 s step
+    _push(pool, "p", now[0])                                       # its last push: then a 6 s step
     polls = 0
     for _ in range(24):
         now[0] += 0.25
-        polls += len(cadence.due(["p"], router))
+        polls += len(cadence.due(pool))
     assert polls == 3                                              # every 2 s
-    router.views["p"].in_flight = 0                                # busy with another frontend's work
+    pool.views["p"].in_flight = 0                                  # busy with another frontend's work
     polls = 0
     for _ in range(8):
         now[0] += 0.25
-        polls += len(cadence.due(["p"], router))
+        polls += len(cadence.due(pool))
     assert polls >= 3
 
 
 def test_an_idle_cluster_is_polled_at_the_idle_cadence(monkeypatch):
-    import router.workers as workers_mod
-    from router.workers import StatsCadence
+    import router.stats_poll as poll_mod
+    from router.stats_poll import StatsCadence
     now = [100.0]
-    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
-    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0, linger_s=5.0), _PushedTo()
+    monkeypatch.setattr(poll_mod.time, "monotonic", lambda: now[0])
+    cadence, pool, router = StatsCadence(busy_s=0.25, idle_s=2.0, linger_s=5.0), _pool("d"), _Demand()
     router.in_flight = 0
     now[0] += 6.0                                                  # past the linger
-    assert cadence.due(["d"], router) == ["d"]
+    assert cadence.due(pool) == ["d"]
     assert cadence.next([_stats(has_work=False)], 0) == 2.0
     now[0] += 1.0
-    assert cadence.due(["d"], router) == []
+    assert cadence.due(pool) == []
     now[0] += 1.0
-    assert cadence.due(["d"], router) == ["d"]
+    assert cadence.due(pool) == ["d"]
 
 
 def test_an_idle_worker_this_router_gave_nothing_is_polled_at_the_idle_cadence_while_others_work(monkeypatch):
-    import router.workers as workers_mod
-    from router.policy import WorkerView
-    from router.workers import StatsCadence
+    import router.stats_poll as poll_mod
+    from router.stats_poll import StatsCadence
     now = [100.0]
-    monkeypatch.setattr(workers_mod.time, "monotonic", lambda: now[0])
-    cadence, router = StatsCadence(busy_s=0.25, idle_s=2.0), _PushedTo()
-    router.views = {"p": WorkerView("p", "prefill"), "d": WorkerView("d", "decode")}
+    monkeypatch.setattr(poll_mod.time, "monotonic", lambda: now[0])
+    cadence, pool, router = StatsCadence(busy_s=0.25, idle_s=2.0), _pool("p", "d"), _Demand()
     prefill_idle = WorkerStats(name="p", role="prefill", incarnation="a", ready=True)
     decode_busy = WorkerStats(name="d", role="decode", incarnation="a", ready=True, running=1, has_work=True)
     polls = {"p": 0, "d": 0}
 
     def rounds(n):
         for _ in range(n):
-            due = cadence.due(["p", "d"], router)
+            due = cadence.due(pool)
             for name in due:
                 polls[name] += 1
-            assert cadence.observe([s for s in (prefill_idle, decode_busy) if s.name in due], router) == 0.25
+            for s in (prefill_idle, decode_busy):
+                if s.name in due:
+                    pool.observe(s, StatsSource.POLL, now[0])
+            assert cadence.next(pool.latest_stats().values(), router.in_flight) == 0.25
             now[0] += 0.25
     rounds(40)                                                     # 10 s: d decodes (and never pushes), p rests
     assert polls["d"] == 40 and polls["p"] == 5                    # p: every 2 s
-    router.views["p"].in_flight = 1                                # a prompt sent to p: the busy cadence
+    pool.views["p"].in_flight = 1                                  # a prompt sent to p: the busy cadence
     polls["p"] = 0
     rounds(4)
     assert polls["p"] >= 3

@@ -12,9 +12,9 @@ from cluster.config import SchedulerConfig
 from cluster.engine.scheduler import QUEUE_TIME_BUCKETS, Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.kv.block_pool import BlockPool
-from cluster.metrics import ClusterMetrics
+from cluster.metrics import ClusterMetrics, ReportCount
 from cluster.types import FinishReason, GenerateRequest, SamplingParams, TokenDelta
-from cluster.worker_messages import HandoffStats, WorkerStats
+from cluster.worker_messages import HandoffStats, StatsSource, WorkerStats
 
 MODEL = "served-name"
 
@@ -31,16 +31,31 @@ def _value(samples, name: str, **labels) -> float:
     return samples[name, frozenset({"model_name": MODEL, **labels}.items())]
 
 
+class _Workers:
+    """What the metrics read the workers' series from (in the driver, router/worker_pool.py
+    `WorkerPool`): each worker's newest stats, and the stats each sent by channel."""
+
+    def __init__(self, *stats: WorkerStats, reports: tuple[ReportCount, ...] = ()):
+        self.stats = {s.name: s for s in stats}
+        self.reports = list(reports)
+
+    def latest_stats(self) -> dict[str, WorkerStats]:
+        return self.stats
+
+    def report_counts(self) -> list[ReportCount]:
+        return self.reports
+
+
 def _decode_stats(**fields) -> WorkerStats:
     return WorkerStats(name="decode-0", role="decode", incarnation="i", ready=True,
                        handoff=HandoffStats(done=2, bytes=4096), **fields)
 
 
 def test_worker_series_read_kv_ratio_preemptions_and_queue_histogram():
-    m = ClusterMetrics("nixl", MODEL)
-    m.update_worker(_decode_stats(blocks_used=3, blocks_total=12, preemptions=2, queue_count=4, queue_seconds=0.5,
-                                  queue_time_buckets=((0.001, 1), (0.01, 3), (0.1, 3))))
-    m.update_worker(WorkerStats(name="prefill-0", role="prefill", incarnation="i", ready=True))   # an empty pool
+    m = ClusterMetrics("nixl", MODEL, workers=_Workers(
+        _decode_stats(blocks_used=3, blocks_total=12, preemptions=2, queue_count=4, queue_seconds=0.5,
+                      queue_time_buckets=((0.001, 1), (0.01, 3), (0.1, 3))),
+        WorkerStats(name="prefill-0", role="prefill", incarnation="i", ready=True)))   # an empty pool
     _, samples = _scrape(m)
     worker = {"worker": "decode-0", "role": "decode"}
     assert _value(samples, "splitserve_kv_cache_usage_ratio", **worker) == 0.25
@@ -58,11 +73,24 @@ def test_worker_series_read_kv_ratio_preemptions_and_queue_histogram():
 
 def test_queue_histogram_stays_monotonic_when_read_mid_count():
     """Counts read while the engine counts: a bucket newer than `queue_count` lifts +Inf with it."""
-    m = ClusterMetrics("nixl", MODEL)
-    m.update_worker(_decode_stats(queue_count=2, queue_time_buckets=((0.001, 1), (0.01, 3))))
+    m = ClusterMetrics("nixl", MODEL, workers=_Workers(_decode_stats(queue_count=2,
+                                                                     queue_time_buckets=((0.001, 1), (0.01, 3)))))
     _, samples = _scrape(m)
     assert _value(samples, "splitserve_request_queue_time_seconds_bucket", worker="decode-0", role="decode",
                   le="+Inf") == 3
+
+
+def test_stats_reports_are_counted_by_worker_and_channel():
+    """`splitserve_worker_stats_reports_total` reads the pool's counts: one series per worker and
+    channel that sent any (the driver of several frontends hears no push)."""
+    m = ClusterMetrics("nixl", MODEL, workers=_Workers(_decode_stats(), reports=(
+        ReportCount("decode-0", StatsSource.POLL, 3), ReportCount("decode-0", StatsSource.PUSH, 7))))
+    _, samples = _scrape(m)
+    assert _value(samples, "splitserve_worker_stats_reports_total", worker="decode-0", source="poll") == 3
+    assert _value(samples, "splitserve_worker_stats_reports_total", worker="decode-0", source="push") == 7
+    assert not [key for key in samples if key[0] == "splitserve_worker_stats_reports_total"
+                and ("worker", "prefill-0") in key[1]]
+    assert ClusterMetrics("nixl", MODEL).worker_stats == {}          # a frontend process: no worker series
 
 
 def _delta(rid: str, n: int, finish: FinishReason | None = None, prompt: int = 0) -> TokenDelta:
@@ -70,7 +98,7 @@ def _delta(rid: str, n: int, finish: FinishReason | None = None, prompt: int = 0
 
 
 def test_tracker_records_lengths_per_finished_request_with_model_name():
-    m = ClusterMetrics("tcp", MODEL, workers=False)
+    m = ClusterMetrics("tcp", MODEL)
     req = GenerateRequest("r1", tuple(range(7)), SamplingParams(max_tokens=8), tenant="alpha")
     t = m.track(req)
     t.tokens(3, _delta("r1", 3))
@@ -93,8 +121,8 @@ def test_tracker_records_lengths_per_finished_request_with_model_name():
 
 
 def test_every_series_carries_model_name_and_none_is_created():
-    m = ClusterMetrics("tcp", MODEL)
-    m.update_worker(_decode_stats(blocks_total=4))
+    m = ClusterMetrics("tcp", MODEL, workers=_Workers(_decode_stats(blocks_total=4),
+                                                      reports=(ReportCount("decode-0", StatsSource.PUSH, 2),)))
     t = m.track(GenerateRequest("r1", (1, 2, 3), SamplingParams(max_tokens=2)))
     t.tokens(2, _delta("r1", 2, FinishReason.STOP, prompt=3))
     m.observe_prefill(0.01)
@@ -145,8 +173,8 @@ def test_scheduler_counts_preemptions_and_queue_time_once_per_request():
 
 def test_acceptance_by_draft_position_is_a_series_per_position():
     from cluster.worker_messages import SpecStats
-    m = ClusterMetrics("nixl", MODEL)
-    m.update_worker(_decode_stats(spec=(SpecStats("eagle", 7, 4, 3, 7, drafted_at=(3, 3, 1), accepted_at=(3, 1, 0)),)))
+    m = ClusterMetrics("nixl", MODEL, workers=_Workers(
+        _decode_stats(spec=(SpecStats("eagle", 7, 4, 3, 7, drafted_at=(3, 3, 1), accepted_at=(3, 1, 0)),))))
     _, samples = _scrape(m)
     at = {p: (_value(samples, "splitserve_spec_position_draft_tokens_total", worker="decode-0", method="eagle", position=p),
               _value(samples, "splitserve_spec_position_accepted_tokens_total", worker="decode-0", method="eagle",

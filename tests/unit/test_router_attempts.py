@@ -4,13 +4,15 @@ busy worker's decline continued elsewhere, and a handoff continued into every sa
 from __future__ import annotations
 
 import asyncio
+import time
 
 from cluster.errors import WorkerBusy
 from cluster.token_stream import StepRecord, TokenReceiver
 from cluster.types import FinishReason, GenerateRequest, SamplingParams, TokenDelta
-from cluster.worker_messages import DecodeCall, GenerateCall, PrefillResult, WorkerStats
+from cluster.worker_messages import DecodeCall, GenerateCall, PrefillResult, StatsSource, WorkerStats
 from router.policy import make_policy
 from router.router import Router, RouterConfig
+from router.worker_pool import WorkerPool
 
 PROMPT = tuple(range(1, 9))
 
@@ -70,11 +72,11 @@ async def _run(script: list[str], n: int = 1, colocated: bool = True):
     await receiver.start()
     decode = FakeDecode(receiver, script)
     prefill = FakePrefill()
-    router = Router(RouterConfig(colocated=colocated, local_prefill_max_tokens=0, block_size=4),
-                    make_policy("round_robin"), {} if colocated else {"p0": prefill}, {"d0": decode, "d1": decode},
-                    receiver)
+    config = RouterConfig(colocated=colocated, local_prefill_max_tokens=0, block_size=4)
+    router = Router(config, WorkerPool(config, make_policy("round_robin"), {} if colocated else {"p0": prefill},
+                                       {"d0": decode, "d1": decode}), receiver)
     for name, role in (("d0", "decode"), ("d1", "decode"), *(() if colocated else (("p0", "prefill"),))):
-        router.worker_polled(name, _stats(name, role))
+        router.workers.observe(_stats(name, role), StatsSource.POLL, time.monotonic())
     sp = SamplingParams(max_tokens=4)
     req = GenerateRequest("r", PROMPT, sp)
     forks = tuple(GenerateRequest(f"f{i}", PROMPT, SamplingParams(max_tokens=4, seed=i)) for i in range(1, n))

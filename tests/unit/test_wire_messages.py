@@ -324,11 +324,16 @@ def test_mutated_frames_get_only_the_decoders_own_error():
 
 def test_stats_read_out_of_order_keep_the_newest_of_an_incarnation():
     from cluster.metrics import ClusterMetrics
+    from cluster.worker_messages import StatsSource
+    from router.policy import make_policy
+    from router.router_config import RouterConfig
+    from router.worker_pool import WorkerPool
     newer = WorkerStats(name="w", role="decode", incarnation="i", ready=True, taken_at=2.0)
     older = dataclasses.replace(newer, taken_at=1.0, blocks_used=3, running=1)   # a poll answered before a push
     assert newer.supersedes(older) and not older.supersedes(newer) and newer.supersedes(None)
     assert dataclasses.replace(older, incarnation="j").supersedes(newer)       # a restart: never ordered away
-    m = ClusterMetrics("nixl", "m")
-    m.update_worker(newer, "push")
-    m.update_worker(older, "poll")
+    pool = WorkerPool(RouterConfig(), make_policy("least_loaded"), {}, {"w": None})   # what the metrics read
+    m = ClusterMetrics("nixl", "m", workers=pool)
+    assert pool.observe(newer, StatsSource.PUSH, 1.0)
+    assert not pool.observe(older, StatsSource.POLL, 2.0)
     assert m.worker_stats["w"] is newer
