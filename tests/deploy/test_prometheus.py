@@ -25,6 +25,8 @@ from served_cluster import ServeProcess
 from tools import DEPLOY, ROOT, require
 from helpers import free_port
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 MONITORING = DEPLOY / "monitoring"
 RATE_INTERVAL = "1m"       # what Grafana's $__rate_interval stands for in these queries
 # Repetitive code, so that the n-gram proposer finds matches and drafts; longer than the

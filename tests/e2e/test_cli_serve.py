@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 
 def _raylets() -> set[str]:
     out = subprocess.run(["pgrep", "-f", "ray/raylet"], capture_output=True, text=True).stdout

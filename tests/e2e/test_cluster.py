@@ -20,6 +20,8 @@ from tiny_models import long_context_copy
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 
+pytestmark = pytest.mark.ray
+
 MAX_TOKENS = 16
 
 

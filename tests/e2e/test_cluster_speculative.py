@@ -23,6 +23,8 @@ from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from router.client import Client
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 PROMPTS = [
     "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"
     "        self.values = {}\n\n    def load(self):\n",

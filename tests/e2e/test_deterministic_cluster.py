@@ -20,6 +20,8 @@ from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from router.client import AsyncClient, Client
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 MAX_TOKENS = 24
 _SNIPPETS = [
     "import os\nimport sys\n\n\ndef main(argv):\n",

@@ -27,6 +27,8 @@ from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from helpers import free_port
 
+pytestmark = pytest.mark.ray
+
 BLOCKS = 48          # per worker, 4 tokens each: a few long requests fill a decode worker
 SEEDED = dict(temperature=0.9, top_p=0.95, seed=123)
 

@@ -21,6 +21,8 @@ from cluster_harness import ClusterThread
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 
+pytestmark = pytest.mark.ray
+
 
 def _engine_config(model_dir):
     return EngineConfig(model=model_dir, dtype="float32", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=256))

@@ -30,6 +30,8 @@ from router.client import Client, _metadata
 from router.connections import ConnectionLimits
 from tiny_models import make_chat_model
 
+pytestmark = pytest.mark.ray
+
 # The suite's bounded size; bench/fuzz_api.py runs the same fuzz with more examples.
 FUZZ_EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "120"))
 KEYS = {"alpha": "sk-alpha-0123456789", "beta": "sk-beta-0123456789"}

@@ -28,6 +28,8 @@ from router.client import Client
 from router.router import RouterConfig
 from helpers import free_port
 
+pytestmark = pytest.mark.ray
+
 BS = 4
 BLOCKS = 40                  # per worker: two prompts of 61 tokens and their outputs
 MAX_TOKENS = 8

@@ -11,6 +11,8 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.types import KVHandle, SamplingParams
 
+pytestmark = pytest.mark.slow   # worker processes over three transports
+
 def _available(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None

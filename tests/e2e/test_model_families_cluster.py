@@ -15,6 +15,8 @@ from cluster_harness import ClusterThread
 from integration.test_model_families import FAMILIES, family_prompts, hf_reference  # noqa: F401 (a fixture)
 from router.client import Client
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 MAX_TOKENS = 12
 
 

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
 from helpers import free_port
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 HEAD, PREFILL, DECODE = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 # The nodes run with Ray's token authentication; serve joins with --ray-token-file.
 TOKEN = secrets.token_hex(32)

@@ -31,6 +31,8 @@ from cluster_harness import ClusterThread
 from router.client import Client
 from tiny_models import make_chat_model
 
+pytestmark = pytest.mark.ray
+
 KEY = "sk-test-0123456789"
 PROMPTS = ["def add(a, b):\n", "class Point:\n    def", "for i in range(10):\n    print(i * i)"]
 

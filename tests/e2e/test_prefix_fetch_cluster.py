@@ -22,6 +22,8 @@ from router.client import Client
 from router.router import RouterConfig
 from helpers import free_port
 
+pytestmark = pytest.mark.ray
+
 BS = 4
 MAX_TOKENS = 8
 

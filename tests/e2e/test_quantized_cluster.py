@@ -29,6 +29,8 @@ from cluster_harness import ClusterThread
 from router.client import Client
 from router.router import RouterConfig
 
+pytestmark = pytest.mark.ray
+
 MAX_TOKENS = 12
 # Prompts of several KV blocks (16 tokens each) that share no first block, so that each crosses
 # the handoff (a prompt mostly cached on the decode worker is prefilled there).

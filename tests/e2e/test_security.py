@@ -36,6 +36,8 @@ from cluster_harness import ClusterThread
 from tiny_models import long_context_copy
 from router.client import Client
 
+pytestmark = pytest.mark.ray
+
 KEYS = {"alpha-1": "sk-alpha-one-0123456789", "alpha-2": "sk-alpha-two-0123456789",
         "beta": "sk-beta-0123456789abcdef", "bare": "sk-bare-0123456789abcdef"}
 SECRET = "cluster-secret-" + "q" * 32

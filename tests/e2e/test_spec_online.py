@@ -25,6 +25,8 @@ from cluster_harness import ClusterThread
 from router.client import Client
 from router.router import RouterConfig
 
+pytestmark = pytest.mark.ray
+
 KEYS = {"acme": "key-acme-0123456789", "other": "key-other-0123456789"}
 # Unseen code: the standard library's json and email packages, cut at a few places.
 SOURCES = [open(f).read() for f in sorted(glob.glob("/usr/lib/python3*/json/*.py"))[:5]]

@@ -25,6 +25,8 @@ from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from router.router import RouterConfig
 
+pytestmark = pytest.mark.ray
+
 CITIES = {"type": "object", "properties": {
     "cities": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},

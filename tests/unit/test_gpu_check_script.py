@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
 
 # Ignores SIGINT (as a step stuck in a CUDA call would), so only the SIGKILL after the grace
@@ -31,6 +33,7 @@ def test_step_limits_fit_one_device_call():
     assert "PYTHONUNBUFFERED=1" in text and "HF_HUB_OFFLINE=1" in text and 'PY="${PYTHON:-python3}"' in text
 
 
+@pytest.mark.slow   # waits out a 20 s deadline
 def test_a_step_cut_at_the_deadline_keeps_its_output(tmp_path):
     stub = tmp_path / "python-stub"
     stub.write_text(STUB)
