@@ -24,6 +24,14 @@ def session_ray() -> None:
                  num_cpus=SESSION_RAY_CPUS)
 
 
+def stop_session_ray() -> None:
+    """End the session's Ray (the next cluster starts it again): for tests whose own Ray nodes
+    should have the machine's ports and cores to themselves."""
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 class ClusterThread:
     def __init__(self, cfg):
         session_ray()

@@ -261,17 +261,31 @@ def test_metrics_count_what_was_sent(cluster):
     assert delta("splitserve_worker_stats_reports_total{source=push,worker=prefill-0}") >= 1
 
 
-def test_colocated_mode_serves_the_same_api(tiny_model_dir, reference):
-    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0))
-    try:
-        client = Client(c.target)
-        assert client.server_info().mode == "colocated"
-        prompts = _prompts(8, seed=5)
-        outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
-        assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-        assert all(s.blocks_used == 0 for s in c.wait_idle())
-    finally:
-        c.stop()
+@pytest.fixture(scope="module")
+def colocated_tls(tiny_model_dir, tmp_path_factory):
+    """One colocated cluster serving gRPC over TLS (a self-signed certificate for 127.0.0.1), for
+    the colocated API and the TLS tests alike."""
+    import subprocess
+    tmp = tmp_path_factory.mktemp("tls")
+    key, cert = tmp / "key.pem", tmp / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0,
+                                    tls=(key.read_bytes(), cert.read_bytes())))
+    c.credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    yield c
+    c.stop()
+
+
+def test_colocated_mode_serves_the_same_api(colocated_tls, reference):
+    c = colocated_tls
+    client = Client(c.target, credentials=c.credentials)
+    assert client.server_info().mode == "colocated"
+    prompts = _prompts(8, seed=5)
+    outs = _concurrent(client, prompts, max_tokens=MAX_TOKENS)
+    assert [list(o.token_ids) for o in outs] == reference(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert all(s.blocks_used == 0 for s in c.wait_idle())
 
 
 def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path):
@@ -309,22 +323,13 @@ def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path
         c.stop()
 
 
-def test_tls_serving(tiny_model_dir, tmp_path):
-    import subprocess
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), colocated=True, port=0,
-                                    tls=(key.read_bytes(), cert.read_bytes())))
-    try:
-        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-        out = Client(c.target, credentials=creds).generate("def add(a, b):", max_tokens=3)
-        assert len(out.token_ids) == 3
-        with pytest.raises(grpc.RpcError):                  # plaintext is refused
-            Client(c.target).generate("x", max_tokens=1, timeout=5)
-    finally:
-        c.stop()
+def test_tls_serving(colocated_tls):
+    c = colocated_tls
+    out = Client(c.target, credentials=c.credentials).generate("def add(a, b):", max_tokens=3)
+    assert len(out.token_ids) == 3
+    with pytest.raises(grpc.RpcError):                  # plaintext is refused
+        Client(c.target).generate("x", max_tokens=1, timeout=5)
+    c.wait_idle()
 
 
 def test_every_worker_runs_the_one_kernel_plan_on_its_own_cores(cluster):

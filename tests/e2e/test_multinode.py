@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
-from helpers import free_port
+from helpers import free_port  # noqa: E402
+from cluster_harness import stop_session_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -96,6 +97,7 @@ def _wait_started(node: RayNode, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def ray_nodes(tmp_path_factory):
+    stop_session_ray()   # the three nodes below are this machine's only Ray
     log_dir = tmp_path_factory.mktemp("ray-nodes")
     port = free_port(HEAD)
     address = f"{HEAD}:{port}"
