@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from cluster.config import EngineConfig, WorkerConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import HoldFactory, LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
@@ -61,11 +61,14 @@ def _kv_event_log(engine: LLMEngine, name: str, shared: str | None) -> KVEventLo
 class EngineWorker:
     role = "worker"
 
-    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
-        """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py)."""
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None,
+                 hold_factory: HoldFactory | None = None):
+        """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py);
+        `hold_factory`: the role's hold hook (a prefill worker's side of the handoff)."""
         self.name = name
         self.config = config
-        self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory)
+        self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory,
+                                hold_factory=hold_factory)
         self.kv_log = _kv_event_log(self.engine, name, config.engine.cache.kv_host_shared)
         self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
         options = {}

@@ -85,7 +85,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], on_hold: Callable[[Sequence], None] | None = None):
         self.config = config
         self.pool = pool
         self.block_size = block_size
@@ -95,7 +95,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Takes the blocks of a finished `hold_kv` request (the prefill side of a P/D handoff,
         # prefill/handoff.py): they stay referenced, outside the scheduler, until it frees them.
-        self.on_hold: Callable[[Sequence], None] | None = None
+        self.on_hold = on_hold
         self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
