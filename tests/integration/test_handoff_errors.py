@@ -81,7 +81,7 @@ def test_a_handoff_that_fails_between_pull_and_batch_frees_its_blocks(pair, monk
 
     def refuse(*args, **kwargs):
         raise ValueError("this engine cannot continue that request")
-    monkeypatch.setattr("decode.worker.add_prefilled", refuse)
+    monkeypatch.setattr("decode.handoff.add_prefilled", refuse)
 
     async def go():
         receiver = await _connect(prefill, decode)
