@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import asdict, dataclass, field, replace
 
 from cluster.engine.engine import LLMEngine
@@ -74,9 +74,8 @@ class PendingPull:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    handle: KVHandle
-    first_token: int
-    forks: tuple[Fork, ...] = ()     # each with its first token
+    handle: KVHandle                 # every sample's first token is the handle's
+    forks: tuple[Fork, ...] = ()
     tenant: str = ""
     aborted: bool = False
     times: dict = field(default_factory=dict)   # phase -> time.time(), for `HandoffTiming`
@@ -104,25 +103,30 @@ class DecodeHandoff:
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
 
     # --- a handle arrives (the decode worker's entry points) -------------------------------------
-    def open_handle(self, data: bytes) -> KVHandle:
-        """A decode call's handle, checked: its fault (RequestError) when malformed or foreign."""
+    def open_handle(self, call: DecodeCall) -> KVHandle:
+        """A decode call's handle, checked: its fault (RequestError) when malformed, foreign, or
+        without the first token of one of the call's forks (then declined: the pins go at once)."""
         try:
-            handle = KVHandle.decode(data)
+            handle = KVHandle.decode(call.handle)
         except ValueError as exc:
             raise RequestError(f"decode worker {self.name} refused the KV handle: {exc}") from None
         arena = self.peer_blocks.get(handle.producer)
         if arena is None or max(handle.block_ids) >= arena:
             raise RequestError(f"decode worker {self.name} refused the KV handle: its blocks are not inside a "
                                f"known producer's arena ({handle.producer!r})")
+        # The lead may be a fork of the prefilled request (the request itself ended with its first token).
+        firsts = handle.first_tokens()
+        missing = [rid for rid in (call.request_id, *(f.request_id for f in call.forks)) if rid not in firsts]
+        if missing:
+            self.consumer.decline(handle, "refused")
+            raise RequestError(f"decode worker {self.name} refused the KV handle: no first token for {missing}")
         return handle
 
     def start_decode(self, e: LLMEngine, call: DecodeCall, handle: KVHandle, times: dict) -> None:
         """On the engine thread: take blocks for the handle and start its pull, or decline."""
         times["pull_started"] = time.time()
         h = PendingPull(call.request_id, list(call.prompt_ids), call.sampling, handle,
-                        handle.first_token if call.first_token is None else call.first_token,
-                        tuple(Fork(f.request_id, f.sampling, f.first_token) for f in call.forks), tenant=call.tenant,
-                        times=times)
+                        tuple(Fork(f.request_id, f.sampling) for f in call.forks), tenant=call.tenant, times=times)
         n = len(handle.block_ids)
         try:
             blocks = e.scheduler.reserve_external(n)
@@ -169,7 +173,7 @@ class DecodeHandoff:
             e.scheduler.release_external(blocks)
             self.consumer.decline(handle, "refused")
             return False
-        self.pending[pull.lease_id] = PendingPull(call.request_id, list(call.prompt_ids), call.sampling, handle, -1,
+        self.pending[pull.lease_id] = PendingPull(call.request_id, list(call.prompt_ids), call.sampling, handle,
                                                   tuple(Fork(f.request_id, f.sampling) for f in call.forks),
                                                   tenant=call.tenant, prefix_of=call)
         return True
@@ -236,8 +240,9 @@ class DecodeHandoff:
             self.counters.done += 1
             self.counters.bytes += len(h.handle.block_ids) * e.layout.bytes_per_block()
             self.counters.seconds += t.get("acked", t["start"]) - t["start"]
-            add_prefilled(e, h.request_id, h.prompt_ids, h.first_token, h.sampling, pull.local_blocks,
-                          h.handle.feature, forks=h.forks, tenant=h.tenant)
+            firsts = h.handle.first_tokens()
+            add_prefilled(e, h.request_id, h.prompt_ids, firsts[h.request_id], h.sampling, pull.local_blocks,
+                          h.handle.feature, forks=h.forks, tenant=h.tenant, fork_firsts=firsts)
             joined = True
             for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
                 if not self.loop.has_stream(rid):
@@ -283,8 +288,9 @@ class DecodeHandoff:
         first token was sampled by the producer, so the generator skips that draw."""
         self.counters.failed += 1
         log.warning("handoff of %s failed (%s); recomputing here", h.request_id, why)
-        for rid, sampling, first in ((h.request_id, h.sampling, h.first_token),
-                                     *((f.request_id, f.sampling, f.first_token) for f in h.forks)):
+        firsts = h.handle.first_tokens()       # one per member: checked by `open_handle`
+        for rid, sampling in ((h.request_id, h.sampling), *((f.request_id, f.sampling) for f in h.forks)):
+            first = firsts[rid]
             rest = replace(sampling, max_tokens=sampling.max_tokens - 1, prompt_logprobs=None)
             try:
                 e.add_request([*h.prompt_ids, first], rest, rid, tenant=h.tenant)
@@ -295,16 +301,18 @@ class DecodeHandoff:
 
 def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_token: int,
                   sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"",
-                  forks: Seq[Fork] = (), tenant: str = "") -> None:
+                  forks: Seq[Fork] = (), tenant: str = "", fork_firsts: Mapping[str, int] | None = None) -> None:
     """Join a sequence whose prompt KV already sits in `block_ids` (taken from the engine's
     scheduler and filled by a transfer) and whose first token was sampled elsewhere. It decodes
     from its second token on, waiting with its blocks while the pool is full; if it is ever
-    preempted, or its KV is discarded to avoid a deadlock, it is recomputed here. `forks` (their
-    `first_token` set): more samples of the prompt, on the same blocks. `feature`: the proposer
-    state the producer exported beside the blocks (`Speculator.export_state`; with an EAGLE head
-    the target's hidden state at the prompt's last position), checked by this engine's speculator."""
+    preempted, or its KV is discarded to avoid a deadlock, it is recomputed here. `forks`: more
+    samples of the prompt, on the same blocks, each from its first token in `fork_firsts` (by
+    request id: `KVHandle.first_tokens()`). `feature`: the proposer state the producer exported
+    beside the blocks (`Speculator.export_state`; with an EAGLE head the target's hidden state at
+    the prompt's last position), checked by this engine's speculator."""
     ids = e.validate_prompt(list(prompt_ids))
-    if any(f.first_token is None for f in forks):
+    fork_firsts = fork_firsts or {}
+    if any(f.request_id not in fork_firsts for f in forks):
         raise ValueError("a handed-off fork needs the first token its producer drew")
     for sp in (sampling, *(f.sampling for f in forks)):
         e.validate_speculation(sp)
@@ -317,7 +325,8 @@ def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_tok
     lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
     e.scheduler.add(lead)
     for fork in forks:
-        child = _prefilled_sequence(e, fork.request_id, ids, fork.sampling, fork.first_token, spec_state, tenant)
+        child = _prefilled_sequence(e, fork.request_id, ids, fork.sampling, fork_firsts[fork.request_id], spec_state,
+                                    tenant)
         if not e.scheduler.fork(lead, child, len(ids), e.kv_cache.copy_block):
             e.scheduler.add(child)      # no block for its copy: it computes the prompt itself
 

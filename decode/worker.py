@@ -63,7 +63,7 @@ class DecodeWorker(EngineWorker):
     async def decode(self, call: DecodeCall) -> FinishReason:
         """Continue a request prefilled elsewhere; streams deltas from its second token on (its
         forks' too, on the same pulled blocks). Aborting any of them during the pull aborts all."""
-        handle = self.handoff.open_handle(call.handle)
+        handle = self.handoff.open_handle(call)
         await self._compile(call.sampling)
         times = {"sent": call.sent_at or time.time(), "called": time.time()}
         last = await self.loop.run(call.request_id, lambda e: self.handoff.start_decode(e, call, handle, times),

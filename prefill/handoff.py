@@ -4,9 +4,10 @@
 The engine is built with it (`LLMEngine(config, hold_factory=PrefillHandoff)`) and calls it as its
 `HoldHook` (cluster/engine/hooks.py): when a `hold_kv` request finishes with its first token the
 engine gives it the request's blocks, and when a fork of it draws its first token the hook keeps
-that delta. One `PrefillLease` record per request holds its blocks, token count, first token and
-state (`LeaseState`). `publish_first` (the prefill worker calls it on the engine thread, in the
-turn the prefill ends) decides whether a decode worker must continue, publishes the blocks through
+that delta. One `PrefillLease` record per request holds its blocks, token count and state
+(`HoldState`), and once published its `KVHandle` (the lease, and the first tokens of the request
+and its forks: the one place they live). `publish_first` (the prefill worker calls it on the
+engine thread, in the turn the prefill ends) decides whether a decode worker must continue, publishes the blocks through
 the `KVProducer` (cluster/transfer/producer.py: the wire protocol only) or frees them at once; the
 producer reports the lease's end (`lease_ended`) and the blocks go back to the pool.
 """
@@ -20,7 +21,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.sequence import Sequence
 from cluster.errors import WorkerBusy
 from cluster.transfer.producer import KVProducer, LeaseState
-from cluster.types import FinishReason, SamplingParams, TokenDelta
+from cluster.types import FinishReason, ForkFirst, KVHandle, SamplingParams, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,8 @@ class PrefillLease:
     block_ids: list[int]
     num_tokens: int
     seq: Sequence        # what the speculator exports for it (`spec_state`) is set by the end of its last step
-    first_token: int = -1
     state: HoldState = HoldState.HELD
-    lease_id: str = ""
+    handle: KVHandle | None = None   # once published: the lease, and the first tokens it carries
 
 
 class PrefillHandoff:
@@ -75,7 +75,7 @@ class PrefillHandoff:
         """On the engine thread: the producer ended the lease (DONE, aborted, failed, expired)."""
         held = self.leases.get(request_id)
         if held is not None and held.state is HoldState.LEASED:
-            log.debug("lease %s of %s ended %s", held.lease_id, request_id, state.value)
+            log.debug("lease %s of %s ended %s", held.handle.lease_id, request_id, state.value)
             self.release(request_id)
 
     def take_feature(self, request_id: str) -> bytes:
@@ -91,12 +91,16 @@ class PrefillHandoff:
         logits beside the request's own): what a decode worker continues them from."""
         return self._fork_firsts.pop(request_id, [])
 
-    def publish(self, producer: KVProducer, request_id: str, first_token: int) -> bytes:
-        """Put the held blocks under a lease: the encoded handle a decode worker pulls from."""
+    def publish(self, producer: KVProducer, request_id: str, first_token: int,
+                forks: tuple[TokenDelta, ...] = ()) -> bytes:
+        """Put the held blocks under a lease: the encoded handle a decode worker pulls from, with
+        the first token of the request and of each fork that drew one (`forks`: their deltas)."""
         held = self.leases[request_id]
         handle = producer.publish(request_id, held.block_ids, held.num_tokens, first_token)
-        held.first_token, held.state, held.lease_id = int(first_token), HoldState.LEASED, handle.lease_id
-        return replace(handle, feature=self.take_feature(request_id)).encode()
+        handle = replace(handle, feature=self.take_feature(request_id),
+                         forks=tuple(ForkFirst(d.request_id, d.token_ids[0]) for d in forks if d.token_ids))
+        held.state, held.handle = HoldState.LEASED, handle
+        return handle.encode()
 
 
 @dataclass(frozen=True)
@@ -141,5 +145,5 @@ def publish_first(hold: PrefillHandoff, producer: KVProducer, request_id: str, p
         if reason is not None and all(d.finish_reason is not None for d in firsts) and not export:
             hold.release(request_id)
         else:
-            handle = hold.publish(producer, request_id, last.token_ids[0])
+            handle = hold.publish(producer, request_id, last.token_ids[0], firsts)
     return FirstToken(last, reason, firsts, handle)

@@ -65,9 +65,8 @@ class PrefillWorker(EngineWorker):
                  export: bool = False) -> PrefillResult:
         """On the engine thread, in the turn that finished the prefill (prefill/handoff.py)."""
         first = publish_first(self.hold, self.producer, request_id, prompt_ids, sampling, last, forks or {}, export)
-        return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, first.reason,
-                             first.handle, last.num_prompt_tokens, last.num_cached_tokens, last.logprobs,
-                             last.prompt_logprobs, first.forks)
+        delta = replace(last, token_ids=last.token_ids[:1], finish_reason=first.reason, num_output_tokens=1)
+        return PrefillResult(request_id, delta, first.handle, first.forks)
 
     async def abort(self, request_id: str) -> None:
         def go(e: LLMEngine):

@@ -88,7 +88,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             if pull.state is not PullState.DONE:
                 engine.pool.free(reversed(pull.local_blocks))
                 return {"state": pull.state.value, "error": pull.error}
-            first = pull.first_token
+            first = pull.handle.first_token
             if cmd.get("ready_only"):
                 engine.pool.free(reversed(pull.local_blocks))
                 t = pull.timings

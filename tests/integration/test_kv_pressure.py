@@ -254,7 +254,8 @@ def test_publish_hands_off_a_prefilled_request(engines, prefill_worker):
     last = [d for d in _steps_to_end(small) if d.request_id == "p"][-1]
     result = prefill_worker._publish(small, "p", prompt, _sp(8), last)
     handle = KVHandle.decode(result.handle)
-    assert result.finish_reason is None and result.first_token == last.token_ids[0] == handle.first_token
+    assert result.first.finish_reason is None and result.first.token_ids == (last.token_ids[0],)
+    assert handle.first_token == last.token_ids[0]
     assert len(handle.block_ids) == 3 and handle.num_tokens == 10
     assert prefill_worker.producer.abort("p")             # the lease ends: the blocks go back
     assert "p" not in small.hold_hook.leases
