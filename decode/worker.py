@@ -51,7 +51,8 @@ class DecodeWorker(EngineWorker):
         def start(e: LLMEngine):
             if handle is None or not self.handoff.start_prefix(e, call, handle):
                 self._start_generate(e, call)
-        last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks, abort=self.handoff.abort)
+        last = await self.loop.run(call.request_id, start, call.sink, call.key, forks=call.forks,
+                                   abort=self.handoff.abort)
         return last.finish_reason
 
     def _start_generate(self, e: LLMEngine, call: GenerateCall) -> None:
