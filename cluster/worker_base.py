@@ -15,6 +15,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from cluster.config import EngineConfig, WorkerConfig
@@ -27,6 +28,7 @@ from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
+from cluster.types import TokenDelta
 from cluster.worker_messages import SpecStats, WorkerStats, stats_to_wire
 
 _PEER = b"peer-metadata"
@@ -82,8 +84,9 @@ class EngineWorker:
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
 
-    def _start_loop(self) -> None:
-        self.loop = EngineLoop(self.engine, sender=TokenSender(self.name),
+    def _start_loop(self, on_deltas: Callable[[list[TokenDelta]], None] | None = None) -> None:
+        """The engine's thread; `on_deltas`: the role's observer of each step's deltas."""
+        self.loop = EngineLoop(self.engine, sender=TokenSender(self.name), on_deltas=on_deltas,
                                stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
 
     def kv_events(self, epoch: str, cursor: int) -> KVEventBatch:

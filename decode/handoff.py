@@ -99,6 +99,7 @@ class DecodeHandoff:
         self.peer_blocks = peer_blocks
         self.start_generate = start_generate
         self.pending: dict[str, PendingPull] = {}
+        self.joined: dict[str, PendingPull] = {}   # request id -> a joined handoff whose first step is to be timed
         self.counters = HandoffCounters()
         self.timings: deque[HandoffTiming] = deque(maxlen=1000)
 
@@ -230,7 +231,7 @@ class DecodeHandoff:
             base = h.times["pull_started"] - t["start"]
             for phase in ("read", "verified", "acked"):
                 h.times[phase] = base + t.get(phase, t.get("read", t["start"]))
-            self.loop.on_first_delta[h.request_id] = lambda: self._timed(h)
+            self.joined[h.request_id] = h
 
     def _join(self, e: LLMEngine, pull: KVPull, h: PendingPull) -> bool:
         """A pulled sequence (and its forks) joins the batch; False when it ended here instead."""
@@ -277,6 +278,16 @@ class DecodeHandoff:
         except Exception as exc:  # noqa: BLE001 - the request's own fault (a bad option): it ends here
             for rid in h.members:
                 self.loop.fail(rid, exc)
+
+    def observe(self, deltas: list[TokenDelta]) -> None:
+        """On the engine thread, each step's deltas before they leave: the first of a joined
+        handoff ends its timing (`HandoffTiming.join`)."""
+        if not self.joined:
+            return
+        for d in deltas:
+            h = self.joined.pop(d.request_id, None)
+            if h is not None:
+                self._timed(h)
 
     def _timed(self, h: PendingPull) -> None:
         h.times["first_step"] = time.time()

@@ -32,7 +32,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory = make_speculator):
         super().__init__(name, config, speculator_factory=speculator_factory)
-        self._start_loop()
+        self._start_loop(on_deltas=lambda deltas: self.handoff.observe(deltas))
         self.progress = KVProgress(lambda: self.handoff.poll(), f"kv-{name}")
         consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
                               timeout_s=config.transfer_timeout_s, verify=config.checksums,
