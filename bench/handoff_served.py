@@ -5,7 +5,7 @@
 
 For each transport it starts a 1 prefill + 1 decode cluster in this process, sends `--requests`
 prompts (`--concurrency` at a time, 16 new tokens each) and prints the median and p90 of each
-phase the decode worker records (`decode/worker.py: HandoffTiming`): the Ray call, the wait for
+phase the decode worker records (`decode/handoff.py: HandoffTiming`): the Ray call, the wait for
 the engine thread, the read, the checksum, the producer's ACK, and the join into the next step.
 Everything but `read` (and `verify`, which checks the bytes) is a wait that is not transfer time.
 The last columns count the handoffs that failed (the decode worker recomputed the prompt) and

@@ -124,10 +124,10 @@ def _check(ok: bool, message: str) -> None:
 class Fork:
     """One more sample of a request's prompt (OpenAI's `n`): computed once with the request, drawn
     with its own sampling, streamed under its own id. The one shape forks take everywhere: the
-    engine, the worker calls and the engine loop each set the fields they know."""
+    engine, the worker calls and the engine loop each set the fields they know. A handed-off
+    fork's first token travels in the `KVHandle` (`KVHandle.forks`), not here."""
     request_id: str
     sampling: SamplingParams
-    first_token: int | None = None   # drawn by the prefill worker: a handoff's forks continue from it
     stream_key: int | None = None    # its stream at the frontend that owns it (worker calls)
 
     def __post_init__(self):
@@ -220,9 +220,18 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class ForkFirst:
+    """A fork's first token, drawn by the prefill worker from the prompt's logits beside the
+    request's own: what a decode worker continues that fork from."""
+    request_id: str
+    token: int
+
+
+@dataclass(frozen=True)
 class KVHandle:
     """The one object that crosses from prefill to decode: where a request's prompt KV lies, how
-    to check it, and the lease that keeps it pinned. Encoded as msgpack when it crosses processes."""
+    to check it, and the lease that keeps it pinned. Encoded as msgpack when it crosses processes.
+    The one place a handoff's first tokens live: the request's (`first_token`) and its forks'."""
 
     request_id: str
     producer: str                   # the producer's transport agent name
@@ -235,10 +244,17 @@ class KVHandle:
     lease_seconds: float = 30.0
     version: int = 1
     feature: bytes = b""            # EAGLE: the prompt's last hidden state (raw, the layout's dtype)
+    forks: tuple[ForkFirst, ...] = ()   # the forks' first tokens (more samples continued on these blocks)
+
+    def first_tokens(self) -> dict[str, int]:
+        """Each sample's first token by request id: the request's and its forks'."""
+        return {self.request_id: self.first_token, **{f.request_id: f.token for f in self.forks}}
 
     def encode(self) -> bytes:
         import msgpack  # noqa: PLC0415
-        return msgpack.packb({k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()})
+        raw = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        raw["forks"] = [[f.request_id, f.token] for f in self.forks]
+        return msgpack.packb(raw)
 
     @classmethod
     def decode(cls, data: bytes) -> "KVHandle":
@@ -278,12 +294,23 @@ class KVHandle:
             raise ValueError("KVHandle.lease_seconds: in (0, 3600]")
         if not isinstance(raw["feature"], bytes):
             raise ValueError("KVHandle.feature: bytes")
+        raw["forks"] = _fork_firsts(raw["forks"])
         raw["block_ids"], raw["checksums"] = tuple(blocks), tuple(sums)
         return cls(**raw)
 
 
+def _fork_firsts(raw) -> tuple[ForkFirst, ...]:
+    """A handle's `forks` as msgpack carries them: [request id, first token] pairs, strictly."""
+    if not isinstance(raw, list) or len(raw) > MAX_HANDLE_FORKS or not all(
+            isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and 0 < len(f[0]) <= 256
+            and _int_in(f[1], 0, 1 << 31) for f in raw):
+        raise ValueError("KVHandle.forks: a list of [request id, first token id] pairs")
+    return tuple(ForkFirst(rid, token) for rid, token in raw)
+
+
 MAX_HANDLE_BYTES = 4 << 20
 MAX_HANDLE_BLOCKS = 1 << 18
+MAX_HANDLE_FORKS = 1 << 10
 
 
 def _int_in(value, low: int, high: int) -> bool:

@@ -15,10 +15,11 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from cluster.config import EngineConfig, WorkerConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import HoldFactory, LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
@@ -27,6 +28,7 @@ from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
+from cluster.types import TokenDelta
 from cluster.worker_messages import SpecStats, WorkerStats, stats_to_wire
 
 _PEER = b"peer-metadata"
@@ -61,11 +63,14 @@ def _kv_event_log(engine: LLMEngine, name: str, shared: str | None) -> KVEventLo
 class EngineWorker:
     role = "worker"
 
-    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
-        """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py)."""
+    def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None,
+                 hold_factory: HoldFactory | None = None):
+        """`speculator_factory`: the engine's speculation (given by the wiring, cluster/launch/app.py);
+        `hold_factory`: the role's hold hook (a prefill worker's side of the handoff)."""
         self.name = name
         self.config = config
-        self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory)
+        self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory,
+                                hold_factory=hold_factory)
         self.kv_log = _kv_event_log(self.engine, name, config.engine.cache.kv_host_shared)
         self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
         options = {}
@@ -79,8 +84,9 @@ class EngineWorker:
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
 
-    def _start_loop(self) -> None:
-        self.loop = EngineLoop(self.engine, sender=TokenSender(self.name),
+    def _start_loop(self, on_deltas: Callable[[list[TokenDelta]], None] | None = None) -> None:
+        """The engine's thread; `on_deltas`: the role's observer of each step's deltas."""
+        self.loop = EngineLoop(self.engine, sender=TokenSender(self.name), on_deltas=on_deltas,
                                stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
 
     def kv_events(self, epoch: str, cursor: int) -> KVEventBatch:

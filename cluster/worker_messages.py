@@ -14,11 +14,11 @@ import enum
 from dataclasses import dataclass
 
 from cluster.token_stream import SinkAddress
-from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta, TokenLogprob
+from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta
 
 WORKER_STATS_VERSION = 1
 CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
-PREFILL_RESULT_VERSION = 1
+PREFILL_RESULT_VERSION = 2     # 2: the first delta as a TokenDelta (its token no longer a field of its own)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -79,9 +79,9 @@ class GenerateCall:
 
 @dataclass(frozen=True)
 class DecodeCall:
-    """Continue a request prefilled elsewhere from its KV `handle` (a msgpack `KVHandle`).
-    `first_token`: this request's (None: the handle's); `forks` (request id, sampling, first token,
-    stream key): more samples continued on the same pulled blocks. `sent_at`: for handoff timings."""
+    """Continue a request prefilled elsewhere from its KV `handle` (a msgpack `KVHandle`, which
+    carries every sample's first token); `forks` (request id, sampling, stream key): more samples
+    continued on the same pulled blocks. `sent_at`: for handoff timings."""
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -89,7 +89,6 @@ class DecodeCall:
     sink: SinkAddress
     key: int
     sent_at: float = 0.0
-    first_token: int | None = None
     forks: tuple[Fork, ...] = ()
     tenant: str = ""
 
@@ -97,23 +96,18 @@ class DecodeCall:
         _check_call(self)
         _need(isinstance(self.handle, bytes), "DecodeCall.handle: bytes (an encoded KVHandle)")
         _need(isinstance(self.sink, SinkAddress), "DecodeCall.sink: a SinkAddress")
-        _need(all(f.first_token is not None and f.stream_key is not None for f in self.forks),
-              "DecodeCall.forks: each with its first token and stream key")
+        _need(all(f.stream_key is not None for f in self.forks), "DecodeCall.forks: each with its stream key")
 
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What a prefill answers: the first token (and its text, logprobs, counts), why the request
-    ended there if it did, and the KV handle a decode worker continues from otherwise."""
+    """What a prefill answers: the first delta as the client sees it (its token, text, logprobs,
+    counts; its finish reason set when the request ends with its first token; no token when it
+    ended before one), and the KV handle a decode worker continues from otherwise (the first
+    tokens a decode worker continues from are the handle's)."""
     request_id: str
-    first_token: int                       # -1: none (the request ended before it)
-    text: str
-    finish_reason: FinishReason | None     # set when the request ends with its first token
+    first: TokenDelta
     handle: bytes | None                   # KVHandle (msgpack) when a decode worker must continue
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: tuple[TokenLogprob, ...] = ()
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     # n > 1: the other samples' first tokens, drawn from the same prompt logits (finish_reason
     # None: it continues on the decode worker, on the same handle).
     forks: tuple[TokenDelta, ...] = ()
@@ -121,14 +115,10 @@ class PrefillResult:
 
     def first_deltas(self, fork_ids: tuple[str, ...] = ()) -> dict[str, TokenDelta]:
         """The first delta of the request and of each fork, by request id, as the client sees them."""
-        tokens = (self.first_token,) if self.first_token >= 0 else ()
-        firsts = {self.request_id: TokenDelta(self.request_id, tokens, self.text, self.finish_reason, self.logprobs,
-                                              self.num_prompt_tokens, 1, self.num_cached_tokens,
-                                              self.prompt_logprobs)}
-        firsts |= {d.request_id: d for d in self.forks}
+        firsts = {self.request_id: self.first} | {d.request_id: d for d in self.forks}
         for rid in fork_ids:       # ended with the request before its first token (an abort)
-            firsts.setdefault(rid, TokenDelta(rid, (), "", self.finish_reason or FinishReason.ABORT, (),
-                                              self.num_prompt_tokens))
+            firsts.setdefault(rid, TokenDelta(rid, (), "", self.first.finish_reason or FinishReason.ABORT, (),
+                                              self.first.num_prompt_tokens))
         return firsts
 
 

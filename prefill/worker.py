@@ -14,12 +14,12 @@ from dataclasses import replace
 from cluster.config import WorkerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.speculation import SpeculatorFactory
-from cluster.transfer.producer import KVProducer
+from cluster.transfer.producer import KVProducer, LeaseState
 from cluster.transfer.progress import KVProgress
 from cluster.types import Fork, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
 from cluster.worker_messages import PrefillCall, PrefillResult, PrefillStats
-from prefill.handoff import KVHold, publish_first
+from prefill.handoff import PrefillHandoff, publish_first
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,12 @@ class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, name: str, config: WorkerConfig, speculator_factory: SpeculatorFactory | None = None):
-        super().__init__(name, config, speculator_factory=speculator_factory)
-        self.hold = KVHold(self.engine)
+        super().__init__(name, config, speculator_factory=speculator_factory, hold_factory=PrefillHandoff)
+        self.hold: PrefillHandoff = self.engine.hold_hook
         self._start_loop()
         self.progress = KVProgress(self._poll_producer, f"kv-{name}")
         self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
-                                   self._release_held, lease_seconds=config.lease_seconds,
+                                   self._lease_ended, lease_seconds=config.lease_seconds,
                                    checksums=config.checksums, mailbox=self.mailbox, on_work=self.progress.wake)
 
     def _poll_producer(self) -> float | None:
@@ -41,9 +41,9 @@ class PrefillWorker(EngineWorker):
         self.producer.poll()
         return self.producer.poll_interval()
 
-    def _release_held(self, request_id: str) -> None:
+    def _lease_ended(self, request_id: str, state: LeaseState) -> None:
         """A lease ended: its blocks go back to the pool on the engine thread, which owns it."""
-        self.loop.soon(lambda e: self.hold.release(request_id))
+        self.loop.soon(lambda e: self.hold.lease_ended(request_id, state))
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         """The prompt's KV and first token (and each fork's first token, from the same logits),
@@ -65,9 +65,8 @@ class PrefillWorker(EngineWorker):
                  export: bool = False) -> PrefillResult:
         """On the engine thread, in the turn that finished the prefill (prefill/handoff.py)."""
         first = publish_first(self.hold, self.producer, request_id, prompt_ids, sampling, last, forks or {}, export)
-        return PrefillResult(request_id, last.token_ids[0] if last.token_ids else -1, last.text, first.reason,
-                             first.handle, last.num_prompt_tokens, last.num_cached_tokens, last.logprobs,
-                             last.prompt_logprobs, first.forks)
+        delta = replace(last, token_ids=last.token_ids[:1], finish_reason=first.reason, num_output_tokens=1)
+        return PrefillResult(request_id, delta, first.handle, first.forks)
 
     async def abort(self, request_id: str) -> None:
         def go(e: LLMEngine):

@@ -199,10 +199,10 @@ class Attempts:
         there once. The call lacks its stream (sink, key: `_stream` opens them) and comes with its forks."""
         lead, rest = members[0], members[1:]
         if prefilled is not None:
-            first = {rid: d.token_ids[0] for rid, d in prefilled.firsts.items() if d.token_ids}
+            # Every member's first token travels in the handle.
             return (partial(DecodeCall, lead.request_id, lead.prompt_token_ids, lead.sampling, prefilled.result.handle,
-                            sent_at=time.time(), first_token=first[lead.request_id], tenant=lead.tenant),
-                    tuple(Fork(m.request_id, m.sampling, first[m.request_id]) for m in rest))
+                            sent_at=time.time(), tenant=lead.tenant),
+                    tuple(Fork(m.request_id, m.sampling) for m in rest))
         done = tuple(streamed[lead.request_id])
         if done:
             left = replace(lead.sampling, max_tokens=max(1, lead.sampling.max_tokens - len(done)), prompt_logprobs=None)

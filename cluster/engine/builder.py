@@ -7,6 +7,7 @@ KV arena, the block pool, the scheduler, the runner and the decode graphs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import SpecFootprint, Speculator
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
@@ -121,7 +123,9 @@ class Core:
 
 
 def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: torch.device,
-               eos_token_ids: tuple[int, ...], speculator: Speculator | None, footprint: SpecFootprint) -> Core:
+               eos_token_ids: tuple[int, ...], speculator: Speculator | None, footprint: SpecFootprint,
+               on_hold: Callable[[Sequence], None] | None = None) -> Core:
+    """`on_hold`: the engine's hold hook (a prefill worker's side of the handoff), for the scheduler."""
     mc, cc = models.config, config.cache
     backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                      models.kernel_plan, models.dtype, scale=mc.attention_scale)
@@ -132,7 +136,8 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     # Decode graphs pad their batches into one block past the pool's (never allocated).
     kv_cache = PagedKVCache(models.layout, plan.num_blocks + (1 if replay is not None else 0), device)
     pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
-    scheduler = Scheduler(config.scheduler, pool, cc.block_size, models.max_model_len, eos_token_ids)
+    scheduler = Scheduler(config.scheduler, pool, cc.block_size, models.max_model_len, eos_token_ids,
+                          on_hold=on_hold)
     runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device)
     if speculator is not None and footprint.hidden_states:
         runner.hidden_hook = speculator.after_forward

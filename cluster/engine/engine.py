@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from itertools import islice
-from collections.abc import Iterable, Iterator, Sequence as Seq
+from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
 
 import torch
 
@@ -39,13 +39,20 @@ log = logging.getLogger(__name__)
 # How many requests at the queue's head may load KV from the tiers at once: those about to run.
 TIER_LOOKAHEAD = 4
 
+# What keeps the KV of `hold_kv` requests, built with the engine it serves (prefill/handoff.py).
+HoldFactory = Callable[["LLMEngine"], HoldHook]
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, speculator_factory: SpeculatorFactory | None = None):
+    def __init__(self, config: EngineConfig, speculator_factory: SpeculatorFactory | None = None,
+                 hold_factory: HoldFactory | None = None):
         """`speculator_factory(config) -> Speculator` turns on speculative decoding (decode workers
         and the single-engine CLI pass `decode.spec.speculator.make_speculator`; prefill workers
-        one that only computes what a handoff carries, `decode.spec.speculator.make_kv_only_speculator`)."""
+        one that only computes what a handoff carries, `decode.spec.speculator.make_kv_only_speculator`).
+        `hold_factory(engine) -> HoldHook`: what keeps the KV of `hold_kv` requests (a prefill
+        worker's `prefill.handoff.PrefillHandoff`); it may read the engine only once built."""
         self.config = config
+        self.hold_hook: HoldHook | None = hold_factory(self) if hold_factory else None
         self.device = builder.setup_threads(config)
         self.speculator: Speculator | None = speculator_factory(config) if speculator_factory else None
         models = builder.load_models(config, self.device)
@@ -56,14 +63,14 @@ class LLMEngine:
         self.tokenizer, self.generation = builder.tokenizer_and_defaults(config)
         self.memory_plan = builder.plan_for(config, models, footprint, self.device)
         core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
-                                  self.speculator, footprint)
+                                  self.speculator, footprint,
+                                  on_hold=self.hold_hook.hold if self.hold_hook is not None else None)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
         if self.tiers is not None and self.pool.enable_prefix_caching:
             self.scheduler.admit_gate = self._admission
         self.requests = Requests(self.tokenizer, self.scheduler)
-        self.hold_hook: HoldHook | None = None   # set by a prefill worker (prefill/handoff.py)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
@@ -134,7 +141,7 @@ class LLMEngine:
         if not isinstance(sampling, SamplingParams) or not all(isinstance(f, Fork) for f in forks):
             raise ValueError("sampling must be a SamplingParams and forks Forks")
         if hold_kv and self.hold_hook is None:
-            raise ValueError("hold_kv needs a hold hook on the engine (prefill.handoff.KVHold)")
+            raise ValueError("hold_kv needs a hold hook on the engine (prefill.handoff.PrefillHandoff)")
         request_id = request_id or uuid.uuid4().hex
         self.requests.check_free([request_id, *(f.request_id for f in forks)])
         ids = self.validate_prompt(prompt)

@@ -51,11 +51,14 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, sender: TokenSender | None = None, stream_interval: int = 1,
-                 stats_frame: Callable[[], bytes] | None = None):
+                 stats_frame: Callable[[], bytes] | None = None,
+                 on_deltas: Callable[[list[TokenDelta]], None] | None = None):
         """`stream_interval`: a stream's deltas leave once it has this many new tokens (its first
         and last leave at once), as vLLM's `--stream-interval`: fewer messages per token for the
         frontends, at the cost of burstier inter-token times. `stats_frame`: the worker's stats as
-        an encoded frame, built on the engine thread when a push is due."""
+        an encoded frame, built on the engine thread when a push is due. `on_deltas`: sees each
+        step's deltas on the engine thread before they leave (a role's observer, e.g. the decode
+        handoff's timing)."""
         self.engine = engine
         self.stats_frame = stats_frame
         self._stats_pushed = 0.0        # monotonic time of the last push
@@ -63,7 +66,7 @@ class EngineLoop:
         self.sender = sender
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}     # touched on the engine thread only
-        self.on_first_delta: dict[str, Callable[[], None]] = {}   # engine thread only (handoff timing)
+        self.on_deltas = on_deltas
         self.steps = 0                  # steps that did work (read by the progress watchdog)
         self._idle_at: tuple | None = None   # the queue sizes of an idle step: sleep until they change
         self._stop = threading.Event()
@@ -229,11 +232,9 @@ class EngineLoop:
         requests that ended."""
         frames: dict[SinkAddress, list[KeyedDelta]] = {}
         ended: list[tuple[_Stream, TokenDelta]] = []
+        if self.on_deltas is not None:
+            self.on_deltas(deltas)
         for d in deltas:
-            if self.on_first_delta:
-                hook = self.on_first_delta.pop(d.request_id, None)
-                if hook is not None:
-                    hook()
             s = self._streams.get(d.request_id)
             if s is None:
                 continue

@@ -1,7 +1,7 @@
-"""What the engine tells the roles: the hooks a worker installs on its engine.
+"""What the engine tells the roles: the hooks a worker builds its engine with.
 
 The engine is role-neutral: a prefill worker's side of the P/D handoff (prefill/handoff.py) is a
-`HoldHook`; speculation (decode/spec/) is a `Speculator` (cluster/engine/speculation.py), given
+`HoldHook`, built with the engine (`LLMEngine(config, hold_factory=...)`); speculation (decode/spec/) is a `Speculator` (cluster/engine/speculation.py), given
 to the engine by its factory (`LLMEngine(config, speculator_factory=...)`); the
 decode side of the handoff (decode/handoff.py) adds sequences through `LLMEngine.new_sequence`.
 """

@@ -24,14 +24,14 @@ import time
 from bisect import bisect_left
 from collections import deque
 from itertools import accumulate
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from cluster.engine import room
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.hashing import hash_prefix_blocks
+from cluster.kv.hashing import BlockHash, hash_prefix_blocks
 from cluster.types import FinishReason
 
 # Upper bounds (seconds) of the queue-time histogram a worker reports (`WorkerStats.queue_time_buckets`),
@@ -85,7 +85,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], on_hold: Callable[[Sequence], None] | None = None):
         self.config = config
         self.pool = pool
         self.block_size = block_size
@@ -95,7 +95,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Takes the blocks of a finished `hold_kv` request (the prefill side of a P/D handoff,
         # prefill/handoff.py): they stay referenced, outside the scheduler, until it frees them.
-        self.on_hold: Callable[[Sequence], None] | None = None
+        self.on_hold = on_hold
         self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
@@ -136,6 +136,21 @@ class Scheduler:
             self.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    # --- blocks for KV that arrives from outside (a P/D pull, decode/handoff.py) -------------------
+    def reserve_external(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks for KV another worker sends (NoFreeBlocks when fewer are
+        free). They are the caller's until a sequence joins on them (`add`) or it gives them back
+        with `release_external`; meanwhile they count as held outside (see room.py)."""
+        return self.pool.allocate(num_blocks)
+
+    def release_external(self, blocks: list[int], cache_keys: Iterable[BlockHash] = ()) -> None:
+        """Give back blocks of `reserve_external`. `cache_keys`: the leading blocks' prefix keys,
+        published to the prefix cache first (a prefix fetched from another worker, checked by the
+        transport's checksums)."""
+        for block, key in zip(blocks, cache_keys):
+            self.pool.cache_block(block, key)
+        self.pool.free(reversed(blocks))
 
     def fork(self, parent: Sequence, child: Sequence, num_prompt: int, copy_block) -> bool:
         """Queue `child` (another sample of `parent`'s prompt, its own first token appended) on the

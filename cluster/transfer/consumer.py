@@ -46,7 +46,6 @@ class KVPull:
     deadline: float
     state: PullState
     handle: KVHandle | None = None
-    first_token: int = -1
     transfer: Transfer | None = None
     error: str = ""
     next_renew: float = 0.0
@@ -87,7 +86,7 @@ class KVConsumer:
             raise ValueError(f"need {len(handle.block_ids)} local blocks, got {len(local_blocks)}")
         now = self.clock()
         pull = KVPull(handle.lease_id, handle.producer, list(local_blocks), handle.checksums,
-                      now + self.timeout_s, PullState.READING, handle=handle, first_token=handle.first_token,
+                      now + self.timeout_s, PullState.READING, handle=handle,
                       next_renew=now + handle.lease_seconds / 3)
         pull.timings["start"] = time.perf_counter()
         with self._lock:

@@ -6,8 +6,11 @@ sends DONE; the producer answers ACK(ok) only if the lease was still active, and
 consumer that read from an expired lease is told ACK(ok=False) and discards what it read, so an
 expired or aborted handle can never be read into a live sequence.
 
+The producer keeps only the wire protocol (checksums, the mailbox, deadlines): which blocks a lease
+pins is its owner's (prefill/handoff.py `PrefillHandoff`), told of each lease's end by `on_lease_end`.
+
 Thread-safe: a worker polls its producer on its KV progress thread (cluster/transfer/progress.py)
-while the engine thread publishes and aborts. `release_blocks` may run on either thread, under the
+while the engine thread publishes and aborts. `on_lease_end` may run on either thread, under the
 producer's lock: it must not block (the prefill worker hands the free to its engine thread).
 """
 from __future__ import annotations
@@ -40,11 +43,10 @@ class LeaseState(enum.Enum):
 
 @dataclass
 class Lease:
+    """The wire side of a lease: whose it is, its deadline and its bound consumer (the blocks it
+    pins are its owner's record)."""
     lease_id: str
     request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    first_token: int
     deadline: float
     state: LeaseState = LeaseState.ACTIVE
     consumer: str | None = None
@@ -52,7 +54,7 @@ class Lease:
 
 class KVProducer:
     def __init__(self, transport: Transport, layout: KVLayout, arena: torch.Tensor,
-                 release_blocks: Callable[[str], None], lease_seconds: float = 30.0,
+                 on_lease_end: Callable[[str, LeaseState], None], lease_seconds: float = 30.0,
                  checksums: bool = True, clock: Callable[[], float] = time.monotonic,
                  mailbox: Mailbox | None = None, on_work: Callable[[], None] = lambda: None):
         """`on_work`: called when a lease starts (the worker wakes its
@@ -61,7 +63,7 @@ class KVProducer:
         self.layout = layout
         self.layout_hash = layout.layout_hash()
         self.arena = arena
-        self.release_blocks = release_blocks      # called once per lease with its request id
+        self.on_lease_end = on_lease_end          # called once per lease: (request id, final state)
         self.lease_seconds = lease_seconds
         self.checksums = checksums
         self.clock = clock
@@ -79,9 +81,8 @@ class KVProducer:
             return False
         return msg.lease_id in self.leases or msg.lease_id in self.ended
 
-    def _new_lease(self, request_id, block_ids, num_tokens, first_token) -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), num_tokens, int(first_token),
-                      self.clock() + self.lease_seconds)
+    def _new_lease(self, request_id: str) -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, self.clock() + self.lease_seconds)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -99,10 +100,10 @@ class KVProducer:
         # between pins nothing for the lease time.
         checksums = self._checksums(block_ids)
         with self._lock:
-            lease = self._new_lease(request_id, block_ids, num_tokens, first_token)
+            lease = self._new_lease(request_id)
         self.on_work()
         return KVHandle(request_id=request_id, producer=self.transport.agent_name, lease_id=lease.lease_id,
-                        block_ids=tuple(lease.block_ids), num_tokens=num_tokens, first_token=int(first_token),
+                        block_ids=tuple(block_ids), num_tokens=num_tokens, first_token=int(first_token),
                         layout_hash=self.layout_hash, checksums=checksums, lease_seconds=self.lease_seconds)
 
     # --- the loop ------------------------------------------------------------------------
@@ -117,8 +118,8 @@ class KVProducer:
         now = self.clock()
         for lease in list(self.leases.values()):
             if now > lease.deadline:
-                log.warning("lease %s of request %s expired; releasing %d blocks",
-                            lease.lease_id, lease.request_id, len(lease.block_ids))
+                log.warning("lease %s of request %s expired; releasing its blocks", lease.lease_id,
+                            lease.request_id)
                 self._end(lease, LeaseState.EXPIRED)
 
     def _on_message(self, peer: str, msg: Message) -> None:
@@ -160,7 +161,7 @@ class KVProducer:
         self.ended[lease.lease_id] = state
         if len(self.ended) > 10000:
             self.ended.pop(next(iter(self.ended)))
-        self.release_blocks(lease.request_id)
+        self.on_lease_end(lease.request_id, state)
 
     def poll_interval(self) -> float | None:
         """Seconds until the next `poll` is due; None when no lease is live (nothing to wait for:

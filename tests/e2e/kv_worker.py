@@ -28,18 +28,19 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
     from cluster.transfer.registry import make_transport
     from cluster.types import KVHandle, SamplingParams
     from decode.handoff import add_prefilled
-    from prefill.handoff import KVHold
+    from prefill.handoff import PrefillHandoff
 
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, cache=CacheConfig(block_size=block_size,
                                                                                     num_blocks=num_blocks),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)))
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=max_batched_tokens)),
+                       hold_factory=PrefillHandoff)
     sealer = Sealer(secret.encode())
     options = {"sealer": sealer} if transport_kind in ("tcp", "ucx") else {}
     transport = make_transport(transport_kind, name, **options)
     transport.register(engine.kv_cache.arena, engine.layout)
     mailbox = Mailbox(transport, sealer=sealer)
-    hold = KVHold(engine)
-    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, hold.release,
+    hold = engine.hold_hook
+    producer = KVProducer(transport, engine.layout, engine.kv_cache.arena, hold.lease_ended,
                           lease_seconds=lease_seconds, mailbox=mailbox)
     consumer = KVConsumer(transport, engine.layout, engine.kv_cache.arena, timeout_s=timeout_s, mailbox=mailbox)
 
@@ -79,8 +80,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             while engine.has_unfinished():
                 for d in engine.step():
                     first = d.token_ids[0]
-            blocks, n = hold.take(rid)
-            return producer.publish(rid, blocks, n, first).encode()
+            return hold.publish(producer, rid, first)
         if op == "pull":
             h = KVHandle.decode(cmd["handle"])
             local = engine.pool.allocate(len(h.block_ids))
@@ -92,7 +92,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             if pull.state is not PullState.DONE:
                 engine.pool.free(reversed(pull.local_blocks))
                 return {"state": pull.state.value, "error": pull.error}
-            first = pull.first_token
+            first = pull.handle.first_token
             if cmd.get("ready_only"):
                 engine.pool.free(reversed(pull.local_blocks))
                 t = pull.timings
@@ -121,7 +121,7 @@ def serve(conn, model_dir: str, transport_kind: str, name: str, block_size: int 
             return {"found": producer.abort(cmd["rid"])}
         if op == "pool":
             producer.poll()
-            return {"used": engine.pool.num_used, "held": len(hold.held),
+            return {"used": engine.pool.num_used, "held": len(hold.leases),
                     "leases": producer.num_active()}
         raise ValueError(f"unknown op {op}")
 

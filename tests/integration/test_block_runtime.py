@@ -18,7 +18,7 @@ from decode.spec.speculator import make_kv_only_speculator, make_speculator
 from decode.spec.training.block import (BlockConfig, BlockDrafter, draft_block_reference, load_block_drafter,
                                         save_block_drafter)
 from decode.spec.training.eagle import EagleConfig, load_target_parts
-from prefill.handoff import KVHold
+from prefill.handoff import PrefillHandoff
 
 LAYERS = (0, 2, 4)
 PROMPTS = ["import os\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
@@ -44,12 +44,12 @@ def drafter_dir(tmp_path_factory):
     return _random_drafter(tmp_path_factory.mktemp("block"), weights_fingerprint(STDLIB_CODER_DIR))
 
 
-def _engine(drafter_dir, prefix_caching: bool = True, factory=make_speculator):
+def _engine(drafter_dir, prefix_caching: bool = True, factory=make_speculator, hold_factory=None):
     return LLMEngine(EngineConfig(model=STDLIB_CODER_DIR, dtype="float32", num_threads=2,
                                   cache=CacheConfig(enable_prefix_caching=prefix_caching),
                                   speculative=SpeculativeConfig(method="block", block_drafter=drafter_dir,
                                                                 num_speculative_tokens=4)),
-                     speculator_factory=factory)
+                     speculator_factory=factory, hold_factory=hold_factory)
 
 
 def _run(engine, prompts, sp, cached: list | None = None):
@@ -104,8 +104,8 @@ def test_greedy_output_equals_plain_decoding_through_prefix_hits(drafter_dir):
 def test_the_window_crosses_a_handoff_and_output_equals_one_engine(drafter_dir):
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     want = _run(_engine(drafter_dir), PROMPTS[:1], sp)[0]
-    producer = _engine(drafter_dir, factory=make_kv_only_speculator)
-    hold = KVHold(producer)
+    producer = _engine(drafter_dir, factory=make_kv_only_speculator, hold_factory=PrefillHandoff)
+    hold = producer.hold_hook
     consumer = _engine(drafter_dir)
     rid = producer.add_request(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True), "h1", hold_kv=True)
     first = None
@@ -113,7 +113,7 @@ def test_the_window_crosses_a_handoff_and_output_equals_one_engine(drafter_dir):
         for d in producer.step():
             if d.request_id == rid and d.token_ids:
                 first = d.token_ids[0]
-    prompt = list(hold.held[rid].seq.prompt_token_ids)
+    prompt = list(hold.leases[rid].seq.prompt_token_ids)
     feature = hold.take_feature(rid)
     assert len(feature) == 6 * 384 * 4                # the window: 6 fused rows, float32
     with pytest.raises(ValueError, match="1 to 6 rows of the prompt's fused features"):

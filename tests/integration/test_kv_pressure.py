@@ -18,7 +18,7 @@ from cluster.transfer.producer import KVProducer
 from cluster.engine.sequence import Sequence
 from cluster.types import FinishReason, KVHandle, SamplingParams, TokenDelta
 from decode.handoff import add_prefilled
-from prefill.handoff import HeldKV, KVHold
+from prefill.handoff import PrefillHandoff, PrefillLease
 from prefill.worker import PrefillWorker
 
 BS = 4
@@ -27,8 +27,8 @@ BS = 4
 def _engine(model_dir, num_blocks: int, budget: int) -> LLMEngine:
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=128, num_threads=1,
                                     cache=CacheConfig(block_size=BS, num_blocks=num_blocks),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
-    KVHold(engine)   # both sides of a handoff in one engine: it holds KV for consumers (engine.hold_hook)
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=budget)),
+                       hold_factory=PrefillHandoff)   # both sides of a handoff in one engine: it holds KV for consumers
     return engine
 
 
@@ -49,12 +49,12 @@ def engines(big, small):
     for e in (big, small):
         e.pool.reset_prefix_cache()
     yield big, small
-    leftovers = [(e.has_unfinished(), list(e.hold_hook.held)) for e in (big, small)]
+    leftovers = [(e.has_unfinished(), list(e.hold_hook.leases)) for e in (big, small)]
     for e in (big, small):   # clean up first, so that one failure does not leak into the next test
         for rid in list(e.requests.seqs):
             e.abort(rid)
         _steps_to_end(e)
-        for rid in list(e.hold_hook.held):
+        for rid in list(e.hold_hook.leases):
             e.hold_hook.release(rid)
     assert leftovers == [(False, [])] * 2
     for e in (big, small):
@@ -225,7 +225,7 @@ def test_prefill_waits_for_held_blocks_instead_of_ending_without_a_token(engines
     small.add_request(py, _sp(1), "y", hold_kv=True)      # needs 5 blocks: only 4 are free
     for _ in range(6):
         drv.step()
-    assert "y" not in drv.reasons and "y" not in small.hold_hook.held   # waits, holds nothing yet
+    assert "y" not in drv.reasons and "y" not in small.hold_hook.leases   # waits, holds nothing yet
     assert small.idle_step
     small.hold_hook.release("x")                          # the consumer has read x
     drv.run()
@@ -242,7 +242,7 @@ def prefill_worker(small):
     transport = LoopbackTransport("kv-pressure-prefill")
     transport.register(small.kv_cache.arena, small.layout)
     worker.hold = small.hold_hook
-    worker.producer = KVProducer(transport, small.layout, small.kv_cache.arena, small.hold_hook.release)
+    worker.producer = KVProducer(transport, small.layout, small.kv_cache.arena, small.hold_hook.lease_ended)
     yield worker
     transport.close()
 
@@ -254,21 +254,22 @@ def test_publish_hands_off_a_prefilled_request(engines, prefill_worker):
     last = [d for d in _steps_to_end(small) if d.request_id == "p"][-1]
     result = prefill_worker._publish(small, "p", prompt, _sp(8), last)
     handle = KVHandle.decode(result.handle)
-    assert result.finish_reason is None and result.first_token == last.token_ids[0] == handle.first_token
+    assert result.first.finish_reason is None and result.first.token_ids == (last.token_ids[0],)
+    assert handle.first_token == last.token_ids[0]
     assert len(handle.block_ids) == 3 and handle.num_tokens == 10
     assert prefill_worker.producer.abort("p")             # the lease ends: the blocks go back
-    assert "p" not in small.hold_hook.held
+    assert "p" not in small.hold_hook.leases
 
 
 def test_publish_without_a_token_releases_what_is_held_and_says_busy(engines, prefill_worker):
     _, small = engines
     prompt = _ids(30, 12)
     # Partial blocks, as before the fix:
-    small.hold_hook.held["q"] = HeldKV(small.pool.allocate(3), 12, Sequence("q", tuple(prompt), _sp(8)))
+    small.hold_hook.leases["q"] = PrefillLease("q", small.pool.allocate(3), 12, Sequence("q", tuple(prompt), _sp(8)))
     last = TokenDelta("q", (), "", FinishReason.LENGTH, (), len(prompt), 0, 0)
     with pytest.raises(WorkerBusy, match=r"8 KV blocks.*8 in the pool"):
         prefill_worker._publish(small, "q", prompt, _sp(8), last)
-    assert "q" not in small.hold_hook.held
+    assert "q" not in small.hold_hook.leases
     with pytest.raises(WorkerBusy):                       # nothing held: still busy, never an IndexError
         prefill_worker._publish(small, "q", prompt, _sp(8), last)
 

@@ -16,7 +16,7 @@ from cluster.engine.grammar import GrammarError, build_grammar
 from cluster.types import FinishReason, Fork, SamplingParams, StructuredKind, StructuredOutput
 from decode.handoff import add_prefilled
 from decode.spec.speculator import make_speculator
-from prefill.handoff import KVHold
+from prefill.handoff import PrefillHandoff
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "size": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -133,15 +133,15 @@ def test_handed_off_request_continues_under_its_constraint(plain, reference):
     """Both sides of a P/D handoff: the producer's first token obeys the constraint, the consumer
     rebuilds the matcher past it on the copied blocks, and the rest equals one engine's."""
     sp = SamplingParams(max_tokens=MAX_TOKENS, structured=JSON_SCHEMA)
-    producer = LLMEngine(_config())
-    hold = KVHold(producer)
+    producer = LLMEngine(_config(), hold_factory=PrefillHandoff)
+    hold = producer.hold_hook
     rid = producer.add_request(PROMPTS[2], SamplingParams(max_tokens=1, structured=JSON_SCHEMA), "h1", hold_kv=True)
     first = None
     while producer.has_unfinished():
         for d in producer.step():
             first = d.token_ids[0] if d.request_id == rid and d.token_ids else first
     assert first == reference[2][0]
-    prompt = list(hold.held[rid].seq.prompt_token_ids)
+    prompt = list(hold.leases[rid].seq.prompt_token_ids)
     blocks, _ = hold.take(rid)
     local = plain.pool.allocate(len(blocks))
     plain.kv_cache.arena[:, :, local] = producer.kv_cache.arena[:, :, blocks]

@@ -37,7 +37,7 @@ class Side:
         self.producer = KVProducer(self.transport, layout, self.arena, self.release, lease_seconds=lease, clock=clock)
         self.consumer = KVConsumer(self.transport, layout, self.arena, timeout_s=timeout, clock=clock)
 
-    def release(self, request_id):
+    def release(self, request_id, state=None):   # the producer's `on_lease_end`
         self.pool.free(reversed(self.held.pop(request_id)))
 
     def publish(self, request_id, n=3) -> KVHandle:
@@ -200,7 +200,7 @@ def test_handoffs_complete_on_the_progress_threads_while_the_engine_threads_are_
     p.transport.add_peer(d.transport.metadata())
     d.transport.add_peer(p.transport.metadata())
     for_engine_thread = []
-    p.producer.release_blocks = for_engine_thread.append
+    p.producer.on_lease_end = lambda request_id, state: for_engine_thread.append(request_id)
     threads = [_progress(p, "producer"), _progress(d, "consumer")]
     try:
         pulls = [d.consumer.start_pull(p.publish(f"r{i}"), d.pool.allocate(3)) for i in range(4)]

@@ -8,7 +8,7 @@ import time
 
 from cluster.errors import WorkerBusy
 from cluster.token_stream import StepRecord, TokenReceiver
-from cluster.types import FinishReason, GenerateRequest, SamplingParams, TokenDelta
+from cluster.types import FinishReason, ForkFirst, GenerateRequest, KVHandle, SamplingParams, TokenDelta
 from cluster.worker_messages import DecodeCall, GenerateCall, PrefillResult, StatsSource, WorkerStats
 from router.policy import make_policy
 from router.router import Router, RouterConfig
@@ -50,6 +50,12 @@ class FakeDecode:
         return FinishReason.LENGTH
 
 
+def _handle(call) -> bytes:
+    """What a prefill worker publishes: the handle carries every sample's first token."""
+    return KVHandle(call.request_id, "p0", "lease", (0,), len(PROMPT), 100, "layout",
+                    forks=tuple(ForkFirst(f.request_id, 100) for f in call.forks)).encode()
+
+
 class FakePrefill:
     def __init__(self):
         self.calls = []
@@ -57,7 +63,8 @@ class FakePrefill:
     async def prefill(self, call):
         self.calls.append(call)
         forks = tuple(TokenDelta(f.request_id, (100,), "t", None, (), len(PROMPT), 1, 0) for f in call.forks)
-        return PrefillResult(call.request_id, 100, "t", None, b"handle", len(PROMPT), 0, forks=forks)
+        first = TokenDelta(call.request_id, (100,), "t", None, (), len(PROMPT), 1, 0)
+        return PrefillResult(call.request_id, first, _handle(call), forks=forks)
 
     async def abort(self, request_id: str) -> None:
         pass
@@ -113,5 +120,6 @@ def test_a_handoff_continues_into_every_sample_with_its_first_token():
     assert out == {"r": [100, 101, 102, 103], "f1": [100, 101, 102, 103]}
     assert [f.request_id for f in prefills[0].forks] == ["f1"]
     (call,) = calls
-    assert isinstance(call, DecodeCall) and call.handle == b"handle" and call.first_token == 100
-    assert [(f.request_id, f.first_token) for f in call.forks] == [("f1", 100)]
+    assert isinstance(call, DecodeCall) and call.handle == _handle(prefills[0])   # the prefill's handle, as is
+    assert KVHandle.decode(call.handle).first_tokens() == {"r": 100, "f1": 100}
+    assert [f.request_id for f in call.forks] == ["f1"]

@@ -21,9 +21,10 @@ TOKEN = 5   # what the fake model samples (never an eos)
 
 
 def _sched(num_blocks: int, budget: int = 64) -> Scheduler:
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), BlockPool(num_blocks), BS, 256, (1,))
-    s.held = []                  # what the hold hook (prefill/handoff.py in a worker) was given
-    s.on_hold = s.held.append
+    held = []                    # what the hold hook (prefill/handoff.py in a worker) was given
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), BlockPool(num_blocks), BS, 256, (1,),
+                  on_hold=held.append)
+    s.held = held
     return s
 
 

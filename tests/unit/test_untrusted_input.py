@@ -19,7 +19,7 @@ from cluster.transfer.auth import Sealer
 from cluster.transfer.base import PeerMetadata, TransferError
 from cluster.transfer.messages import Kind, Mailbox, Message
 from cluster.transfer.tcp import MAX_HELLO, TcpTransport
-from cluster.types import KVHandle, KVLayout
+from cluster.types import ForkFirst, KVHandle, KVLayout
 
 SECRET = b"s" * 32
 LAYOUT = KVLayout("m", 2, 2, 8, 4, "float32")
@@ -80,11 +80,19 @@ def test_a_handle_out_of_range_is_refused():
     good = msgpack.unpackb(_handle())
     for field, value in [("block_ids", []), ("block_ids", [1, 1]), ("block_ids", [-1]), ("block_ids", [2**31]),
                          ("checksums", [1]), ("num_tokens", 2), ("lease_seconds", 0), ("first_token", -1),
-                         ("producer", ""), ("feature", "x")]:
+                         ("producer", ""), ("feature", "x"), ("forks", [["f", -1]]), ("forks", [["", 3]]),
+                         ("forks", [["f"]]), ("forks", {"f": 3})]:
         with pytest.raises(ValueError, match=field):
             KVHandle.decode(msgpack.packb({**good, field: value}))
     with pytest.raises(ValueError):
         KVHandle.decode(msgpack.packb({"version": 1, "block_ids": list(range(1 << 19))}))   # over the bound
+
+
+def test_a_handle_carries_its_forks_first_tokens():
+    handle = KVHandle("req", "prefill-0", "lease-1", (3, 4, 5), 10, 7, "abcd", (1, 2, 3),
+                      forks=(ForkFirst("f1", 9), ForkFirst("f2", 0)))
+    assert KVHandle.decode(handle.encode()) == handle
+    assert handle.first_tokens() == {"req": 7, "f1": 9, "f2": 0}
 
 
 def test_sealed_messages_open_once_and_only_with_the_secret():

@@ -179,14 +179,14 @@ def test_calls_refuse_forks_of_the_wrong_shape():
         GenerateCall("r", [1, 2], SP, SINK, 1, forks=(("f", SP, 2),))      # the old positional tuples
     with pytest.raises(ValueError, match="stream key"):
         GenerateCall("r", [1, 2], SP, SINK, 1, forks=(Fork("f", SP),))
-    with pytest.raises(ValueError, match="first token"):
-        DecodeCall("r", [1, 2], SP, b"h", SINK, 1, forks=(Fork("f", SP, stream_key=2),))
+    with pytest.raises(ValueError, match="stream key"):
+        DecodeCall("r", [1, 2], SP, b"h", SINK, 1, forks=(Fork("f", SP),))
     with pytest.raises(ValueError, match="sampling"):
         PrefillCall("r", [1, 2], {"max_tokens": 3})
     with pytest.raises(ValueError, match="handle"):
         DecodeCall("r", [1, 2], SP, "not-bytes", SINK, 1)
-    call = DecodeCall("r", [1, 2], SP, b"h", SINK, 1, forks=[Fork("f", SP, 7, 2)])
-    assert call.prompt_ids == (1, 2) and call.forks == (Fork("f", SP, 7, 2),)     # stored frozen
+    call = DecodeCall("r", [1, 2], SP, b"h", SINK, 1, forks=[Fork("f", SP, 2)])
+    assert call.prompt_ids == (1, 2) and call.forks == (Fork("f", SP, 2),)     # stored frozen
     with pytest.raises(dataclasses.FrozenInstanceError):
         call.key = 2
 
@@ -198,7 +198,7 @@ def test_stats_and_results_of_another_type_or_version_are_refused():
         expect(dataclasses.replace(stats, version=2), WorkerStats)
     with pytest.raises(MessageRefused, match="got dict"):
         expect({"name": "d0", "blocks_used": 0}, WorkerStats)       # the old untyped stats
-    result = PrefillResult("r", 5, "x", None, b"h", 4, 0)
+    result = PrefillResult("r", TokenDelta("r", (5,), "x", None, (), 4, 1, 0), b"h")
     with pytest.raises(MessageRefused, match="PrefillResult of version 0"):
         expect(dataclasses.replace(result, version=0), PrefillResult)
 
@@ -231,12 +231,12 @@ def test_the_worker_client_checks_what_a_worker_answers():
 
 def test_a_prefill_result_gives_every_member_its_first_delta():
     fork = TokenDelta("f", (8,), "y", None, (), 4, 1, 0)
-    result = PrefillResult("r", 5, "x", None, b"h", 4, 2, forks=(fork,))
+    result = PrefillResult("r", TokenDelta("r", (5,), "x", None, (), 4, 1, 2), b"h", forks=(fork,))
     firsts = result.first_deltas(("f", "g"))
     assert firsts["r"] == TokenDelta("r", (5,), "x", None, (), 4, 1, 2)
     assert firsts["f"] is fork
     assert firsts["g"].finish_reason is FinishReason.ABORT and firsts["g"].token_ids == ()   # never got one
-    ended = PrefillResult("r", -1, "", FinishReason.ABORT, None, 4, 0)
+    ended = PrefillResult("r", TokenDelta("r", (), "", FinishReason.ABORT, (), 4, 1, 0), None)
     assert ended.first_deltas()["r"].token_ids == ()
 
 
