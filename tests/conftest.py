@@ -25,6 +25,45 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def single_engine():
+    """Factory: the single engine a test compares a cluster (or another engine) with, built once
+    per engine config and speculator factory for the session. Greedy and seeded outputs do not
+    depend on what the engine ran before, so tests share it."""
+    from cluster.engine.engine import LLMEngine
+    engines = {}
+
+    def get(config, speculator_factory=None):
+        key = (config, speculator_factory)
+        if key not in engines:
+            engines[key] = LLMEngine(config, speculator_factory=speculator_factory)
+        return engines[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dir):
+    """(greedy tokens, their log-probabilities) from transformers' generate, per (kind, prompt),
+    for the session: the engine's, the Triton kernels' and the cluster's family tests share it."""
+    import torch
+    import transformers
+    models, cache = {}, {}
+
+    def ref(kind: str, prompt: list[int], max_tokens: int = 16) -> tuple[list[int], list[float]]:
+        key = (kind, tuple(prompt), max_tokens)
+        if key not in cache:
+            if kind not in models:
+                models[kind] = transformers.AutoModelForCausalLM.from_pretrained(
+                    tiny_model_dir(kind), dtype=torch.float32).eval()
+            out = models[kind].generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                        output_logits=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+            cache[key] = tokens, logprobs
+        return cache[key]
+    return ref
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The session's shared Ray (tests/e2e/cluster_harness.py), ended here rather than at exit."""
     ray = sys.modules.get("ray")

@@ -12,7 +12,20 @@ def _raylets() -> set[str]:
     return set(out.split())
 
 
-def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_model_dir):
+@pytest.fixture(scope="module")
+def generated(tiny_model_dir):
+    """`splitserve generate` in-process, each distinct command run once for the module."""
+    outputs = {}
+
+    def run(*args: str) -> str:
+        if args not in outputs:
+            outputs[args] = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", *args],
+                                           capture_output=True, text=True, timeout=120, check=True).stdout
+        return outputs[args]
+    return run
+
+
+def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_model_dir, generated):
     """With only the HTTP API (`--grpc-port none`): the request goes through its completions route."""
     model = str(tiny_model_dir("llama"))
     prompt = "def add(a, b):"
@@ -21,9 +34,7 @@ def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_m
                              "--http-port", "0", "--transport", "tcp", "--request", prompt, "--max-tokens", "12"],
                             capture_output=True, text=True, timeout=240)
     assert served.returncode == 0, served.stderr[-2000:]
-    alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens", "12",
-                            prompt], capture_output=True, text=True, timeout=120, check=True)
-    assert served.stdout == alone.stdout
+    assert served.stdout == generated("--model", model, "--max-tokens", "12", prompt)
     assert "on 1 prefill + 1 decode workers, KV over tcp" in served.stderr
     assert "OpenAI API: http://127.0.0.1:" in served.stderr and "gRPC" not in served.stderr
     assert not _raylets() - before, "the Ray it started was left running"
@@ -131,7 +142,7 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
     assert alone.stdout == want[0] + "\n"
 
 
-def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path):
+def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path, generated):
     """The settings the README names, from a YAML file, reach a running cluster (it answers as
     `generate` does, through the gRPC API: the HTTP API is off)."""
     model = str(tiny_model_dir("llama"))
@@ -139,12 +150,10 @@ def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path):
     cfg.write_text(f"model: {model}\nport: 0\nhttp_port: none\ntransport: tcp\nunavailable_wait: 60\nlease_seconds: 20\n"
                    "transfer_timeout: 5\nenable_chunked_prefill: true\nngram_max: 3\nstall_timeout: 30\n")
     served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--config", str(cfg),
-                             "--request", "def add(a, b):", "--max-tokens", "8"],
+                             "--request", "def add(a, b):", "--max-tokens", "12"],
                             capture_output=True, text=True, timeout=240)
     assert served.returncode == 0, served.stderr[-2000:]
-    alone = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "generate", "--model", model, "--max-tokens",
-                            "8", "def add(a, b):"], capture_output=True, text=True, timeout=120, check=True)
-    assert served.stdout == alone.stdout
+    assert served.stdout == generated("--model", model, "--max-tokens", "12", "def add(a, b):")
     assert "on 1 prefill + 1 decode workers, KV over tcp" in served.stderr and "OpenAI API" not in served.stderr
 
 

@@ -13,7 +13,6 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from tiny_models import long_context_copy
@@ -36,8 +35,8 @@ def _prompts(n=16, seed=3):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    engine = LLMEngine(_engine_config(tiny_model_dir("llama")))
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(_engine_config(tiny_model_dir("llama")))
 
     def run(prompts, sampling):
         return [list(o.token_ids) for o in engine.generate(prompts, sampling)]
@@ -288,13 +287,13 @@ def test_colocated_mode_serves_the_same_api(colocated_tls, reference):
     assert all(s.blocks_used == 0 for s in c.wait_idle())
 
 
-def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path):
+def test_decode_worker_killed_mid_stream_loses_no_token(tiny_model_dir, tmp_path, single_engine):
     import ray
     # 3,000 tokens to go when the kill is sent: the request cannot end before the worker dies.
     engine = dataclasses.replace(_engine_config(long_context_copy(tiny_model_dir("llama"), tmp_path / "model")),
                      cache=CacheConfig(block_size=4, num_blocks=1024))
     prompt = _prompts(1, seed=8)[0]
-    ref = list(LLMEngine(engine).generate([prompt], SamplingParams(max_tokens=3000, ignore_eos=True))[0].token_ids)
+    ref = list(single_engine(engine).generate([prompt], SamplingParams(max_tokens=3000, ignore_eos=True))[0].token_ids)
     c = ClusterThread(ClusterConfig(http_port=None, engine=engine, data_plane=DataPlaneConfig(transport="nixl"), port=0,
                                     num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
                                     max_tokens_limit=3000))

@@ -15,7 +15,6 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig
-from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from router.client import AsyncClient, Client
@@ -49,10 +48,10 @@ def _engine_config(spec="off") -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
+def reference(single_engine) -> list[list[int]]:
     """Each prompt alone on the single engine (the path of `splitserve generate`), and one of them
     through the real command line."""
-    engine = LLMEngine(_engine_config())
+    engine = single_engine(_engine_config())
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     ref = [list(engine.generate([p], sp)[0].token_ids) for p in PROMPTS]
     cli = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "--log-level", "WARNING", "generate",

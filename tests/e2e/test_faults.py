@@ -20,10 +20,8 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
-from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from helpers import free_port
 
@@ -44,8 +42,8 @@ def _prompts(n, lengths, seed):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    engine = LLMEngine(_engine_config(tiny_model_dir("llama"), num_blocks=1024))
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(_engine_config(tiny_model_dir("llama"), num_blocks=1024))
 
     def run(prompts, **sampling):
         return [list(o.token_ids) for o in engine.generate(prompts, SamplingParams(**sampling))]

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.shared_host import segment_path
 from cluster.launch.app import ClusterConfig
@@ -42,8 +41,8 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
                                     cache=CacheConfig(block_size=BS, num_blocks=1024, enable_prefix_caching=False)))
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return lambda prompts: [list(o.token_ids) for o in engine.generate(prompts, sp)]

@@ -8,7 +8,6 @@ import torch
 
 from conftest import connect
 from cluster.config import CacheConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.types import KVHandle, SamplingParams
 
 pytestmark = pytest.mark.slow   # worker processes over three transports
@@ -56,8 +55,8 @@ def pair(worker_set):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32",
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32",
                                     cache=CacheConfig(block_size=4, num_blocks=96)))
     return list(engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids)
 

@@ -12,7 +12,7 @@ from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster_harness import ClusterThread
-from integration.test_model_families import FAMILIES, family_prompts, hf_reference  # noqa: F401 (a fixture)
+from integration.test_model_families import FAMILIES, family_prompts
 from router.client import Client
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -32,7 +32,7 @@ def served(request, tiny_model_dir):
     c.stop()
 
 
-def test_greedy_through_prefill_and_decode_workers(served, hf_reference):  # noqa: F811 (the fixture)
+def test_greedy_through_prefill_and_decode_workers(served, hf_reference):
     client = Client(served.target)
     prompts = family_prompts(lengths=(13, 30, 47))
     with ThreadPoolExecutor(len(prompts)) as pool:

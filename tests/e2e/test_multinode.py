@@ -122,11 +122,10 @@ def ray_nodes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(single_engine):
     from cluster.config import EngineConfig
-    from cluster.engine.engine import LLMEngine
     from cluster.types import SamplingParams
-    engine = LLMEngine(EngineConfig(dtype="float32"))
+    engine = single_engine(EngineConfig(dtype="float32"))
     return [list(o.token_ids) for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))]
 
 

@@ -24,7 +24,6 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
 from cluster.version import splitserve_version
 from cluster_harness import ClusterThread
@@ -61,8 +60,8 @@ def served(request, chat_model):
 
 
 @pytest.fixture(scope="module")
-def reference(chat_model):
-    engine = LLMEngine(_engine_config(chat_model))
+def reference(chat_model, single_engine):
+    engine = single_engine(_engine_config(chat_model))
 
     def greedy(prompt, max_tokens: int = 16) -> list[int]:
         return list(engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].token_ids)

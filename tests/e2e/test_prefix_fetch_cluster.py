@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.launch.app import ClusterConfig
 from cluster.types import SamplingParams
@@ -34,8 +33,8 @@ def _prompts(seed: int, n: int, length: int = 61) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
                                     cache=CacheConfig(block_size=BS, num_blocks=1024, enable_prefix_caching=False)))
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return lambda prompts: [list(o.token_ids) for o in engine.generate(prompts, sp)]

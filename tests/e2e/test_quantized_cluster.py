@@ -22,7 +22,6 @@ import pytest
 
 from cluster.config import (CacheConfig, DataPlaneConfig, EngineConfig, SpeculativeConfig, default_model_file,
                             resolve_model)
-from cluster.engine.engine import LLMEngine
 from cluster.launch.app import ClusterConfig
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
@@ -56,9 +55,9 @@ def engine_config():
 
 
 @pytest.fixture(scope="module")
-def reference(engine_config):
+def reference(engine_config, single_engine):
     """The prompts and a single engine's plain greedy tokens (no speculator)."""
-    single = LLMEngine(replace(engine_config, speculative=SpeculativeConfig()))
+    single = single_engine(replace(engine_config, speculative=SpeculativeConfig()))
     prompts = [single.tokenizer.encode(q).ids for q in QUESTIONS]
     return prompts, [list(o.token_ids) for o in single.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
 

@@ -26,7 +26,6 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
-from cluster.engine.engine import LLMEngine
 from cluster.secrets import read_api_key_file, read_secret_file
 from cluster.transfer.auth import MAC_BYTES, OVERHEAD, Sealer
 from cluster.transfer.base import PeerMetadata
@@ -210,8 +209,8 @@ def _refused(served, name: str) -> int:
     return next(s.kv_refused for s in served.stats() if s.name == name)
 
 
-def test_forged_and_replayed_kv_messages_are_refused_and_change_nothing(served, pki):
-    reference = LLMEngine(served.engine_config).generate([PROMPT[5:40]], SamplingParams(max_tokens=8))[0]
+def test_forged_and_replayed_kv_messages_are_refused_and_change_nothing(served, pki, single_engine):
+    reference = single_engine(served.engine_config).generate([PROMPT[5:40]], SamplingParams(max_tokens=8))[0]
     addr = _worker_listener(served, "decode-0")
     before = _refused(served, "decode-0")
     assert not _notify(addr, Sealer(b"w" * 32), "decode-0", b"x")       # the wrong secret: dropped at hello

@@ -17,7 +17,6 @@ import pytest
 import ray
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, SpeculativeConfig
-from cluster.engine.engine import LLMEngine
 from cluster.launch.app import ClusterConfig
 from cluster.secrets import ApiKey
 from cluster.types import SamplingParams
@@ -42,8 +41,8 @@ def _engine_config(**online) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    engine = LLMEngine(_engine_config())
+def reference(single_engine):
+    engine = single_engine(_engine_config())
     return {p: list(c.token_ids) for p, c in zip(PROMPTS, engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS)))}
 
 

@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, SpeculativeConfig, default_model_file
-from cluster.engine.engine import LLMEngine
 from cluster.launch.app import ClusterConfig
 from cluster.types import SamplingParams, StructuredKind, StructuredOutput
 from cluster_harness import ClusterThread
@@ -67,8 +66,8 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    engine = LLMEngine(_engine_config(False))
+def reference(single_engine):
+    engine = single_engine(_engine_config(False))
 
     def run(prompt: str, spec: StructuredOutput, max_tokens: int = MAX_TOKENS) -> list[int]:
         return list(engine.generate([prompt], SamplingParams(max_tokens=max_tokens, structured=spec))[0].token_ids)

@@ -28,27 +28,6 @@ def family_prompts(shared_prefix: int = 0, lengths=(3, 13, 30, 47)) -> list[list
     return [prefix + torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def hf_reference(tiny_model_dir):
-    """(greedy tokens, their log-probabilities) from transformers' generate, per (kind, prompt)."""
-    import transformers
-    models, cache = {}, {}
-
-    def ref(kind: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
-        key = (kind, tuple(prompt), max_tokens)
-        if key not in cache:
-            if kind not in models:
-                models[kind] = transformers.AutoModelForCausalLM.from_pretrained(
-                    tiny_model_dir(kind), dtype=torch.float32).eval()
-            out = models[kind].generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                                        output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-            cache[key] = tokens, logprobs
-        return cache[key]
-    return ref
-
-
 def check_family(engine: LLMEngine, kind: str, prompts, hf_reference, max_tokens: int = MAX_TOKENS) -> list:
     """Greedy tokens equal transformers', log-probabilities within 1e-4; the pool ends idle."""
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, logprobs=0))

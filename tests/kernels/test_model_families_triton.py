@@ -8,12 +8,11 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import LLMEngine
-from integration.test_model_families import (  # noqa: F401 (hf_reference: a fixture)
-    FAMILIES, check_family, family_prompts, hf_reference)
+from integration.test_model_families import FAMILIES, check_family, family_prompts
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-def test_mixed_steps_with_prefix_hits(kind, tiny_model_dir, hf_reference):  # noqa: F811 (the fixture)
+def test_mixed_steps_with_prefix_hits(kind, tiny_model_dir, hf_reference):
     engine = LLMEngine(EngineConfig(model=tiny_model_dir(kind), dtype="float32", attention_backend="triton",
                                     cache=CacheConfig(block_size=4, num_blocks=128),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=16)))
