@@ -9,6 +9,7 @@ import functools
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -20,7 +21,7 @@ from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig, SpeculativeConfig, default_model_file
 from cluster.engine.engine import LLMEngine
 from cluster.types import SamplingParams
-from cluster_harness import ClusterThread
+from cluster_harness import ClusterThread, session_ray
 from router.client import Client
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -88,17 +89,11 @@ def _serve_one_by_one(cluster: ClusterThread, **sampling) -> tuple[list[list[int
     return outs, emitted / steps
 
 
-@pytest.mark.parametrize("configured,methods,model,tree", [("draft", ("draft", "ngram", "jacobi"), None, 0),
-                                                           ("eagle", ("eagle",), None, 4),
-                                                           ("eagle", ("eagle",), "default", 0),
-                                                           ("block", ("block",), "default", 0)],
-                         ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model", "block-default-model"])
-def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model, tree):
-    if model is not None:
-        reference = _reference(model)
-    pd = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model, tree),
-                                     data_plane=DataPlaneConfig(transport="nixl"), port=0,
-                                     router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
+def _served_across_the_handoff(engine: EngineConfig, configured: str, methods, tree: int) -> dict:
+    """Each method's outputs and mean accepted length through a 1P1D cluster, whose handoffs,
+    blocks and Prometheus counters are checked on the way."""
+    pd = ClusterThread(ClusterConfig(http_port=None, engine=engine, data_plane=DataPlaneConfig(transport="nixl"),
+                                     port=0, router=RouterConfig(local_prefill_max_tokens=4), metrics_port=0))
     try:
         info = Client(pd.target).server_info()
         assert (info.speculative, info.num_speculative_tokens) == (configured, "4")
@@ -122,14 +117,35 @@ def test_speculation_across_the_handoff_matches_colocated(reference, configured,
         while (scraped := {k: _scrape(pd).get(k) for k in want}) != want and time.monotonic() < deadline:
             time.sleep(0.25)
         assert scraped == want
+        return results
     finally:
         pd.stop()
-    colo = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config(configured, model, tree), colocated=True,
-                                       port=0))
+
+
+def _served_colocated(engine: EngineConfig, methods) -> dict:
+    colo = ClusterThread(ClusterConfig(http_port=None, engine=engine, colocated=True, port=0))
     try:
-        colocated = {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
+        return {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
     finally:
         colo.stop()
+
+
+@pytest.mark.parametrize("configured,methods,model,tree", [("draft", ("draft", "ngram", "jacobi"), None, 0),
+                                                           ("eagle", ("eagle",), None, 4),
+                                                           ("eagle", ("eagle",), "default", 0),
+                                                           ("block", ("block",), "default", 0)],
+                         ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model", "block-default-model"])
+def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model, tree):
+    """The P/D and the colocated cluster run side by side (each serves its requests one at a time,
+    so what either accepts does not depend on the other)."""
+    if model is not None:
+        reference = _reference(model)
+    engine = _engine_config(configured, model, tree)
+    session_ray()   # before the two threads: neither may start its own
+    with ThreadPoolExecutor(2) as pool:
+        pd_run = pool.submit(_served_across_the_handoff, engine, configured, methods, tree)
+        colocated_run = pool.submit(_served_colocated, engine, methods)
+        results, colocated = pd_run.result(), colocated_run.result()
     for method in methods:
         (pd_out, pd_len), (co_out, co_len) = results[method], colocated[method]
         assert pd_out == reference and co_out == reference, method
