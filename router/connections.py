@@ -6,7 +6,7 @@ HTTP (uvicorn's h11 protocol, with the two timers it lacks):
     is closed after `http_idle_timeout_s` without a byte;
   - headers: from a request's first byte, its headers must be complete within
     `http_header_timeout_s`, however the bytes trickle in;
-  - body: `http_body_timeout_s` to read the whole body (router/http_server.py answers 408);
+  - body: `http_body_timeout_s` to read the whole body (router/openai/http_server.py answers 408);
   - `http_max_connections`: past it, uvicorn answers 503.
 gRPC (core's channel arguments): the handshake within `grpc_handshake_timeout_s`, keepalive pings
 to find dead clients, idle connections closed, at most `grpc_max_streams_per_connection` streams,

@@ -59,7 +59,7 @@ class FrontendConfig:
     tls: tuple[bytes, bytes] | None = field(default=None, repr=False)   # its private key: never printed
     tls_client_ca: bytes | None = None  # mTLS: clients must present a certificate signed by this CA
     poll_stats_s: float | None = None   # run its own stats poll at this busy cadence (actor frontends)
-    http_port: int | None = None        # the OpenAI-compatible HTTP API (router/http_server.py)
+    http_port: int | None = None        # the OpenAI-compatible HTTP API (router/openai/http_server.py)
     http_reuse_port: bool = False       # several frontend processes share the HTTP port
     chat_template: str | None = None    # a Jinja file that overrides the model's chat template
 
@@ -106,7 +106,7 @@ class Frontend:
                                                              client_ca=cfg.tls_client_ca, connections=cfg.connections)
         if cfg.http_port is not None:
             from router.chat_template import ChatTemplate  # noqa: PLC0415
-            from router.http_server import OpenAIServer  # noqa: PLC0415
+            from router.openai.http_server import OpenAIServer  # noqa: PLC0415
             template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
             registry = self.metrics.registry if self.metrics.has_workers else None
             self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry,

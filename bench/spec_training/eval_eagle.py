@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from decode.spec.training.eagle import FeatureHook, draft_greedy, load_eagle_head, load_target_parts
+from decode.spec.heads.eagle import FeatureHook, draft_greedy, load_eagle_head, load_target_parts
 from .evaluate import heldout_windows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

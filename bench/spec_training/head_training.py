@@ -1,5 +1,6 @@
-"""What the draft heads' CPU trainers share (train_eagle3.py, train_block.py): AdamW without
-decay on norms and vectors, linear warmup then cosine to 10%, a clipped step, the summary."""
+"""What the draft heads' CPU trainers share (train_eagle3.py, train_block.py): the draft
+vocabulary, AdamW without decay on norms and vectors, linear warmup then cosine to 10%, a clipped
+step, the summary."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,14 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def draft_vocab(labels: torch.Tensor, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target tokens among `labels` (sorted by id) and the share of
+    labels they cover."""
+    counts = torch.bincount(labels.flatten(), minlength=vocab_size)
+    top = counts.topk(size).indices.sort().values
+    return top, float(counts[top].sum() / counts.sum())
 
 
 def head_optimizer(module: torch.nn.Module, lr: float) -> torch.optim.AdamW:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.spec_training.corpus import iter_stdlib_files, stdlib_root
-from decode.spec.training.eagle3 import eagle3_feature_layers
+from decode.spec.heads.eagle3 import eagle3_feature_layers
 
 
 @dataclass(frozen=True)

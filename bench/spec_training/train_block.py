@@ -1,4 +1,4 @@
-"""Train the default model's DFlash-style block drafter (decode/spec/training/block.py) on CPU.
+"""Train the default model's DFlash-style block drafter (decode/spec/heads/block.py) on CPU.
 
 Input: smollm_data.py's shards (the target's own greedy answers with the three depths of
 features our engine computed while answering: the EAGLE-3 head's data). Each step is a batch of
@@ -24,12 +24,17 @@ from pathlib import Path
 
 import torch
 
-from bench.spec_training.head_training import clipped_step, head_optimizer, set_lr, write_summary
+from bench.spec_training.head_training import clipped_step, draft_vocab, head_optimizer, set_lr, write_summary
+from bench.spec_training.losses import block_losses
 from bench.spec_training.train_eagle3 import fingerprint, load_shards, target_dir, target_parts
-from decode.spec.training.block import (BlockConfig, BlockDrafter, block_losses, draft_logits, save_block_drafter,
-                                        unit_scale)
-from decode.spec.training.eagle import EagleConfig
-from decode.spec.training.eagle3 import draft_vocab, target_to_draft
+from decode.spec.heads.block import BlockConfig, BlockDrafter, draft_logits, save_block_drafter
+from decode.spec.heads.eagle import EagleConfig, TargetParts
+from decode.spec.online.objective import target_to_draft
+
+
+def unit_scale(tp: TargetParts) -> float:
+    """emb_scale that brings the target's embeddings to unit rms (the mask row's scale)."""
+    return float(1.0 / tp.embed.float().pow(2).mean().sqrt())
 
 
 def parse() -> argparse.Namespace:

@@ -1,10 +1,11 @@
-"""Train the EAGLE head (decode/spec/training/eagle.py) for stdlib-coder on CPU.
+"""Train the EAGLE head (decode/spec/heads/eagle.py) for stdlib-coder on CPU.
 
 Per step: the frozen target runs on a batch of training windows (bf16 autocast,
 no grad); a forward hook on its last decoder layer gives the pre-norm features
 f, and its logits give the soft targets p. The head is then run with
-``forward_unrolled`` ("training-time test"): pass 0 sees true features, pass s
-sees its own pass s-1 outputs, exactly as at draft step s + 1. Loss per pass:
+``forward_unrolled`` ("training-time test", decode/spec/online/objective.py): pass 0
+sees true features, pass s sees its own pass s-1 outputs, exactly as at draft step
+s + 1. Loss per pass:
 
     soft CE(p_target || softmax(lm_head(norm(g_s))))  +  reg * SmoothL1(g_s, f)   (unit-rms space)
 
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from .data import WindowSampler, load_split
-from decode.spec.training.eagle import EagleConfig, EagleHead, FeatureHook, TargetParts, save_eagle_head
+from decode.spec.heads.eagle import EagleConfig, EagleHead, FeatureHook, TargetParts, save_eagle_head
+from decode.spec.online.objective import forward_unrolled
 from .trainer import seed_all
 
 
@@ -69,7 +71,7 @@ def head_losses(head, tp: TargetParts, x, f, t_logits, passes: int, detach: bool
                 pass_decay: float, reg_w: float):
     """Total loss and per-pass stats [passes, 3]: soft CE, SmoothL1, top-1
     agreement with the target. Plain tensors only, so torch.compile can fuse it."""
-    outs = head.forward_unrolled(x, f, tp, passes, detach)
+    outs = forward_unrolled(head, x, f, tp, passes, detach)
     t_logits = t_logits.float()
     t_p = torch.softmax(t_logits, -1)
     t_top = t_logits.argmax(-1)

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from bench.spec_training.head_training import clipped_step, head_optimizer, set_lr, write_summary
-from decode.spec.training.eagle import EagleConfig, TargetParts
-from decode.spec.training.eagle3 import (Eagle3Config, Eagle3Head, draft_vocab, eagle3_feature_layers, save_eagle3_head,
-                     target_to_draft, unrolled_losses)
+from bench.spec_training.head_training import clipped_step, draft_vocab, head_optimizer, set_lr, write_summary
+from bench.spec_training.losses import unrolled_losses
+from decode.spec.heads.eagle import EagleConfig, TargetParts
+from decode.spec.heads.eagle3 import Eagle3Config, Eagle3Head, eagle3_feature_layers, save_eagle3_head
+from decode.spec.online.objective import target_to_draft
 
 
 def parse() -> argparse.Namespace:
@@ -108,7 +109,7 @@ def collate(group: list[dict], t2d: torch.Tensor):
 
 
 def target_parts(tdir: str) -> TargetParts:
-    from decode.spec.training.eagle import load_target_parts   # noqa: PLC0415
+    from decode.spec.heads.eagle import load_target_parts   # noqa: PLC0415
     return load_target_parts(tdir, torch.float32)
 
 

@@ -1,6 +1,6 @@
 """The block proposer (`--speculative block`): a DFlash-style drafter proposes k tokens in one pass.
 
-The drafter (decode/spec/training/block.py, run here as is) reads a window of the target's fused
+The drafter (decode/spec/heads/block.py, run here as is) reads a window of the target's fused
 features at the last `context` verified positions and the pending token, and drafts the block's
 rows together: one forward pass for the whole draft, where EAGLE runs one per token.
 
@@ -25,7 +25,7 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft
 from cluster.model.llama import CausalLM
 from cluster.model.loader import LazyCheckpoint
-from decode.spec.training.block import BlockDrafter, load_block_drafter
+from decode.spec.heads.block import BlockDrafter, load_block_drafter
 
 
 @dataclass(frozen=True)

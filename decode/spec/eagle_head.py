@@ -1,6 +1,6 @@
 """The EAGLE head at serving time, over the paged KV cache, and the features it reads.
 
-Contract (the training side is decode/spec/training/eagle.py): for position j the head reads
+Contract (the plain-torch head is decode/spec/heads/eagle.py): for position j the head reads
 u_j = fc(cat(E(x_j), f_{j-1})), where f is the target's last decoder layer output before the final
 norm (f_{-1} = 0) and E the target's embedding; one Llama decoder layer turns u into g_j, the
 head's estimate of f_j, and the target's own norm and lm_head turn g_j into next-token logits.
@@ -35,7 +35,7 @@ from decode.spec.compat import is_eagle3, read_eagle_config
 
 class EagleHead(nn.Module):
     """EAGLE (`draft_vocab` 0): f is the last layer's output, logits the target's own norm and LM
-    head. EAGLE-3 (decode/spec/training/eagle3.py): f = fuse(three depths of the target's outputs),
+    head. EAGLE-3 (decode/spec/heads/eagle3.py): f = fuse(three depths of the target's outputs),
     and the head's own norm and LM head over a draft vocabulary (`d2t`: draft id -> target id)."""
 
     def __init__(self, layer_cfg: ModelConfig, target: CausalLM, draft_vocab: int = 0):

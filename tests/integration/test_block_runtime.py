@@ -15,9 +15,9 @@ from decode.handoff import add_prefilled
 from decode.spec.block import window_of
 from decode.spec.compat import check_speculative_models, weights_fingerprint
 from decode.spec.speculator import make_kv_only_speculator, make_speculator
-from decode.spec.training.block import (BlockConfig, BlockDrafter, draft_block_reference, load_block_drafter,
-                                        save_block_drafter)
-from decode.spec.training.eagle import EagleConfig, load_target_parts
+from decode.spec.heads.block import (BlockConfig, BlockDrafter, draft_block_reference, load_block_drafter,
+                                     save_block_drafter)
+from decode.spec.heads.eagle import EagleConfig, load_target_parts
 from prefill.handoff import PrefillHandoff
 
 LAYERS = (0, 2, 4)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from decode.spec.training.eagle import EagleConfig, load_target_parts
-from decode.spec.training.eagle3 import Eagle3Config, Eagle3Head, draft_greedy3, save_eagle3_head
+from decode.spec.heads.eagle import EagleConfig, load_target_parts
+from decode.spec.heads.eagle3 import Eagle3Config, Eagle3Head, draft_greedy3, save_eagle3_head
 from cluster.config import STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import StepPlan
@@ -39,7 +39,7 @@ def _engine(head_dir):
 def test_paged_eagle3_head_drafts_what_the_dense_reference_drafts(tmp_path):
     import transformers
     head_dir = _random_head(tmp_path, weights_fingerprint(STDLIB_CODER_DIR))
-    from decode.spec.training.eagle3 import load_eagle3_head
+    from decode.spec.heads.eagle3 import load_eagle3_head
     head = load_eagle3_head(str(head_dir)).float()
     engine = _engine(head_dir)
     prompt = "import os\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n"

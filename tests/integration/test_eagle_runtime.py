@@ -5,8 +5,8 @@ import torch
 from cluster.config import STDLIB_CODER_DIR, EngineConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.scheduler import StepPlan
-from decode.spec.training.eagle import (EagleConfig, EagleHead, FeatureHook, draft_greedy, load_target_parts,
-                                          save_eagle_head)
+from decode.spec.heads.eagle import (EagleConfig, EagleHead, FeatureHook, draft_greedy, load_target_parts,
+                                       save_eagle_head)
 from cluster.types import SamplingParams
 from decode.spec.speculator import make_speculator
 

@@ -15,7 +15,7 @@ from cluster.types import SamplingParams
 from decode.spec.online.messages import HeadUpdate, pack_tensors
 from decode.spec.online.trainer import HeadTrainer
 from decode.spec.speculator import make_speculator
-from decode.spec.training.eagle import draft_greedy
+from decode.spec.heads.eagle import draft_greedy
 
 # Held-out code the model was not trained on: the standard library's json package.
 PROMPTS = [open(f).read()[a:a + 500] for a in (0, 1500) for f in sorted(glob.glob("/usr/lib/python3*/json/*.py"))[:6]]
@@ -56,7 +56,7 @@ def test_only_opted_in_tenants_traffic_is_kept_each_in_its_own_samples(served):
 
 def test_features_are_the_targets_hidden_states(served):
     import transformers
-    from decode.spec.training.eagle import FeatureHook
+    from decode.spec.heads.eagle import FeatureHook
     _, outputs, samples, _, _ = served
     sample = samples[0]
     whole = next(o for o in outputs[sample.tenant] if o[sample.first_pos:sample.first_pos + len(sample.tokens)]

@@ -171,7 +171,7 @@ def test_eagle_mechanics_with_prefix_hits_and_preemption(tmp_path, tiny_model_di
     """Any head (here an untrained one, for a tiny fp32 target) leaves greedy output unchanged: on
     prefix-cache hits (the head continues from the feature kept for the hit's last block) and
     under preemption."""
-    from decode.spec.training.eagle import EagleConfig, EagleHead, save_eagle_head
+    from decode.spec.heads.eagle import EagleConfig, EagleHead, save_eagle_head
     target = tiny_model_dir("llama")
     head = EagleHead(EagleConfig.from_target(str(target), intermediate_size=128))
     head.init_weights(seed=0, std=0.2)

@@ -1,11 +1,11 @@
-"""The block drafter's module (decode/spec/training/block.py): context rows outside the window
+"""The block drafter's module (decode/spec/heads/block.py): context rows outside the window
 are never read, the block's rows see each other (bidirectional) but not beyond the context, the
 export folds the training-time scales exactly, and training fits a fixed batch."""
 import torch
 
-from decode.spec.training.block import (BlockConfig, BlockDrafter, block_losses, load_block_drafter,
-                                        save_block_drafter)
-from decode.spec.training.eagle import TargetParts
+from bench.spec_training.losses import block_losses
+from decode.spec.heads.block import BlockConfig, BlockDrafter, load_block_drafter, save_block_drafter
+from decode.spec.heads.eagle import TargetParts
 
 H, V = 64, 97
 

@@ -15,8 +15,9 @@ from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from bench.spec_training.corpus import iter_stdlib_files, split_files  # noqa: E402
-from decode.spec.training.eagle import (  # noqa: E402
+from decode.spec.heads.eagle import (  # noqa: E402
     TENSOR_NAMES, FeatureHook, draft_greedy, load_eagle_head, load_target_parts)
+from decode.spec.online.objective import forward_unrolled  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WEIGHTS = os.path.join(REPO, "cluster", "model", "weights")
@@ -91,7 +92,7 @@ def test_unrolled_training_forward_equals_dense_contract(snippet):
     toks = torch.tensor([snippet[:T]])
     f = torch.randn(1, T, 384, generator=gen) * 40
     with torch.no_grad():
-        outs = head.forward_unrolled(toks, f, tp, passes)
+        outs = forward_unrolled(head, toks, f, tp, passes)
         for s in range(passes):
             for j in (s, s + 5, T - 1):
                 n = j - s

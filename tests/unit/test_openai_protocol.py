@@ -1,10 +1,10 @@
-"""OpenAI bodies → validated requests (router/openai_protocol.py): the gRPC validation with
+"""OpenAI bodies → validated requests (router/openai/protocol.py): the gRPC validation with
 OpenAI's field names, the prompt forms, n samples with seed + j, the refusals."""
 from __future__ import annotations
 
 import pytest
 
-from router.openai_protocol import ApiError, Endpoint, parse_chat, parse_completion
+from router.openai.protocol import ApiError, Endpoint, parse_chat, parse_completion
 from router.validation import Limits
 
 LIMITS = Limits(model_id="m", vocab_size=100, max_model_len=64, max_tokens_limit=32, default_max_tokens=24)

@@ -1,4 +1,4 @@
-"""/tokenize and /detokenize bodies (router/openai_tokenization.py) and the Tokenize and Detokenize
+"""/tokenize and /detokenize bodies (router/openai/tokenization.py) and the Tokenize and Detokenize
 messages (router/tokenization.py) on a real byte-level BPE tokenizer with a BOS: the ids are the
 generation routes' own, and every bad field is named."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from cluster.model.loader import load_tokenizer
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate
-from router.openai_protocol import ApiError
-from router.openai_tokenization import detokenize_body, tokenize_body
+from router.openai.protocol import ApiError
+from router.openai.tokenization import detokenize_body, tokenize_body
 from router.tokenization import TokenCodec, detokenize_message, tokenize_message
 from router.validation import Limits, ValidationError
 from tiny_models import CHATML_TEMPLATE, VOCAB, make_tokenizer

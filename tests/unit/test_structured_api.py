@@ -9,8 +9,8 @@ import pytest
 
 from cluster.types import StructuredKind
 from proto.splitserve.v1 import inference_pb2 as pb
+from router.openai.tool_calls import ToolCallParser, ToolChoice, ToolError, parse_text, parse_tools, prepare_messages
 from router.structured import ConstraintError, from_proto, openai_constraint
-from router.tool_calls import ToolCallParser, ToolChoice, ToolError, parse_text, parse_tools, prepare_messages
 from router.validation import ValidationError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

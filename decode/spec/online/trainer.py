@@ -1,11 +1,11 @@
 """Fine-tuning a tenant's head on its served traffic, and the score promotion and rollback use.
 
-The head is the training-side module of decode/spec/training (the same function as the serving
-head, in fp32, differentiable), loaded from the base head's directory; only `TRAINABLE` tensors
-learn (messages.py: the head's KV stays the base head's). Each round starts from the tenant's live
-head and runs `steps` AdamW steps over its training samples with the training-time test (several
-unrolled draft steps, each fed the head's own output: decode/spec/training/eagle.py
-`forward_unrolled`), token cross-entropy on the tokens the target emitted.
+The head is the plain-torch module of decode/spec/heads (the same function as the serving head,
+in fp32, differentiable), loaded from the base head's directory; only `TRAINABLE` tensors learn
+(messages.py: the head's KV stays the base head's). Each round starts from the tenant's live head
+and runs `steps` AdamW steps over its training samples with the training-time test (several
+unrolled draft steps, each fed the head's own output: objective.py `forward_unrolled`), token
+cross-entropy on the tokens the target emitted.
 
 The score is the mean accepted length of a greedy chain of `depth` drafts from every position of
 the samples: the unrolled passes are teacher-forced with the true tokens, which are exactly the
@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from decode.spec.compat import is_eagle3, read_eagle_config
+from decode.spec.heads.eagle import load_eagle_head, load_target_parts
+from decode.spec.heads.eagle3 import load_eagle3_head
 from decode.spec.online.messages import TRAINABLE, TRAINABLE_EAGLE3, ServedSample
+from decode.spec.online.objective import forward_unrolled, target_to_draft
 
 MAX_CHUNK = 256        # positions per training sequence: longer samples are cut (bounded memory and time)
 _NAME_OF = {"norm.weight": "norm_weight"}     # checkpoint name -> the EAGLE-3 training module's
@@ -46,8 +49,6 @@ def chunks_of(samples: list[ServedSample]) -> list[Chunk]:
 
 class HeadTrainer:
     def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 1e-4, seed: int = 0):
-        from decode.spec.training.eagle import load_eagle_head, load_target_parts  # noqa: PLC0415
-        from decode.spec.training.eagle3 import load_eagle3_head, target_to_draft  # noqa: PLC0415
         self.eagle3 = is_eagle3(read_eagle_config(head_dir))
         self.head = load_eagle3_head(str(head_dir)) if self.eagle3 else load_eagle_head(str(head_dir))
         self.tp = load_target_parts(str(target_dir))
@@ -78,7 +79,7 @@ class HeadTrainer:
 
     def _passes(self, chunk: Chunk, grad: bool) -> list[torch.Tensor]:
         with torch.set_grad_enabled(grad):
-            return self.head.forward_unrolled(chunk.tokens[None], chunk.features[None], self.tp, self.depth)
+            return forward_unrolled(self.head, chunk.tokens[None], chunk.features[None], self.tp, self.depth)
 
     def train(self, start: dict[str, torch.Tensor], samples: list[ServedSample], steps: int,
               max_passes: float = 2.0) -> dict[str, torch.Tensor]:

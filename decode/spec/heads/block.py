@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decode.spec.training.eagle import DecoderLayer, EagleConfig, TargetParts, rms_norm, rope_cos_sin
+from decode.spec.heads.eagle import DecoderLayer, EagleConfig, TargetParts, rms_norm, rope_cos_sin
 
 MODEL_TYPE = "splitserve_block"
 
@@ -116,27 +116,6 @@ def draft_logits(g: torch.Tensor, tp: TargetParts, head_rows: torch.Tensor) -> t
     return F.linear(rms_norm(g, tp.norm, tp.eps), head_rows)
 
 
-def block_losses(drafter: BlockDrafter, tp: TargetParts, head_rows: torch.Tensor, first, feats3, ctx_len, pos,
-                 labels, decay: float) -> tuple[torch.Tensor, list[float]]:
-    """Weighted CE over the block rows (weight decay**i; labels are draft ids, -100 where absent or
-    outside the draft vocabulary) and per-row top-1 agreement with the labels (the target's own
-    greedy tokens)."""
-    g = drafter(lambda ids: F.embedding(ids, tp.embed), first, drafter.fused(feats3), ctx_len, pos)
-    logits = draft_logits(g, tp, head_rows).float()                        # [B, K, Vd]
-    K = logits.shape[1]
-    loss = logits.new_zeros(())
-    accs = []
-    for i in range(K):
-        y = labels[:, i]
-        keep = y >= 0
-        if not keep.any():
-            accs.append(0.0)
-            continue
-        loss = loss + decay ** i * F.cross_entropy(logits[keep, i], y[keep])
-        accs.append(float((logits[keep, i].argmax(-1) == y[keep]).float().mean()))
-    return loss, accs
-
-
 def folded_state_dict(drafter: BlockDrafter) -> dict[str, torch.Tensor]:
     """fp32 weights of the contract: the training-time depth scales folded into fuse."""
     H = drafter.config.hidden_size
@@ -182,8 +161,3 @@ def draft_block_reference(drafter: BlockDrafter, tp: TargetParts, tokens: list[i
                 torch.tensor([len(rows)]), torch.tensor([n]))
     logits = draft_logits(g[0, :k], tp, tp.lm_head[drafter.d2t].to(dt))
     return drafter.d2t[logits.argmax(-1)].tolist()
-
-
-def unit_scale(tp: TargetParts) -> float:
-    """emb_scale that brings the target's embeddings to unit rms (the mask row's scale)."""
-    return float(1.0 / tp.embed.float().pow(2).mean().sqrt())

@@ -21,8 +21,8 @@ from cluster.types import GenerateRequest, TokenDelta, TokenLogprob
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.chat_template import ChatTemplate, ChatTemplateError
 from router.finish_reasons import to_openai
+from router.openai.tool_calls import ToolError, ToolSpec, parse_tools, prepare_messages
 from router.structured import ConstraintError, openai_constraint
-from router.tool_calls import ToolError, ToolSpec, parse_tools, prepare_messages
 from router.validation import Limits, ValidationError, clip, cut_message, validate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
@@ -70,7 +70,7 @@ class Job:
     logprobs: int | None          # top-N per token (completions' `logprobs`, chat's `top_logprobs`)
     echo: bool
     return_token_ids: bool
-    tools: ToolSpec | None = None  # chat with tools: calls are parsed out of the replies (router/tool_calls.py)
+    tools: ToolSpec | None = None  # chat with tools: calls are parsed out of the replies (router/openai/tool_calls.py)
 
     @property
     def num_requests(self) -> int:
@@ -371,7 +371,7 @@ def render_chat(body: dict, limits: Limits, template: ChatTemplate | None) -> st
     if generation_prompt and continue_final:
         raise _err("continue_final_message", "cannot be used with add_generation_prompt (set it to false)")
     tools = chat_tools(body)
-    own = "tools" in template.source      # the template renders tools itself; else router/tool_calls.py does
+    own = "tools" in template.source      # the template renders tools itself; else router/openai/tool_calls.py does
     messages = prepare_messages(body.get("messages"), tools, own)
     try:
         return template.render(messages, add_generation_prompt=generation_prompt,

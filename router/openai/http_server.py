@@ -4,9 +4,9 @@ same keys, same metrics. Starlette on uvicorn, in the frontend's own event loop.
   POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events, `data: [DONE]`)
   GET  /v1/models, /v1/models/{id}                  GET /health (503 until every worker is ready)
   GET  /metrics                                     (the cluster's, where this frontend holds them)
-  POST /tokenize, POST /detokenize, GET /version    (vLLM's; router/openai_tokenization.py)
+  POST /tokenize, POST /detokenize, GET /version    (vLLM's; router/openai/tokenization.py)
 
-Statuses: 400 naming the bad field (router/openai_protocol.py runs the gRPC validation), 401
+Statuses: 400 naming the bad field (router/openai/protocol.py runs the gRPC validation), 401
 without a valid `Authorization: Bearer` key when keys are set (hmac.compare_digest; `/metrics`
 too), 404 for an unknown model, 408 for a body not received within its timeout, 413 for a body
 over the limit (counted while it is read, whatever Content-Length says), 429 when no in-flight slot
@@ -34,10 +34,10 @@ from starlette.routing import Route
 from router.admission import Admission, Refused, RefusedWhy, Ticket
 from router.connections import ConnectionLimits, guarded_h11
 from router.offload import Offload
-from router.openai_protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
+from router.openai.protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
     parse_completion, samples_needed
-from router.openai_responses import JobResponse
-from router.openai_tokenization import TokenizationRoutes
+from router.openai.responses import JobResponse
+from router.openai.tokenization import TokenizationRoutes
 from router.validation import clip
 
 log = logging.getLogger(__name__)

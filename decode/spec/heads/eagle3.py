@@ -30,9 +30,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from decode.spec.training.eagle import LAYER, EagleConfig, EagleHead, rms_norm
+from decode.spec.heads.eagle import LAYER, EagleConfig, EagleHead, rms_norm
 
 LAYER_TENSORS = tuple(LAYER + n for n in (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -103,7 +102,7 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str, target_model: str, fingerpr
 
 
 def load_eagle3_head(d: str, dtype=torch.float32) -> Eagle3Head:
-    """The exported head as a training-side module (emb_mult = depth_scale = 1: the contract)."""
+    """The exported head as the plain-torch module (emb_mult = depth_scale = 1: the contract)."""
     from safetensors.torch import load_file
     with open(os.path.join(d, "config.json")) as f:
         cfg = json.load(f)
@@ -114,36 +113,6 @@ def load_eagle3_head(d: str, dtype=torch.float32) -> Eagle3Head:
     sd["norm_weight"] = sd.pop("norm.weight")
     head.load_state_dict({k: v.to(dtype) for k, v in sd.items()})
     return head.to(dtype).eval()
-
-
-def draft_vocab(labels: torch.Tensor, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent target tokens among `labels` (sorted by id) and the share of
-    labels they cover."""
-    counts = torch.bincount(labels.flatten(), minlength=vocab_size)
-    top = counts.topk(size).indices.sort().values
-    return top, float(counts[top].sum() / counts.sum())
-
-
-def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """target id -> draft id, -100 (ignored by cross_entropy) where the draft vocab lacks it."""
-    t2d = torch.full((vocab_size,), -100, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
-    return t2d
-
-
-def unrolled_losses(head: Eagle3Head, tokens, feats3, labels, loss_mask, tp, passes: int):
-    """Per-pass CE (mean over masked positions) and top-1 agreement; labels are draft ids."""
-    f = head.fused(feats3)
-    outs = head.forward_unrolled(tokens, f, tp, passes)
-    losses, accs = [], []
-    for s, g in enumerate(outs):
-        mask = loss_mask.clone()
-        mask[:, :s] = False
-        logits = head.draft_logits(g[mask]).float()
-        y = labels[mask]
-        losses.append(F.cross_entropy(logits, y, ignore_index=-100))
-        accs.append(float((logits.argmax(-1) == y).float().mean()))
-    return losses, accs
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """One OpenAI job's output: its samples' deltas, as they come from the router, turned into a whole
 response body (`JobResponse.collect`) or into server-sent events (`JobResponse.events`), with each
-sample's request metrics tracked on the way. `router/http_server.py` decides which, and what a
-client that leaves costs; `router/openai_protocol.py` holds the pieces (choices, usage, logprobs).
+sample's request metrics tracked on the way. `router/openai/http_server.py` decides which, and what a
+client that leaves costs; `router/openai/protocol.py` holds the pieces (choices, usage, logprobs).
 
 A router failure becomes an OpenAI error: a status and body before any byte is sent (a whole
 response), or one error event in a stream whose headers are already out.
@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from cluster.errors import RequestError, error_message
 from cluster.types import TokenDelta
 from router.attempts import merge_streams
-from router.openai_protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, PromptGroup, usage
-from router.tool_calls import ToolCallParser, parse_text
+from router.openai.protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, PromptGroup, usage
+from router.openai.tool_calls import ToolCallParser, parse_text
 
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "NOT_FOUND": 404, "ALREADY_EXISTS": 400,
            "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400}

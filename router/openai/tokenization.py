@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.chat_template import ChatTemplate
-from router.openai_protocol import ApiError, _err, _field, render_chat, served_model
+from router.openai.protocol import ApiError, _err, _field, render_chat, served_model
 from router.tokenization import TokenCodec
 from router.validation import Limits, ValidationError
 
@@ -69,7 +69,7 @@ class TokenizationRoutes:
     """The routes, on the OpenAI server's plumbing (its key check, body reader and pool)."""
 
     def __init__(self, server, codec: TokenCodec, template: ChatTemplate | None, version: str):
-        """`server`: the `OpenAIServer` (router/http_server.py)."""
+        """`server`: the `OpenAIServer` (router/openai/http_server.py)."""
         self.server = server
         self.codec = codec
         self.template = template
