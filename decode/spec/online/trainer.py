@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from decode.spec.compat import is_eagle3, read_eagle_config
 from decode.spec.online.messages import TRAINABLE, TRAINABLE_EAGLE3, ServedSample
+from decode.spec.training.eagle import load_eagle_head, load_target_parts
+from decode.spec.training.eagle3 import load_eagle3_head, target_to_draft
 
 MAX_CHUNK = 256        # positions per training sequence: longer samples are cut (bounded memory and time)
 _NAME_OF = {"norm.weight": "norm_weight"}     # checkpoint name -> the EAGLE-3 training module's
@@ -46,8 +48,6 @@ def chunks_of(samples: list[ServedSample]) -> list[Chunk]:
 
 class HeadTrainer:
     def __init__(self, head_dir: Path, target_dir: Path, depth: int = 4, lr: float = 1e-4, seed: int = 0):
-        from decode.spec.training.eagle import load_eagle_head, load_target_parts  # noqa: PLC0415
-        from decode.spec.training.eagle3 import load_eagle3_head, target_to_draft  # noqa: PLC0415
         self.eagle3 = is_eagle3(read_eagle_config(head_dir))
         self.head = load_eagle3_head(str(head_dir)) if self.eagle3 else load_eagle_head(str(head_dir))
         self.tp = load_target_parts(str(target_dir))
