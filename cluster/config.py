@@ -28,9 +28,9 @@ from cluster.spec_config import (AUTO, MAX_SPECULATIVE_TOKENS, QUANTSPEC_KV_VIEW
 # The built-in models' paths live below this module and spec_config (cluster/model/model_paths.py);
 # imported from here too, where every caller has always found them.
 from cluster.model.model_paths import (BUILTIN_MODELS, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,  # noqa: F401
-                                   DEFAULT_MODEL_BLOCK_DIR, DEFAULT_MODEL_EAGLE_DIR, DEFAULT_MODEL_FILE,
-                                   DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE, STDLIB_CODER_DIR, WEIGHTS_DIR,
-                                   find_gguf)
+                                       DEFAULT_MODEL_BLOCK_DIR, DEFAULT_MODEL_EAGLE_DIR, DEFAULT_MODEL_FILE,
+                                       DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE, STDLIB_CODER_DIR,
+                                       WEIGHTS_DIR, find_gguf)
 
 if TYPE_CHECKING:
     from cluster.model.kernel_plan import KernelPlan

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cluster.config_fields import require, setting
 from cluster.model.model_paths import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, DEFAULT_MODEL_BLOCK_DIR,
-                                   DEFAULT_MODEL_EAGLE_DIR, STDLIB_CODER_DIR)
+                                       DEFAULT_MODEL_EAGLE_DIR, STDLIB_CODER_DIR)
 
 SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec", "block")
 QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
