@@ -35,6 +35,7 @@ LAZY_IMPORTS = {
     "cluster/launch/cli.py": "the commands import torch, Ray or gRPC: not for --help or a refused setting",
     "cluster/launch/preflight.py": "torch: only to check --device cuda (the command line starts without it)",
     "cluster/types.py": "torch: the router imports these types without it",
+    "cluster/engine/grammar.py": "xgrammar imports transformers (seconds of every worker's start): on the first grammar",
     "cluster/model/kernel_plan.py": "torch: cluster.config and the router hold kernel plans without it",
     "cluster/model/gguf_import.py": "transformers is heavy: only when a GGUF file is converted",
     "cluster/model/attention.py": "Triton is optional (the kernels extra)",
@@ -42,7 +43,7 @@ LAZY_IMPORTS = {
     "cluster/model/ops.py": "Triton is optional (the kernels extra): CUDA only",
     "cluster/model/quant_linear.py": "Triton is optional (the kernels extra): CUDA only",
 }
-MAX_LAZY_IMPORTS = 20
+MAX_LAZY_IMPORTS = 21
 # What stays out of a module's import: the command line starts (parse, check, --help) without
 # torch, Ray or gRPC; the frontend without torch or Ray; and the driver, which imports every role,
 # imports Ray only once ray_environment has set its settings (Ray reads them at import).
