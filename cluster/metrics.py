@@ -19,6 +19,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from cluster.worker_messages import StatsSource, WorkerStats, expect
@@ -285,8 +286,7 @@ class _FrontendCollector:
         self.frontends = frontends
 
     def collect(self):
-        import ray  # noqa: PLC0415
-        from prometheus_client.metrics_core import Metric  # noqa: PLC0415
+        import ray  # noqa: PLC0415 - the router's modules import no ray (this runs in the driver only)
         merged: dict[str, tuple[str, str, dict]] = {}     # family -> (type, help, sample key -> sum)
         for families in ray.get([f.metric_samples.remote() for f in self.frontends], timeout=10):
             for family in families:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config_fields import require, setting
+from cluster.model.model_paths import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, DEFAULT_MODEL_BLOCK_DIR,
+                                       DEFAULT_MODEL_EAGLE_DIR, STDLIB_CODER_DIR)
 
 SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec", "block")
 QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
@@ -113,7 +115,6 @@ class SpeculativeConfig:
 
     @property
     def draft_dir(self) -> Path:
-        from cluster.config import DEFAULT_DRAFT_DIR  # noqa: PLC0415 - config imports this module
         return self.draft_model or DEFAULT_DRAFT_DIR
 
     def online_tenants(self) -> frozenset[str] | None:
@@ -129,13 +130,11 @@ class SpeculativeConfig:
     def block_dir_for(self) -> Path:
         """The drafter --speculative block loads: --block-drafter, else the default model's
         (compat.py refuses it for any other weights)."""
-        from cluster.config import DEFAULT_MODEL_BLOCK_DIR  # noqa: PLC0415
         return self.block_drafter or DEFAULT_MODEL_BLOCK_DIR
 
     def eagle_dir_for(self, model: Path) -> Path:
         """The head --speculative eagle loads: --eagle-head, else the built-in one of the model
         (stdlib-coder's, or the default model's; compat.py refuses it for any other weights)."""
-        from cluster.config import DEFAULT_EAGLE_DIR, DEFAULT_MODEL_EAGLE_DIR, STDLIB_CODER_DIR  # noqa: PLC0415
         if self.eagle_head is not None:
             return self.eagle_head
         return DEFAULT_EAGLE_DIR if Path(model).resolve() == STDLIB_CODER_DIR.resolve() else DEFAULT_MODEL_EAGLE_DIR

@@ -6,10 +6,13 @@ reported (as a ValueError naming the field) before anything is scheduled.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from cluster.config import MAX_SPECULATIVE_TOKENS, SPEC_METHODS
+import msgpack
+
+from cluster.spec_config import MAX_SPECULATIVE_TOKENS, SPEC_METHODS
 
 
 class FinishReason(str, enum.Enum):
@@ -167,7 +170,6 @@ def merge_deltas(deltas: "list[TokenDelta]") -> TokenDelta:
     finish reason of the last."""
     if len(deltas) == 1:
         return deltas[0]
-    from dataclasses import replace  # noqa: PLC0415
     return replace(deltas[-1], token_ids=tuple(t for d in deltas for t in d.token_ids),
                    text="".join(d.text for d in deltas), logprobs=tuple(lp for d in deltas for lp in d.logprobs),
                    prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ()))
@@ -202,7 +204,6 @@ class KVLayout:
     kv_dtype: str = "auto"   # cluster/kv/kv_quant.py's KVCacheDType: int8/fp8_e4m3 rows of D bytes + an fp16 scale
 
     def layout_hash(self) -> str:
-        import hashlib  # noqa: PLC0415
         # kv_dtype joined the layout later: left out when "auto", so unquantized layouts hash as before.
         fields = {k: v for k, v in self.__dict__.items() if not (k == "kv_dtype" and v == "auto")}
         text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
@@ -215,7 +216,7 @@ class KVLayout:
         """Bytes of one token's K (or V) for one KV head."""
         if self.kv_dtype != "auto":
             return self.head_dim + 2          # one byte a value, then the fp16 scale
-        import torch  # noqa: PLC0415
+        import torch  # noqa: PLC0415 - torch is heavy: the router imports these types without it
         return self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
@@ -251,7 +252,6 @@ class KVHandle:
         return {self.request_id: self.first_token, **{f.request_id: f.token for f in self.forks}}
 
     def encode(self) -> bytes:
-        import msgpack  # noqa: PLC0415
         raw = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
         raw["forks"] = [[f.request_id, f.token] for f in self.forks]
         return msgpack.packb(raw)
@@ -260,7 +260,6 @@ class KVHandle:
     def decode(cls, data: bytes) -> "KVHandle":
         """Strict: every field present with its type and within its range (a handle crosses processes);
         anything else is a ValueError naming the field."""
-        import msgpack  # noqa: PLC0415
         if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_HANDLE_BYTES:
             raise ValueError("not a KVHandle: not bytes, or over the size limit")
         try:

@@ -26,6 +26,7 @@ from cluster.errors import RequestError
 from cluster.kv.kv_events import KVEventBatch, KVEventLog
 from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
+from cluster.transfer.base import PeerMetadata, TransferError
 from cluster.transfer.messages import Mailbox
 from cluster.transfer.registry import make_transport
 from cluster.types import TokenDelta
@@ -37,7 +38,7 @@ MAX_METADATA_BYTES = 1 << 20
 
 def _node_address() -> str:
     """This node's address as Ray knows it (a multi-node cluster: the KV listener binds it)."""
-    import ray  # noqa: PLC0415
+    import ray  # noqa: PLC0415 - Ray reads its settings at import: the driver imports this module before it sets them
     return ray.util.get_node_ip_address()
 
 
@@ -108,7 +109,6 @@ class EngineWorker:
         """Connect a peer. The same metadata again is a no-op: re-adding would drop a peer whose
         pulls may be in flight. New metadata under a known name is a restarted peer: replaced.
         Metadata that is not sealed with the cluster secret is refused before it is decoded."""
-        from cluster.transfer.base import PeerMetadata, TransferError  # noqa: PLC0415
         sealed = metadata
         if self.sealer is not None:
             metadata = self.sealer.open(_PEER, sealed, MAX_METADATA_BYTES, replay=False)

@@ -4,7 +4,7 @@ quantized GEMM over the model shapes people serve, in every dtype the engine run
 Each case runs the real host code (the attention backend's `prepare` and `forward` on the meta
 device, `batch_invariant.matmul` and `rms_norm` and `quant_gemm.triton_quant_linear` on meta
 tensors) under
-`compile_check.record_launches`, so the launches are exactly what the backends would select:
+`launch_record.record_launches`, so the launches are exactly what the backends would select:
 which kernel runs a section, split or not, BLOCK_M from the group and the verification width,
 the autotune space. The suite compiles `suite_launches()`, a subset that still covers every
 launchable kernel and every value of each constexpr the backends choose among; bench compiles
@@ -19,8 +19,8 @@ import torch
 
 from kernels import batch_invariant, quant_gemm
 from kernels.backend import TritonAttentionBackend
-from kernels.compile_check import Launch, record_launches, unique
 from kernels.cpu_quant import BLOCK, TILE, QuantFormat, QuantizedWeight
+from kernels.launch_record import Launch, record_launches, unique
 
 
 @dataclass(frozen=True)

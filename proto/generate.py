@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import grpc_tools
+from grpc_tools import protoc
+
 HERE = Path(__file__).resolve().parent
 
 
 def generate(out_dir: Path = HERE) -> list[Path]:
-    from grpc_tools import protoc  # noqa: PLC0415
-    import grpc_tools  # noqa: PLC0415
     include = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(HERE.rglob("*.proto"))
     for proto in protos:

@@ -19,20 +19,24 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from cluster.metrics import ClusterMetrics, SampleFamily
+from cluster.model.tokenizer import load_tokenizer
+from cluster.token_stream import TokenReceiver
 from router.admission import AdmissionConfig
+from router.chat_template import ChatTemplate
 from router.kv_index import feed_kv_events
 from router.connections import ConnectionLimits
+from router.openai.http_server import OpenAIServer
+from router.policy import make_policy
+from router.router import Router
 from router.router_config import RouterConfig
+from router.server import InferenceService, ServerInfo, start_grpc_server
+from router.tokenization import TokenCodec
 from router.validation import Limits
 from router.stats_poll import StatsCadence, run_stats_poll
 from router.worker_pool import WorkerPool
 from router.workers import WorkerClient, WorkerRoster
-
-if TYPE_CHECKING:
-    from cluster.metrics import SampleFamily
-    from router.server import ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ class FrontendConfig:
     name: str
     model_dir: str                  # the tokenizer is read from here
     limits: Limits
-    info: "ServerInfo"              # what the ServerInfo RPC answers
+    info: ServerInfo                # what the ServerInfo RPC answers
     router: RouterConfig
     transport: str                  # the KV transport (a metrics label)
     host: str
@@ -81,13 +85,6 @@ class Frontend:
 
     async def start(self) -> int | None:
         """Bind the servers (health NOT_SERVING until every worker is ready); the gRPC port."""
-        from cluster.metrics import ClusterMetrics  # noqa: PLC0415
-        from cluster.model.loader import load_tokenizer  # noqa: PLC0415
-        from cluster.token_stream import TokenReceiver  # noqa: PLC0415
-        from router.policy import make_policy  # noqa: PLC0415
-        from router.router import Router  # noqa: PLC0415
-        from router.server import InferenceService, start_grpc_server  # noqa: PLC0415
-        from router.tokenization import TokenCodec  # noqa: PLC0415
         cfg = self.cfg
         if self.metrics is None:
             self.metrics = ClusterMetrics(cfg.transport, cfg.limits.model_id)
@@ -105,8 +102,6 @@ class Frontend:
             self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
                                                              client_ca=cfg.tls_client_ca, connections=cfg.connections)
         if cfg.http_port is not None:
-            from router.chat_template import ChatTemplate  # noqa: PLC0415
-            from router.openai.http_server import OpenAIServer  # noqa: PLC0415
             template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
             registry = self.metrics.registry if self.metrics.has_workers else None
             self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry,

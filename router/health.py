@@ -37,7 +37,7 @@ class Change(enum.Enum):
 def is_actor_death(exc: BaseException) -> bool:
     """True when Ray reports the actor dead or restarting (not a task's own error)."""
     try:
-        from ray.exceptions import RayActorError  # noqa: PLC0415
+        from ray.exceptions import RayActorError  # noqa: PLC0415 - the router's modules import no ray (clients, harness)
     except ImportError:   # pragma: no cover - ray is a dependency
         return False
     return isinstance(exc, RayActorError)

@@ -14,7 +14,7 @@ import json
 
 from cluster.types import StructuredKind, StructuredOutput
 from proto.splitserve.v1 import inference_pb2 as pb
-from router.validation import ValidationError
+from router.errors import ValidationError
 
 MAX_CONSTRAINT_CHARS = 65536       # a schema or grammar's text, as the server receives it
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from cluster.config import require, setting
-
 from cluster.types import GenerateRequest, SamplingParams
+from router.errors import ValidationError
+from router.structured import from_proto as structured_from_proto
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_ECHO_CHARS = 64      # a client's value quoted in an error message is cut to this
@@ -23,12 +24,6 @@ def clip(value, limit: int = MAX_ECHO_CHARS) -> str:
     """`repr(value)`, cut: an error message never echoes a client's value at any length."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-class ValidationError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -90,8 +85,7 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
                               f"must be in [1, {limits.max_speculative_tokens}] (or auto_lookahead), got {k}")
     structured = None
     if has("structured"):
-        from router.structured import from_proto  # noqa: PLC0415 - it imports this module
-        structured = from_proto(msg.structured)
+        structured = structured_from_proto(msg.structured)
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p if has("top_p") else 1.0,

@@ -14,6 +14,7 @@ import torch
 
 from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.graphs import DecodeGraphs, replay_factory
+from cluster.engine.loaded_models import Models
 from cluster.engine.runner import ModelRunner
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import Sequence
@@ -27,7 +28,6 @@ from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
-from cluster.model.kernel_plan import KernelPlan
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
@@ -35,17 +35,6 @@ from cluster.placement import pin_process, usable_cpus
 from cluster.types import KVLayout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Models:
-    """What `load_models` loads: the target (a speculator's `load` reads it)."""
-    config: ModelConfig
-    model: torch.nn.Module
-    dtype: torch.dtype
-    kernel_plan: KernelPlan
-    max_model_len: int
-    layout: KVLayout
 
 
 def setup_threads(config: EngineConfig) -> torch.device:

@@ -16,15 +16,36 @@ consumer), and is ended with LENGTH, holding nothing, only when it alone outgrow
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
 from cluster.engine.sequence import Sequence
+from cluster.kv.block_pool import BlockPool
 from cluster.types import FinishReason
 
-if TYPE_CHECKING:
-    from cluster.engine.scheduler import Scheduler, StepPlan
-
 log = logging.getLogger(__name__)
+
+
+class StepPlan(Protocol):
+    """What room needs of the scheduler's plan (`cluster/engine/scheduler.py` `StepPlan`)."""
+
+    stalled: list[Sequence]
+
+
+class Scheduler(Protocol):
+    """What room needs of the scheduler (`cluster/engine/scheduler.py` `Scheduler`, which calls
+    room: named here, so that room does not import it back)."""
+
+    pool: BlockPool
+    waiting: deque[Sequence]
+    running: list[Sequence]
+    ended: list[Sequence]
+    kv_discarded: int
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+    def preempt(self, seq: Sequence, plan: StepPlan) -> None: ...
+    def release(self, seq: Sequence) -> None: ...
+    def finish(self, seq: Sequence, reason: FinishReason) -> None: ...
 
 
 def reserve(sched: Scheduler, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:

@@ -23,19 +23,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import draft_tree
+from cluster.engine.loaded_models import Models
 from cluster.engine.sampler import logprob_entry, sample
 from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
-
-if TYPE_CHECKING:
-    from cluster.engine.builder import Models
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class SpecFootprint:
 
 class Speculator(Protocol):
     # --- building (builder.py), in this order ---------------------------------------------
-    def load(self, target: "Models", device: torch.device) -> SpecFootprint:
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
         """Load what runs beside the target (before the memory plan) and say what it adds."""
 
     def attach(self, engine) -> None:

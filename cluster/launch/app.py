@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -13,16 +14,22 @@ from pathlib import Path
 
 from cluster.config import WorkerConfig
 from cluster.kv.shared_host import segment_path
-from cluster.launch.cluster_config import ClusterConfig
+from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.metrics import ClusterMetrics
+from cluster.model.tokenizer import load_tokenizer
 from cluster.model.kernel_choice import engine_config_plan
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import load_model_config
+from cluster.model.quantize import Quantization, check_quantization
 from cluster.placement import CpuShare, local_worker_shares, worker_env
 from cluster.secrets import Secret, as_api_keys
 from cluster.version import splitserve_version
 from cluster.worker_messages import WorkerStats
-from decode.spec.compat import check_speculative_models
+from decode.spec.compat import check_speculative_models, weights_fingerprint
+from decode.spec.online.service import OnlineTrainerService
+from decode.spec.speculator import make_kv_only_speculator, make_speculator
+from decode.worker import DecodeWorker
+from prefill.worker import PrefillWorker
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
 from router.policy import make_policy
@@ -45,34 +52,22 @@ def _max_token_bytes(tokenizer) -> int:
     return longest + 1
 
 
+def _ray():
+    """Ray, imported once `ray_environment` has set its RAY_* settings (it reads them at import;
+    nothing in the serving packages imports it at module level)."""
+    import ray  # noqa: PLC0415 - Ray reads its settings at import: only after ray_environment
+    return ray
+
+
 def actor_class(cls):
     """A worker class as a Ray actor with a "control" concurrency group (stats, abort, handshake)
     beside the default group that the data calls use."""
-    import ray  # noqa: PLC0415
-    return ray.remote(concurrency_groups={"control": 16})(cls)
-
-
-def gpus_per_worker(cfg: "ClusterConfig") -> float:
-    """The Ray GPUs each worker asks for. A CUDA engine without any would see every GPU of its
-    node and run on cuda:0, every worker on the same one."""
-    cuda = cfg.engine.device.startswith("cuda")
-    if cuda and ":" in cfg.engine.device:
-        raise ValueError(f"--device {cfg.engine.device}: give --device cuda; Ray gives each worker its own GPU "
-                         "(--worker-gpus)")
-    if cfg.worker_gpus is None:
-        return 1.0 if cuda else 0.0
-    if cuda and cfg.worker_gpus <= 0:
-        raise ValueError("--device cuda needs --worker-gpus above 0: 1 gives each worker its own GPU, a fraction "
-                         "(0.5) shares one between workers")
-    if cfg.worker_gpus < 0:
-        raise ValueError(f"worker_gpus must be >= 0, got {cfg.worker_gpus}")
-    return cfg.worker_gpus
+    return _ray().remote(concurrency_groups={"control": 16})(cls)
 
 
 def _check(cfg: "ClusterConfig") -> None:
     """What the config alone cannot know (its own fields checked themselves when it was built)."""
     gpus_per_worker(cfg)
-    from cluster.model.quantize import Quantization, check_quantization  # noqa: PLC0415
     check_quantization(Quantization(cfg.engine.quantization), cfg.engine.device.split(":")[0], cfg.engine.model)
 
 
@@ -100,7 +95,6 @@ def ray_environment(joining: bool = False, token_file: str | None = None) -> Non
     started with: `--ray-token-file`, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH."""
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if token_file:    # the file wins over a token this process may have inherited
-        from pathlib import Path  # noqa: PLC0415
         token = Path(token_file).read_text().strip()
         if not token:
             raise ValueError(f"{token_file}: the Ray token file is empty")
@@ -120,13 +114,12 @@ def ray_environment(joining: bool = False, token_file: str | None = None) -> Non
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for key, value in RAY_QUIET.items():
         os.environ.setdefault(key, value)
-    import sys  # noqa: PLC0415
-    if "ray._raylet" in sys.modules:
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None:
         # Ray was imported before these were set (a library user, a test): it caches its config and
         # token at import; refresh both, as Ray itself does when it turns token auth on.
-        from ray._raylet import AuthenticationTokenLoader, Config  # noqa: PLC0415
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 @dataclass
@@ -156,14 +149,13 @@ class RunningCluster:
 
     def frontend_pids(self) -> list[int]:
         """The processes that serve gRPC (for benchmarks of the router's own CPU)."""
-        import ray  # noqa: PLC0415
-        return [os.getpid()] if self.frontend else ray.get([f.pid.remote() for f in self.frontends])
+        return [os.getpid()] if self.frontend else _ray().get([f.pid.remote() for f in self.frontends])
 
     async def stop(self) -> None:
         self.supervisor.cancel()
         if self.frontend is not None:
             await self.frontend.stop()
-        import ray  # noqa: PLC0415
+        ray = _ray()
         for f in self.frontends:
             try:
                 await f.stop.remote()
@@ -293,7 +285,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
     started = _start_ray(cfg)
-    import ray  # noqa: PLC0415
+    ray = _ray()
     workers, roster = await _start_workers(cfg)
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
@@ -315,10 +307,7 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
 
 async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerClient], roster: WorkerRoster):
     """--spec-online's trainer: beside the decode workers, on no CPU of its own (it runs niced)."""
-    import ray  # noqa: PLC0415
-
-    from decode.spec.compat import weights_fingerprint  # noqa: PLC0415
-    from decode.spec.online.service import OnlineTrainerService  # noqa: PLC0415
+    ray = _ray()
     model = Path(cfg.engine.model)
     handles = {name: workers[name].handle for name in roster.decode}
     # Restarted by Ray if it dies: it starts over from the base heads (service.py `_resync`).
@@ -331,7 +320,7 @@ async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerCli
 def _start_ray(cfg: ClusterConfig) -> bool:
     """Join `--ray-address`, or start a local cluster on loopback; True when this process started it."""
     ray_environment(joining=bool(cfg.ray_address), token_file=cfg.ray_token_file)
-    import ray  # noqa: PLC0415
+    ray = _ray()
     if ray.is_initialized():
         return False
     if cfg.ray_address:
@@ -346,9 +335,6 @@ def _start_ray(cfg: ClusterConfig) -> bool:
 async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster]:
     """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
     the cluster's kernel plan; their clients, prefill workers first, and who plays which role."""
-    from decode.spec.speculator import make_kv_only_speculator, make_speculator  # noqa: PLC0415
-    from decode.worker import DecodeWorker  # noqa: PLC0415
-    from prefill.worker import PrefillWorker  # noqa: PLC0415
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
     shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
@@ -377,7 +363,6 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
 
 def _limits(cfg: ClusterConfig) -> Limits:
     """What a request may ask for, from the model's config and the cluster's settings."""
-    from cluster.model.loader import load_tokenizer  # noqa: PLC0415
     mc = load_model_config(cfg.engine.model)
     spec = cfg.engine.speculative
     return Limits(model_id=cfg.served_model_name or mc.model_id, vocab_size=mc.vocab_size,
@@ -448,7 +433,7 @@ async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple
     """Threads and cores per worker (cluster/placement.py), and the one kernel plan every worker
     runs with: resolved here for a local cluster, on a decode node by a Ray task for a remote one
     (the driver's CPU may not be the workers')."""
-    import ray  # noqa: PLC0415
+    ray = _ray()
     if cfg.ray_address:
         shares = [CpuShare(cfg.engine.num_threads or max(1, int(cfg.worker_cpus)), None)] * num_workers
     else:
@@ -465,9 +450,8 @@ async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple
 async def _start_frontends(cfg: ClusterConfig, fcfg: FrontendConfig, handles: dict) -> tuple[list, int]:
     """N frontend processes on this node, one port: the first binds it (or picks it, for port 0),
     the others join it (SO_REUSEPORT)."""
-    import ray  # noqa: PLC0415
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    ray = _ray()
+    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actors, port, http_port = [], cfg.port, cfg.http_port
     for i in range(cfg.frontends):
         f = ray.remote(Frontend).options(num_cpus=0, max_concurrency=1000, scheduling_strategy=here).remote(

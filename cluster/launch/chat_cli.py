@@ -4,9 +4,14 @@ And `splitserve chat`, a conversation in the terminal, against a local cluster o
 """
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from cluster.model.tokenizer import load_tokenizer
+from router.chat_template import ChatTemplate
 
 STOP_WORDS = ("/exit", "/quit")
 
@@ -16,8 +21,6 @@ class PromptBuilder:
     then the tokenizer without special tokens: the template writes its own)."""
 
     def __init__(self, model_dir: Path, chat_template: str | None = None):
-        from cluster.model.loader import load_tokenizer  # noqa: PLC0415
-        from router.chat_template import ChatTemplate  # noqa: PLC0415
         self.template = ChatTemplate.load(model_dir, chat_template)
         self.tokenizer = load_tokenizer(model_dir)
 
@@ -62,8 +65,6 @@ def chat_loop(reply, out=sys.stdout, read=input) -> int:
 
 def _sse_post(base_url: str, path: str, body: dict, api_key: str | None, piece):
     """POST a streamed request to a server's OpenAI API; yields `piece(choice)` of every event."""
-    import http.client  # noqa: PLC0415
-    from urllib.parse import urlsplit  # noqa: PLC0415
     url = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
     conn = (http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection)(
         url.hostname, url.port, timeout=600)

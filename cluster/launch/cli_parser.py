@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from cluster.config import EngineConfig, secret_file_from_env
+from cluster.launch.cluster_config import ClusterConfig
 from cluster.launch.settings import UNSET, add_setting_flags
 from cluster.version import splitserve_version
 
@@ -123,7 +124,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cluster_args(p: Parser) -> None:
-    from cluster.launch.cluster_config import ClusterConfig  # noqa: PLC0415
     p.root = ClusterConfig
     p.add_argument("--config", default=None, metavar="YAML",
                    help="YAML file of settings (`key: value`, keys as the flags without '--', with '_' or '-'); "

@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from cluster.config import DataPlaneConfig, EngineConfig, check_port, derived, require, setting
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
+from router.policy import POLICIES
 from router.router import RouterConfig
 from router.validation import RequestBounds
 
 
-def _policies() -> tuple[str, ...]:
-    from router.policy import POLICIES  # noqa: PLC0415
-    return tuple(POLICIES)
+_POLICIES = tuple(POLICIES)   # --policy's choices
 
 
 def parse_resources(value) -> dict:
@@ -63,7 +62,7 @@ class ClusterConfig:
     metrics_host: str | None = setting(None, "address the --metrics-port binds to", default_text="--host")
     frontends: int = setting(1, "gRPC frontend processes sharing the port (SO_REUSEPORT) and the workers (scale "
                                 "the router out)")
-    policy: str = setting("prefix_aware", "how the router picks a worker", choices=_policies)
+    policy: str = setting("prefix_aware", "how the router picks a worker", choices=_POLICIES)
     ray_address: str | None = setting(None, "join an existing Ray cluster instead of starting one",
                                       default_text="a local Ray of its own")
     ray_token_file: str | None = setting(None, "the token of the Ray cluster --ray-address joins (Ray's token "
@@ -111,9 +110,26 @@ class ClusterConfig:
         require(self.worker_cpus > 0, "worker_cpus", f"must be > 0, got {self.worker_cpus}")
         require(self.worker_gpus is None or self.worker_gpus >= 0, "worker_gpus",
                 f"must be >= 0, got {self.worker_gpus}")
-        require(self.policy in _policies(), "policy", f"must be one of {', '.join(_policies())}, got {self.policy!r}")
+        require(self.policy in _POLICIES, "policy", f"must be one of {', '.join(_POLICIES)}, got {self.policy!r}")
         require(self.max_tokens_limit >= 1, "max_tokens_limit", f"must be >= 1, got {self.max_tokens_limit}")
         require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
         require(self.poll_timeout_s > 0, "poll_timeout_s", f"must be > 0, got {self.poll_timeout_s}")
         for name in ("prefill_resources", "decode_resources"):
             parse_resources(getattr(self, name))
+
+
+def gpus_per_worker(cfg: ClusterConfig) -> float:
+    """The Ray GPUs each worker asks for. A CUDA engine without any would see every GPU of its
+    node and run on cuda:0, every worker on the same one."""
+    cuda = cfg.engine.device.startswith("cuda")
+    if cuda and ":" in cfg.engine.device:
+        raise ValueError(f"--device {cfg.engine.device}: give --device cuda; Ray gives each worker its own GPU "
+                         "(--worker-gpus)")
+    if cfg.worker_gpus is None:
+        return 1.0 if cuda else 0.0
+    if cuda and cfg.worker_gpus <= 0:
+        raise ValueError("--device cuda needs --worker-gpus above 0: 1 gives each worker its own GPU, a fraction "
+                         "(0.5) shares one between workers")
+    if cfg.worker_gpus < 0:
+        raise ValueError(f"worker_gpus must be >= 0, got {cfg.worker_gpus}")
+    return cfg.worker_gpus

@@ -14,7 +14,7 @@ def check_device(device: str) -> None:
     """`--device cuda` needs a torch that sees a CUDA device (torch's own error is an AssertionError)."""
     if not device.startswith("cuda"):
         return
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - torch is heavy: the command line's start-up imports none
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise SettingError("--device", f"is {device!r} but this torch ({torch.__version__}, {build}) sees no CUDA "

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 
+import yaml
+
 from cluster.config import ConfigError
 
 
@@ -273,7 +275,6 @@ def settings_markdown(roots: dict[str, type]) -> str:
 def read_yaml(path: str) -> dict[str, tuple[object, int]]:
     """A YAML file of `key: value` lines: key -> (value, line). Syntax errors name the file and
     line; a top level that is not a mapping is refused by what it is."""
-    import yaml  # noqa: PLC0415
     try:
         text = Path(path).read_text()
     except OSError as exc:

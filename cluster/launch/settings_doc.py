@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from cluster.launch.cluster_config import ClusterConfig
 from cluster.launch.settings import settings_markdown
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -47,7 +48,6 @@ commands' own flags (`splitserve serve --help`).
 
 
 def render() -> str:
-    from cluster.launch.cluster_config import ClusterConfig  # noqa: PLC0415
     return HEADER + settings_markdown({"Settings (`ClusterConfig`, field paths from it)": ClusterConfig})
 
 

@@ -395,19 +395,25 @@ def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_di
             raise ValueError("the int4 view of an int8 KV cache (--quantspec-kv-view int4) is read by the C kernels "
                              "and the torch attention backend, not triton")
         try:
-            from kernels.backend import TritonAttentionBackend  # noqa: PLC0415
+            triton_backend = _triton_backend()
         except ImportError as exc:
             raise ValueError(
                 "attention backend 'triton' is not available in this build "
                 f"({exc}); use --attention-backend torch") from exc
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, device,
-                                      invariant=plan is not None and plan.batch_invariant, dtype=dtype, scale=scale)
+        return triton_backend(num_heads, num_kv_heads, head_dim, device,
+                              invariant=plan is not None and plan.batch_invariant, dtype=dtype, scale=scale)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+
+
+def _triton_backend() -> type:
+    """kernels/backend.py's `TritonAttentionBackend`; ImportError where Triton is not installed."""
+    from kernels.backend import TritonAttentionBackend  # noqa: PLC0415 - Triton is optional (the kernels extra)
+    return TritonAttentionBackend
 
 
 def _triton_available() -> bool:
     try:
-        import kernels.backend  # noqa: F401, PLC0415
+        _triton_backend()
         return True
     except ImportError:
         return False

@@ -28,6 +28,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +45,6 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def find_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names: the file itself, or the only .gguf in a directory without a
-    config.json. None when `path` is not a GGUF model."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").is_file():
-        files = sorted(path.glob("*.gguf"))
-        if len(files) > 1:
-            raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                             "give --model the one to serve")
-        return files[0] if files else None
-    return None
 
 
 def file_hash(path: Path) -> str:
@@ -90,9 +79,6 @@ def hf_dir_for(gguf_path: Path, cache_root: Path) -> Path:
 
 def export_hf(gguf_path: Path, out_dir: Path, digest: str | None = None) -> Path:
     """Write the Hugging Face directory of `gguf_path` into `out_dir` (which may exist, empty)."""
-    from gguf import GGUFReader  # noqa: PLC0415 - reading a file takes seconds; only here
-    from safetensors.torch import save_file  # noqa: PLC0415
-    import torch  # noqa: PLC0415
     reader = GGUFReader(str(gguf_path))
     meta = _Metadata(reader)
     config = hf_config(meta)
@@ -152,7 +138,6 @@ def hf_config(meta: _Metadata) -> dict:
 
 
 def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize  # noqa: PLC0415
     out = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -186,6 +171,6 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """Through transformers' GGUF tokenizer converter: vocab, merges, special tokens, template."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: only when a file is converted
     tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
     tok.save_pretrained(str(out_dir))

@@ -15,9 +15,11 @@ from dataclasses import replace
 import torch
 
 from cluster.config import cache_dir
+from cluster.model.kernel_measure import measure_kernel_plan
 from cluster.model.kernel_plan import PLAN_VERSION, AttentionPath, KernelPlan, LinearPath
 from cluster.model.linear import apply_linear_path
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
+from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,6 @@ KERNEL_MODES = ("auto", "torch")   # auto: measured on CPU, torch ops on other d
 
 
 def plan_key(mc: ModelConfig, dtype: torch.dtype, threads: int) -> str:
-    from kernels import cpu_ops  # noqa: PLC0415
     shape = (mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
              mc.num_layers, mc.q_size, mc.kv_size)
     parts = [PLAN_VERSION, shape, str(dtype), threads, cpu_ops.cpu_signature(),
@@ -50,7 +51,6 @@ def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.devic
         return replace(plan, origin="cached")
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from cluster.model.kernel_measure import measure_kernel_plan  # noqa: PLC0415
     torch.set_num_threads(threads)
     try:
         plan = measure_kernel_plan(mc, dtype)
@@ -66,7 +66,6 @@ def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.devic
 def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
     """Lay the model's linear weights out for the plan and make its passes follow it."""
     if plan.uses_c_ops():
-        from kernels import cpu_ops  # noqa: PLC0415
         if cpu_ops.load(cache_dir()) is None:
             raise RuntimeError("the kernel plan uses the fused C ops, which could not be built here "
                                "(no C compiler?); run with kernels='torch' (--kernels torch)")
@@ -80,7 +79,6 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
 
 def invariant_plan(dtype: torch.dtype, device: torch.device) -> KernelPlan:
     """The batch-invariant plan, or a clear error where its kernels cannot run."""
-    from kernels import cpu_ops  # noqa: PLC0415
     if device.type == "cpu" and not cpu_ops.supports(dtype):
         raise ValueError(f"deterministic mode on CPU runs float32 or bfloat16, not {dtype}; "
                          "pass --dtype bfloat16 or float32")
@@ -120,7 +118,6 @@ def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: t
     torch path."""
     if kernels == "torch" or device_type != "cpu" or plan.decode_attention is AttentionPath.FUSED_C:
         return plan
-    from kernels import cpu_ops  # noqa: PLC0415
     if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(dtype):
         return plan
     log.info("%s: decode attention on the fused C kernel", why)

@@ -21,8 +21,10 @@ from cluster.model.attention import AttentionBatch, TorchAttentionBackend
 from cluster.model.kernel_plan import (C_ROWS_ALL, ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath,
                                        RopePath)
 from cluster.model.linear import linear_module, packing_available
+from cluster.model.llama import RotaryTable
 from cluster.model.model_config import ModelConfig
 from cluster.model.ops import _torch_norm_fused, _torch_norm_ops, apply_rope
+from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +172,6 @@ def measure_kernel_plan(mc: ModelConfig, dtype: torch.dtype, buckets: BatchBucke
     """Measure every choice with the current torch thread count; buckets above `max_rows` rows
     (`max_decode` decode rows) take the choice of the largest bucket measured. The limits are
     fixed rather than the engine's batch limits, so one cached plan serves every configuration."""
-    from cluster.model.llama import RotaryTable  # noqa: PLC0415
-    from kernels import cpu_ops  # noqa: PLC0415
     t0 = time.perf_counter()
     c_ops = cpu_ops if cpu_ops.supports(dtype) and cpu_ops.load(cache_dir()) is not None else None
     rotary = RotaryTable(mc.rope, mc.head_dim, min(mc.max_position_embeddings, 8192))

@@ -26,6 +26,26 @@ PLAN_VERSION = 5   # bump when a path's meaning changes: cached plans of older v
 C_ROWS_ALL = 1 << 30
 
 
+def _torch():
+    """torch, imported where a plan meets tensors (see the top)."""
+    import torch  # noqa: PLC0415 - torch is heavy: cluster.config and the router hold plans without it
+    return torch
+
+
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN's packed weights, where this CPU has them: its bf16 and fp16 paths need AVX-512
+    (bw/vl/dq) or AVX-NE-CONVERT, and refuse to pack on an AVX2-only CPU."""
+    torch = _torch()
+    linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available() and linear_pointwise is not None):
+        return False
+    if dtype == torch.float32:
+        return True
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    check = getattr(torch.ops.mkldnn, supported, None) if supported else None
+    return bool(check is not None and check())
+
+
 class LinearPath(str, enum.Enum):
     PLAIN = "plain"                  # torch F.linear in the model's dtype
     INVARIANT = "invariant"          # one fixed reduction order per row at any row count (batch-invariant mode)
@@ -107,9 +127,7 @@ class KernelPlan:
                   buckets: BatchBuckets = BatchBuckets()) -> KernelPlan:
         """torch ops only (what runs where the C ops cannot: CUDA, no compiler, `--kernels torch`);
         linears packed where oneDNN packing exists."""
-        import torch  # noqa: PLC0415
-
-        from cluster.model.linear import packing_available  # noqa: PLC0415
+        torch = _torch()
         n = len(buckets.sizes)
         linear = LinearPath.PACKED if packing_available(dtype, torch.device(device)) else LinearPath.PLAIN
         # torch's fused norm is one op but ~2x slower than the plain ops on thousands of 16-bit rows.
@@ -124,7 +142,7 @@ class KernelPlan:
         choice could differ between buckets). On CPU every op is a per-row C kernel (linears too,
         at any row count); on CUDA linears and norms are the Triton kernels of
         kernels/batch_invariant.py and the rest torch's elementwise ops."""
-        import torch  # noqa: PLC0415
+        torch = _torch()
         n = len(buckets.sizes)
         if torch.device(device).type == "cpu":
             return cls(LinearPath.INVARIANT, (NormPath.FUSED_C,) * n, (RopePath.FUSED_C,) * n, (ActPath.FUSED_C,) * n,

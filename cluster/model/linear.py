@@ -21,23 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.model.kernel_plan import LinearPath
+from cluster.model.kernel_plan import LinearPath, packing_available  # noqa: F401 (re-exported: its callers find it here)
 from kernels import cpu_ops
 
 # The op overload resolved once: calling through the OpOverloadPacket costs a lookup per call.
 _linear_pointwise = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
-
-
-def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN's packed weights, where this CPU has them: its bf16 and fp16 paths need AVX-512
-    (bw/vl/dq) or AVX-NE-CONVERT, and refuse to pack on an AVX2-only CPU."""
-    if not (device.type == "cpu" and torch.backends.mkldnn.is_available() and _linear_pointwise is not None):
-        return False
-    if dtype == torch.float32:
-        return True
-    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
-    check = getattr(torch.ops.mkldnn, supported, None) if supported else None
-    return bool(check is not None and check())
 
 
 class SmallBatchLinear(nn.Module):
@@ -70,7 +58,7 @@ class InvariantLinear(nn.Module):
         if self.weight.device.type == "cpu":
             self._fn = cpu_ops.linear
         else:
-            from kernels.batch_invariant import matmul  # noqa: PLC0415  (Triton: CUDA only)
+            from kernels.batch_invariant import matmul  # noqa: PLC0415 - Triton is optional: CUDA only
             self._fn = matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

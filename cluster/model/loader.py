@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tokenizers import Tokenizer
 
 from cluster.model.llama import CausalLM
 from cluster.model.model_config import ModelConfig, load_model_config
+from cluster.model.tokenizer import load_tokenizer  # noqa: F401 (re-exported: the engine's callers find it here)
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,6 @@ def load_generation_defaults(model_dir: Path) -> GenerationDefaults:
     eos = raw.get("eos_token_id", raw_cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return GenerationDefaults(eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id", raw_cfg.get("bos_token_id")))
-
-
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json (a Hugging Face fast tokenizer is required)")
-    return Tokenizer.from_file(str(path))
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.model.kernel_plan import ActPath, KernelPlan, NormPath, RopePath
+from kernels import cpu_ops
 
 
 def _torch_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,11 +51,10 @@ class ForwardPass:
         self.c_ops = None
         self.triton_norm = None
         if self.norm_path is NormPath.TRITON:
-            from kernels.batch_invariant import rms_norm  # noqa: PLC0415  (Triton: CUDA only)
+            from kernels.batch_invariant import rms_norm  # noqa: PLC0415 - Triton is optional: CUDA only
             self.triton_norm = rms_norm
         if (self.norm_path is NormPath.FUSED_C or self.rope_path is RopePath.FUSED_C
                 or self.act_path is ActPath.FUSED_C):
-            from kernels import cpu_ops  # noqa: PLC0415  (built when the plan was applied)
             self.c_ops = cpu_ops
         # RoPE, K/V store and attention of a layer as one C call: pure decode on the fused paths.
         ready = getattr(backend, "fused_block_ready", None)

@@ -33,7 +33,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qweight = self._moved_weight()
         if x.is_cuda:
-            from kernels.quant_gemm import triton_quant_linear  # noqa: PLC0415 - triton only where it runs
+            from kernels.quant_gemm import triton_quant_linear  # noqa: PLC0415 - Triton is optional: CUDA only
             return triton_quant_linear(x, qweight, self.bias)
         return quant_linear(x, qweight, self.bias, act_int8=self.act_int8)
 

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 from torch import nn
 
 from cluster.model.gguf_import import unpermute
 from cluster.model.model_config import ModelConfig
+from cluster.model.quant_linear import QuantLinear
+from kernels.cpu_quant import QuantFormat, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,6 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, mod
     layers multiply int8-quantized activations (`--quantized-activations int8`)."""
     if scheme is Quantization.NONE:
         return None
-    from kernels.cpu_quant import QuantFormat, QuantizedWeight  # noqa: PLC0415 - builds the C library on first use
     check_quantization(scheme, next(model.parameters()).device.type, model_dir)
     if scheme is Quantization.GGUF:
         weights = _gguf_weights(cfg, gguf_source(model_dir))
@@ -90,8 +92,6 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, mod
 
 
 def _int8_activations(model: nn.Module) -> None:
-    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
-    from kernels.cpu_quant import QuantFormat  # noqa: PLC0415
     four_bit = [m for m in model.modules() if isinstance(m, QuantLinear)
                 and m.qweight.format in (QuantFormat.Q4_0, QuantFormat.Q4_1)]
     for m in four_bit:
@@ -105,7 +105,6 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 def _install(model: nn.Module, scheme: Quantization, weights: dict) -> QuantReport:
     """Swap each named nn.Linear for a QuantLinear over its quantized weight (and its bias)."""
-    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
     formats, total = set(), 0
     for name, linear in _linears(model):
         if name not in weights:
@@ -133,7 +132,6 @@ def _gguf_weights(cfg: ModelConfig, path: Path) -> dict:
     """Our linear layers' weights from the file's quantized tensors: Q and K rows put back in
     Hugging Face's rotary order and fused parts concatenated, all on the raw blocks (a row of
     blocks is a row of the matrix), never dequantized."""
-    from gguf import GGUFReader  # noqa: PLC0415
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     out = {}
     for i in range(cfg.num_layers):
@@ -145,7 +143,6 @@ def _gguf_weights(cfg: ModelConfig, path: Path) -> dict:
 
 
 def _fused_raw(tensors: dict, names: list[str], cfg: ModelConfig):
-    from kernels.cpu_quant import QuantizedWeight  # noqa: PLC0415
     kinds = {tensors[n].tensor_type.name for n in names}
     if len(kinds) != 1:
         raise ValueError(f"--quantization gguf: {', '.join(names)} are stored as {', '.join(sorted(kinds))}; "

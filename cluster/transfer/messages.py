@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -77,7 +78,6 @@ class Mailbox:
         return Message.decode(data)
 
     def take(self, wanted) -> list[tuple[str, Message]]:
-        import time  # noqa: PLC0415
         now = time.monotonic()
         for peer, data in self.transport.notifications():
             msg = self._open(data)

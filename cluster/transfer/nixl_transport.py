@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def _import_nixl():
-    apply_ucx_defaults()
+    apply_ucx_defaults(torch.cuda.is_available)
     try:
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
     except ImportError as exc:

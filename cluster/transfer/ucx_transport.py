@@ -42,7 +42,7 @@ class UcxTransport(HostSegmentTransport):
         unused, UCX_NET_DEVICES says which.)"""
         if _IN_PROCESS:
             raise TransferError(f"ucxx allows one agent per process ({_IN_PROCESS[0]} exists)")
-        apply_ucx_defaults()
+        apply_ucx_defaults(torch.cuda.is_available)
         try:
             import ucxx  # noqa: PLC0415
         except ImportError as exc:

@@ -29,8 +29,13 @@ from cluster.engine.speculation import SpecFootprint
 from cluster.model.kernel_choice import apply_kernel_plan
 from cluster.model.loader import load_model
 from cluster.model.model_config import ModelConfig
+from cluster.model.quant_linear import QuantLinear
+from cluster.model.quantize import Quantization, gguf_source, quantize_model
+from decode.spec.block import load_drafter
 from decode.spec.compat import check_speculative_models
+from decode.spec.eagle_head import eagle_feature_layers, load_eagle_head
 from decode.spec.memory import draft_footprint
+from kernels.cpu_quant import QuantFormat
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,6 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
     spec = config.speculative
     widest = spec.max_speculative_tokens if proposing else 0
     if spec.method == "eagle":
-        from decode.spec.eagle_head import eagle_feature_layers, load_eagle_head  # noqa: PLC0415
         head_dir = spec.eagle_dir_for(config.model)
         def build(overrides: dict | None = None) -> torch.nn.Module:
             head = load_eagle_head(head_dir, target.config, target.model, target.dtype, device, overrides)
@@ -64,7 +68,6 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
                                   extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
         return SpecModels(footprint, eagle=head, eagle_dir=head_dir, build_eagle=build)
     if spec.method == "block":
-        from decode.spec.block import load_drafter  # noqa: PLC0415
         drafter_dir = spec.block_dir_for()
         drafter = load_drafter(drafter_dir, config.model, target.model, target.dtype, device)
         footprint = SpecFootprint(model_id_suffix=f"+block:{drafter_dir.name}", hidden_states=True,
@@ -96,9 +99,6 @@ def _four_bit_draft(draft: torch.nn.Module, draft_config: ModelConfig, config: E
     to 0.81 and quantspec from 1.59x to 1.46x plain decoding; int8 activations cost 0.05 of the
     acceptance and made it 1.11x faster. The draft's precision only moves its acceptance, never the
     output: the target verifies."""
-    from cluster.model.quant_linear import QuantLinear  # noqa: PLC0415
-    from cluster.model.quantize import Quantization, gguf_source, quantize_model  # noqa: PLC0415
-    from kernels.cpu_quant import QuantFormat  # noqa: PLC0415
     scheme = Quantization.GGUF if gguf_source(config.model) is not None else Quantization.INT4
     if config.quantization != "none":
         log.warning("--speculative quantspec drafts with 4-bit weights, and the target already serves "

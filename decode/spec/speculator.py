@@ -34,10 +34,19 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import Draft, SpecFootprint
 from cluster.types import SamplingParams
 from decode.spec.acceptance import accept_greedy, accept_greedy_tree, accept_sampled
+from decode.spec.block import BlockFeatures, BlockProposer
+from decode.spec.compat import weights_fingerprint
+from decode.spec.draft_model import DraftModelProposer
+from decode.spec.eagle import EagleProposer
+from decode.spec.eagle_head import EagleFeatures
 from decode.spec.jacobi import JacobiProposer
 from decode.spec.loading import SpecModels, load_spec_models
 from decode.spec.lookahead import Calibration, Lookahead, StopRule
 from decode.spec.ngram import NgramProposer
+from decode.spec.online.capture import OnlineCapture
+from decode.spec.online.heads import HeadVariants
+from decode.spec.online.messages import TRAINABLE, TRAINABLE_EAGLE3, AcceptanceCount
+from decode.spec.quantspec import QuantSpecProposer
 from decode.spec.step_policy import StepLookahead, StepSetting
 
 
@@ -114,10 +123,8 @@ class SpecDecoder:
     def attach(self, engine) -> None:
         loaded = self.models
         if loaded.eagle is not None:
-            from decode.spec.eagle_head import EagleFeatures  # noqa: PLC0415
             self.features = EagleFeatures(loaded.eagle, engine)
         if loaded.block is not None:
-            from decode.spec.block import BlockFeatures  # noqa: PLC0415
             self.features = BlockFeatures(loaded.block, engine)
         if not self.proposing:
             return
@@ -127,25 +134,17 @@ class SpecDecoder:
         self.proposers["ngram"] = NgramDrafts(self.config)
         self.proposers["jacobi"] = JacobiProposer(self.config)
         if loaded.draft_model is not None and self.config.method == "quantspec":
-            from decode.spec.quantspec import QuantSpecProposer  # noqa: PLC0415
             self.proposers["quantspec"] = QuantSpecProposer(engine, self.config, loaded.draft_config,
                                                             loaded.draft_model)
         elif loaded.draft_model is not None:
-            from decode.spec.draft_model import DraftModelProposer  # noqa: PLC0415
             self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
         elif loaded.eagle is not None:
-            from decode.spec.eagle import EagleProposer  # noqa: PLC0415
             self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle, self.heads)
         elif loaded.block is not None:
-            from decode.spec.block import BlockProposer  # noqa: PLC0415
             self.proposers["block"] = BlockProposer(engine, self.config, loaded.block)
 
     def _attach_online(self, loaded: SpecModels) -> None:
         """Online adaptation (decode/spec/online/): capture served traffic, serve per-tenant versions."""
-        from decode.spec.compat import weights_fingerprint  # noqa: PLC0415
-        from decode.spec.online.capture import OnlineCapture  # noqa: PLC0415
-        from decode.spec.online.heads import HeadVariants  # noqa: PLC0415
-        from decode.spec.online.messages import TRAINABLE, TRAINABLE_EAGLE3  # noqa: PLC0415
         trainable = TRAINABLE_EAGLE3 if loaded.eagle.lm_head is not None else TRAINABLE
         self.capture = OnlineCapture(self.config)
         self.features.capture = self.capture
@@ -323,7 +322,6 @@ class SpecDecoder:
 
     def take_online(self) -> tuple[tuple, tuple]:
         """Online adaptation: the samples and acceptance counts since the last take (engine thread)."""
-        from decode.spec.online.messages import AcceptanceCount  # noqa: PLC0415
         counts = tuple(AcceptanceCount(t, v, steps, acc) for (t, v), (steps, acc) in self.online_counts.items())
         self.online_counts.clear()
         return self.capture.take(), counts

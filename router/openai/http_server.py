@@ -21,10 +21,15 @@ tokenization and template rendering (off the loop, router/offload.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import socket
+import ssl
+import tempfile
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -51,7 +56,6 @@ class _QuietServer(uvicorn.Server):
     TICK_S = 1.0
 
     def capture_signals(self):
-        import contextlib  # noqa: PLC0415
         return contextlib.nullcontext()
 
     async def main_loop(self) -> None:
@@ -212,7 +216,6 @@ class OpenAIServer:
         self._authorize(request)      # tenant names and their counts: not for anyone who can reach the port
         if self.metrics_registry is None:
             raise ApiError(404, "metrics are served on the --metrics-port of the driver")
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
         return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> dict:
@@ -321,9 +324,6 @@ def _refusal(exc: Refused) -> ApiError:
 def _ssl_context(tls: tuple[bytes, bytes], client_ca: bytes | None):
     """A server TLS context from PEM bytes (written to private temporary files only for the
     moment `load_cert_chain` needs a path)."""
-    import os  # noqa: PLC0415
-    import ssl  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     key, chain = tls
     with tempfile.TemporaryDirectory() as d:

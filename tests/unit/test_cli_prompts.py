@@ -7,7 +7,7 @@ import argparse
 from types import SimpleNamespace
 
 from cluster.launch.chat_cli import PromptBuilder, chat_loop
-from cluster.launch.cli import _remote_prompt
+from cluster.launch.remote_commands import _remote_prompt
 from proto.splitserve.v1 import inference_pb2 as pb
 from tiny_models import make_chat_model, make_model
 

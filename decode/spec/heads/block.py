@@ -27,6 +27,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from safetensors.torch import load_file, save_file
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -125,7 +126,6 @@ def folded_state_dict(drafter: BlockDrafter) -> dict[str, torch.Tensor]:
 
 
 def save_block_drafter(drafter: BlockDrafter, out_dir: str, target_model: str, fingerprint: str) -> None:
-    from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in folded_state_dict(drafter).items()}
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -136,7 +136,6 @@ def save_block_drafter(drafter: BlockDrafter, out_dir: str, target_model: str, f
 
 def load_block_drafter(d: str, dtype=torch.float32) -> BlockDrafter:
     """The exported drafter (depth_scale 1: the contract); its tensors checked by name and shape."""
-    from safetensors.torch import load_file
     with open(os.path.join(d, "config.json")) as f:
         raw = json.load(f)
     if raw.get("model_type") != MODEL_TYPE:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 LAYER = "model.layers.0."
 TENSOR_NAMES = ("fc.weight",) + tuple(LAYER + n for n in (
@@ -172,7 +173,6 @@ class TargetParts:
 
 
 def load_target_parts(target_dir: str, dtype=torch.float32) -> TargetParts:
-    from safetensors.torch import load_file
     sd = load_file(os.path.join(target_dir, "model.safetensors"))
     with open(os.path.join(target_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -265,7 +265,6 @@ def folded_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
 
 
 def save_eagle_head(head: EagleHead, out_dir: str, target_model: str = "stdlib-coder") -> None:
-    from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in folded_state_dict(head).items()}
     assert tuple(sorted(sd)) == tuple(sorted(TENSOR_NAMES)), sorted(sd)
@@ -276,7 +275,6 @@ def save_eagle_head(head: EagleHead, out_dir: str, target_model: str = "stdlib-c
 
 
 def load_eagle_head(d: str, dtype=torch.float32) -> EagleHead:
-    from safetensors.torch import load_file
     with open(os.path.join(d, "config.json")) as f:
         cfg = json.load(f)
     fields = EagleConfig.__dataclass_fields__

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file, save_file
 
 from decode.spec.heads.eagle import LAYER, EagleConfig, EagleHead, rms_norm
 
@@ -91,7 +92,6 @@ def folded_state_dict(head: Eagle3Head) -> dict[str, torch.Tensor]:
 
 
 def save_eagle3_head(head: Eagle3Head, out_dir: str, target_model: str, fingerprint: str) -> None:
-    from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
     sd = {k: (v if k == "d2t" else v.to(torch.bfloat16)).contiguous() for k, v in folded_state_dict(head).items()}
     assert tuple(sorted(sd)) == tuple(sorted(TENSOR_NAMES)), sorted(sd)
@@ -103,7 +103,6 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str, target_model: str, fingerpr
 
 def load_eagle3_head(d: str, dtype=torch.float32) -> Eagle3Head:
     """The exported head as the plain-torch module (emb_mult = depth_scale = 1: the contract)."""
-    from safetensors.torch import load_file
     with open(os.path.join(d, "config.json")) as f:
         cfg = json.load(f)
     fields = Eagle3Config.__dataclass_fields__

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load, save
 
 from cluster.worker_messages import SpecHeadStats
 
@@ -69,13 +70,11 @@ class HeadUpdate:
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save  # noqa: PLC0415
     return save({k: v.detach().to(torch.float32).contiguous().cpu() for k, v in tensors.items()})
 
 
 def unpack_tensors(data: bytes, allowed: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The tensors of a `HeadUpdate`: exactly `allowed` names (safetensors: no code runs)."""
-    from safetensors.torch import load  # noqa: PLC0415
     tensors = load(data)
     if sorted(tensors) != sorted(allowed):
         raise ValueError(f"a head update must carry exactly {', '.join(allowed)}; got {', '.join(sorted(tensors))}")
