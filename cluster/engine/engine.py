@@ -32,8 +32,8 @@ from cluster.engine.runner import PromptLogits
 from cluster.engine.sampler import record_prompt_logprobs
 from cluster.engine.scheduler import Gate, StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import (Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens,
-                                        compact_trees)
+from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, SpeculatorFactory, attach_drafts,
+                                        choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
@@ -69,7 +69,8 @@ class LLMEngine:
         self.config = config
         self.hold_hook: HoldHook | None = hold_factory(self) if hold_factory else None
         self.device = builder.setup_threads(config)
-        self.speculator: Speculator | None = speculator_factory(config) if speculator_factory else None
+        # Without a factory: NoSpeculation (never proposes, refuses speculative requests).
+        self.speculator: Speculator = speculator_factory(config) if speculator_factory else NoSpeculation(config)
         models = builder.load_models(config, self.device)
         footprint = builder.load_speculation(config, models, self.speculator, self.device)
         self.model_config, self.model, self.dtype = models.config, models.model, models.dtype
@@ -79,26 +80,19 @@ class LLMEngine:
         self.memory_plan = builder.plan_for(config, models, footprint, self.device)
         core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
                                   self.speculator, footprint,
-                                  on_hold=self.hold_hook.hold if self.hold_hook is not None else None)
+                                  on_hold=self.hold_hook.hold if self.hold_hook is not None else None,
+                                  admit_gate=self._admission)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
-        if self.tiers is not None and self.pool.enable_prefix_caching:
-            self.scheduler.admit_gate = self._admission
-        self.requests = Requests(self.tokenizer, self.scheduler)
+        self.requests = Requests(self.tokenizer, self.scheduler, on_finish=self.speculator.release)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarRuntime | None = None   # built on the first constrained request
         self._grammar_lock = threading.Lock()
-        if self.speculator is not None:
-            self.speculator.attach(self)
-            self.requests.on_finish = self.speculator.release
-        if self.graph_replay is not None and not footprint.hidden_states:   # a pass over every token: eager
-            self.runner.graphs = self.decode_graphs(self.model, self.kv_cache.arena, self.backend,
-                                                    self.memory_plan.num_blocks,
-                                                    rows_per_seq=1 + footprint.max_draft_tokens)
+        self.speculator.attach(self)
         if self.backend.name == "triton" and self.device.type == "cuda":
             offline.warm_up(self)
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
@@ -239,11 +233,6 @@ class LLMEngine:
         method = sampling.speculative
         if method in (None, "off") and sampling.num_speculative_tokens is None:
             return
-        if self.speculator is None:
-            if method in (None, "off"):
-                return
-            raise ValueError(f"speculative={method!r} was asked for, but this engine runs without speculative "
-                             "decoding; start it with --speculative")
         self.speculator.check_request(sampling)
 
     def skip_samples(self, request_id: str, n: int) -> None:
@@ -315,15 +304,14 @@ class LLMEngine:
     def _ended(self, plan: StepPlan) -> list[TokenDelta]:
         """Requests the scheduler had to end (the pool cannot hold them) still owe their caller a
         delta; preempted ones lose their proposer state."""
-        if self.speculator is not None:
-            for seq in plan.preempted:
-                self.speculator.release(seq)
+        for seq in plan.preempted:
+            self.speculator.release(seq)
         return [d for d in map(self.requests.ended, self.scheduler.take_ended()) if d is not None]
 
     def _execute(self, plan: StepPlan) -> StepResult:
         """The plan's forward pass and its tokens: decodes with a draft become verifications, the
         grammar's masks (computed beside the pass) constrain the rows before they are sampled."""
-        drafts = attach_drafts(self.speculator, self.scheduler, plan) if self.speculator and plan.decodes else {}
+        drafts = attach_drafts(self.speculator, self.scheduler, plan) if plan.decodes else {}
         self._count_prompt_tokens(plan)
         masks = self.grammar.begin(jobs) if (jobs := mask_plan(plan, drafts)) else None
         forward = self.runner.execute(plan)
@@ -346,8 +334,7 @@ class LLMEngine:
         spawned = spawn_forks(self, list(forks), result.forked)   # before the update may free a parent's blocks
         self.scheduler.update(plan, result.tokens)
         self._advance_grammars(before, result.forked)
-        if self.speculator is not None:
-            self.speculator.after_update(forks)
+        self.speculator.after_update(forks)
         return [self.requests.delta(seq, seq.token_ids[n:]) for seq, n in before.items()] + spawned
 
     @staticmethod

@@ -17,6 +17,9 @@ from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
 from cluster.model.llama import CausalLM
 
+# (plan, input_ids, positions, hidden, meta): a pass over the target's hidden states of a step.
+HiddenHook = Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None]
+
 
 class PromptLogits(NamedTuple):
     """Rows of a prompt's logprobs: fp32 logits of its positions from `first` on."""
@@ -82,7 +85,8 @@ class BatchLayout:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, hidden_hook: HiddenHook | None = None,
+                 hidden_layers: tuple[int, ...] = (), graphs=None):
         self.model = model
         self.kv_arena = kv_arena
         self.backend = backend
@@ -90,9 +94,9 @@ class ModelRunner:
         self.device = device
         # hidden_hook(plan, input_ids, positions, hidden, meta): the target's pre-norm hidden states
         # of every token of the step (a speculator's pass over them); None: the model returns none.
-        self.hidden_hook: Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None] | None = None
-        self.hidden_layers: tuple[int, ...] = ()   # the hook's layers (outputs side by side); (): the last's
-        self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
+        self.hidden_hook = hidden_hook
+        self.hidden_layers = hidden_layers   # the hook's layers (outputs side by side); (): the last's
+        self.graphs = graphs     # DecodeGraphs: pure-decode steps replayed from static buffers, or None
 
     def execute(self, plan: StepPlan) -> ForwardOutput:
         """The plan's forward pass: its logits rows and the sequences they belong to (see `ForwardOutput`)."""
