@@ -19,6 +19,7 @@ from cluster.engine.scheduler import Gate, Scheduler
 from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import HiddenStatePass, SpecFootprint, Speculator
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.kv_events import KVEventLog
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
 from cluster.kv.shared_host import SharedHostTier
 from cluster.kv.tier_plan import plan_tiers
@@ -120,10 +121,11 @@ class Core:
 def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: torch.device,
                eos_token_ids: tuple[int, ...], hidden_pass: HiddenStatePass, footprint: SpecFootprint,
                on_hold: Callable[[Sequence], None] | None = None,
-               admit_gate: Callable[[Sequence], Gate] | None = None) -> Core:
+               admit_gate: Callable[[Sequence], Gate] | None = None, kv_events: KVEventLog | None = None) -> Core:
     """`on_hold`: the engine's hold hook (a prefill worker's side of the handoff), for the scheduler;
     `hidden_pass`: the speculator's pass over hidden states, wired in when `footprint.hidden_states`;
-    `admit_gate`: the engine's check that the KV tiers were asked first, used when tiers are built."""
+    `admit_gate`: the engine's check that the KV tiers were asked first, used when tiers are built;
+    `kv_events`: where the pool and tiers report what they gain and lose (a worker's log)."""
     mc, cc = models.config, config.cache
     backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                      models.kernel_plan, models.dtype, scale=mc.attention_scale)
@@ -134,8 +136,11 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     # Decode graphs pad their batches into one block past the pool's (never allocated).
     kv_cache = PagedKVCache(models.layout, plan.num_blocks + (1 if replay is not None else 0), device)
     hidden = hidden_pass if footprint.hidden_states else None
-    pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching, on_allocate=hidden and hidden.invalidate)
+    pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching, on_allocate=hidden and hidden.invalidate,
+                     events=kv_events)
     tiers = build_tiers(cc, plan, kv_cache, pool, device)
+    if tiers is not None and kv_events is not None:
+        tiers.attach_events(kv_events)
     scheduler = Scheduler(config.scheduler, pool, cc.block_size, models.max_model_len, eos_token_ids,
                           on_hold=on_hold, hit_filter=hidden and hidden.usable_hits,
                           admit_gate=admit_gate if tiers is not None and cc.enable_prefix_caching else None)

@@ -35,6 +35,7 @@ from cluster.engine.sequence import Sequence
 from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, SpeculatorFactory, attach_drafts,
                                         choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
+from cluster.kv.kv_events import KVEventLog
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -60,12 +61,13 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, speculator_factory: SpeculatorFactory | None = None,
-                 hold_factory: HoldFactory | None = None):
+                 hold_factory: HoldFactory | None = None, kv_events: KVEventLog | None = None):
         """`speculator_factory(config) -> Speculator` turns on speculative decoding (decode workers
         and the single-engine CLI pass `decode.spec.speculator.make_speculator`; prefill workers
         one that only computes what a handoff carries, `decode.spec.speculator.make_kv_only_speculator`).
         `hold_factory(engine) -> HoldHook`: what keeps the KV of `hold_kv` requests (a prefill
-        worker's `prefill.handoff.PrefillHandoff`); it may read the engine only once built."""
+        worker's `prefill.handoff.PrefillHandoff`); it may read the engine only once built.
+        `kv_events`: the log the pool and tiers report their changes to (a worker's, for the router)."""
         self.config = config
         self.hold_hook: HoldHook | None = hold_factory(self) if hold_factory else None
         self.device = builder.setup_threads(config)
@@ -81,7 +83,7 @@ class LLMEngine:
         core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
                                   self.speculator, footprint,
                                   on_hold=self.hold_hook.hold if self.hold_hook is not None else None,
-                                  admit_gate=self._admission)
+                                  admit_gate=self._admission, kv_events=kv_events)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None

@@ -116,8 +116,9 @@ class HandoffState(Protocol):
 class Speculator(SpecStep, HiddenStatePass, HandoffState, Protocol):
     """What an engine's speculator is: built with the engine (`load`, then `attach`), asked about
     each request (`check_request`), and the three narrow parts above, each given only to what calls it."""
+    heads: object | None    # --spec-online's head versions (decode/spec/online/heads.py), or None
 
-    def load(self, target: "Models", device: torch.device) -> SpecFootprint:
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
         """Load what runs beside the target (before the memory plan) and say what it adds."""
 
     def attach(self, engine) -> None:
@@ -134,10 +135,12 @@ class NoSpeculation:
     """The speculator of an engine built without one: it loads nothing, never proposes, and
     refuses requests that ask for a speculative method (so the engine needs no None checks)."""
 
+    heads = None    # no online adaptation
+
     def __init__(self, config: EngineConfig):
         self.config = config
 
-    def load(self, target: "Models", device: torch.device) -> SpecFootprint:
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
         if self.config.speculative.method != "off":
             log.warning("speculative method %r is configured but this engine has no speculator: it runs without",
                         self.config.speculative.method)

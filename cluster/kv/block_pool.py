@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from cluster.kv.hashing import BlockHash
-from cluster.kv.kv_events import KVTier
+from cluster.kv.kv_events import KVEventLog, KVTier
 
 
 class NoFreeBlocks(RuntimeError):
@@ -21,7 +21,7 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
-                 on_allocate: Callable[[list[int]], None] | None = None):
+                 on_allocate: Callable[[list[int]], None] | None = None, events: KVEventLog | None = None):
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -35,7 +35,7 @@ class BlockPool:
         self.hits = 0
         self.on_allocate = on_allocate   # called with newly allocated block ids (per-block side state resets)
         self.on_cached = None     # called with (block, key) when a block is published (KV tiers copy it down)
-        self.events = None        # a KVEventLog (cluster/kv/kv_events.py): keys stored and evicted, for the router
+        self.events = events      # a KVEventLog (cluster/kv/kv_events.py): keys stored and evicted, for the router
 
     # --- queries -------------------------------------------------------------------------
     @property
