@@ -28,6 +28,7 @@ from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.base import PeerMetadata, TransferError
 from cluster.transfer.messages import Mailbox
+from cluster.transfer.progress import KVProgress
 from cluster.transfer.registry import make_transport
 from cluster.types import TokenDelta
 from cluster.worker_messages import SpecStats, WorkerStats, stats_to_wire
@@ -51,14 +52,10 @@ def _own_disk_tier(engine: EngineConfig, name: str) -> EngineConfig:
     return dataclasses.replace(engine, cache=dataclasses.replace(cache, kv_disk_dir=str(Path(cache.kv_disk_dir) / name)))
 
 
-def _kv_event_log(engine: LLMEngine, name: str, shared: str | None) -> KVEventLog:
+def _kv_event_log(name: str, shared: str | None) -> KVEventLog:
     """The log of what this worker's pool and tiers gain and lose, read by the router's index. A
     node-shared host tier is one domain per node and segment: every worker of it reports into it."""
-    log = KVEventLog(name, host_domain=f"{socket.gethostname()}/{shared}" if shared else name)
-    engine.pool.events = log
-    if engine.tiers is not None:
-        engine.tiers.attach_events(log)
-    return log
+    return KVEventLog(name, host_domain=f"{socket.gethostname()}/{shared}" if shared else name)
 
 
 class EngineWorker:
@@ -70,9 +67,10 @@ class EngineWorker:
         `hold_factory`: the role's hold hook (a prefill worker's side of the handoff)."""
         self.name = name
         self.config = config
+        self.kv_log = _kv_event_log(name, config.engine.cache.kv_host_shared)
         self.engine = LLMEngine(_own_disk_tier(config.engine, name), speculator_factory=speculator_factory,
-                                hold_factory=hold_factory)
-        self.kv_log = _kv_event_log(self.engine, name, config.engine.cache.kv_host_shared)
+                                hold_factory=hold_factory, kv_events=self.kv_log)
+        self.progress: KVProgress | None = None    # the role's KV progress thread (set by the role)
         self.sealer = Sealer(config.cluster_secret.value) if config.cluster_secret is not None else None
         options = {}
         if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
@@ -131,8 +129,8 @@ class EngineWorker:
     def stats(self) -> WorkerStats:
         pool, sched = self.engine.pool, self.engine.scheduler
         waiting, running = len(sched.waiting), len(sched.running)
-        spec = self.engine.speculator.stats() if self.engine.speculator is not None else {}
-        heads = getattr(self.engine.speculator, "heads", None)    # --spec-online's head versions
+        spec = self.engine.speculator.stats()
+        heads = self.engine.speculator.heads    # --spec-online's head versions, or None
         return WorkerStats(
             name=self.name, role=self.role, incarnation=self.incarnation, ready=self.ready, pid=os.getpid(),
             steps=self.loop.steps, has_work=bool(waiting or running), blocks_used=pool.num_used,
@@ -141,8 +139,8 @@ class EngineWorker:
             waiting=waiting, running=running, prefix_queries=pool.queries, prefix_hits=pool.hits,
             prompt_tokens_computed=self.engine.prompt_tokens_computed,
             prompt_seconds=self.engine.prompt_seconds,
-            kv_refused=self.mailbox.refused + getattr(self.transport, "refused", 0),
-            kv_discarded=getattr(self.engine, "kv_discarded", 0), queue_seconds=sched.queue_seconds,
+            kv_refused=self.mailbox.refused + self.transport.refused,
+            kv_discarded=self.engine.kv_discarded, queue_seconds=sched.queue_seconds,
             queue_count=sched.queue_count, queue_time_buckets=sched.queue_time_buckets(),
             preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
             spec_heads=heads.versions() if heads is not None else (),
@@ -178,8 +176,7 @@ class EngineWorker:
         return self.engine.compute_setup()
 
     def close(self) -> None:
-        progress = getattr(self, "progress", None)    # the role's KV progress thread
-        if progress is not None:
-            progress.close()
+        if self.progress is not None:
+            self.progress.close()
         self.loop.close()
         self.transport.close()

@@ -331,7 +331,7 @@ def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_tok
     need = -(-len(ids) // e.layout.block_size)
     if len(block_ids) != need:
         raise ValueError(f"{len(ids)} prompt tokens need {need} blocks, got {len(block_ids)}")
-    spec_state = e.speculator.import_state(feature, len(ids)) if e.speculator is not None else None
+    spec_state = e.speculator.import_state(feature, len(ids))
     lead = _prefilled_sequence(e, request_id, ids, sampling, first_token, spec_state, tenant)
     lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
     e.scheduler.add(lead)

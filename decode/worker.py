@@ -80,7 +80,7 @@ class DecodeWorker(EngineWorker):
 
     # --- online adaptation of the EAGLE head (decode/spec/online/service.py calls these) ---------------
     def _online(self):
-        heads = getattr(self.engine.speculator, "heads", None)
+        heads = self.engine.speculator.heads
         if heads is None:
             raise RequestError(f"decode worker {self.name} does not adapt its EAGLE head (--spec-online is off)")
         return heads

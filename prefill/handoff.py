@@ -81,10 +81,8 @@ class PrefillHandoff:
     def take_feature(self, request_id: str) -> bytes:
         """The proposer state the blocks do not carry, as the engine's speculator exports it (with
         an EAGLE head: the target's hidden state at the prompt's last position); b"" when none."""
-        held, speculator = self.leases.get(request_id), self.engine.speculator
-        if held is None or speculator is None:
-            return b""
-        return speculator.export_state(held.seq)
+        held = self.leases.get(request_id)
+        return b"" if held is None else self.engine.speculator.export_state(held.seq)
 
     def take_fork_firsts(self, request_id: str) -> list[TokenDelta]:
         """A `hold_kv` request's forks, each ended with its first token (drawn from the prompt's

@@ -21,7 +21,8 @@ class LogitsRecorder:
         engine.runner.execute = self._record
 
     def _record(self, plan):
-        logits, seqs = self._execute(plan)
+        out = self._execute(plan)
+        logits = out.logits
         self.preempted.update(seq.prompt_token_ids for seq in plan.preempted)
         row = 0
         for chunk in plan.chunks:
@@ -38,7 +39,7 @@ class LogitsRecorder:
                 self._put(tuple(tokens[: chunk.start + chunk.num_tokens]), logits[row])
                 row += 1
         assert row == logits.shape[0]
-        return logits, seqs
+        return out
 
     def _put(self, key: tuple[int, ...], row: torch.Tensor) -> None:
         if key in self.rows:   # a row recorded twice (re-verified, recomputed) must agree bitwise

@@ -16,10 +16,11 @@ from cluster.config import CacheConfig, EngineConfig
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.loaded_models import Models
 from cluster.engine.runner import ModelRunner
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import Gate, Scheduler
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import SpecFootprint, Speculator
+from cluster.engine.speculation import HiddenStatePass, SpecFootprint, Speculator
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.kv_events import KVEventLog
 from cluster.kv.paged_cache import MemoryPlan, PagedKVCache, plan_memory, resident_bytes
 from cluster.kv.shared_host import SharedHostTier
 from cluster.kv.tier_plan import plan_tiers
@@ -64,18 +65,13 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
     return Models(mc, model, dtype, plan, max_model_len, _layout(mc, model_id, mc.num_layers, config, dtype))
 
 
-def load_speculation(config: EngineConfig, models: Models, speculator: Speculator | None,
+def load_speculation(config: EngineConfig, models: Models, speculator: Speculator,
                      device: torch.device) -> SpecFootprint:
     """What `speculator` loads beside the target, before the memory plan so its real size is
     planned. Layers it keeps in the arena widen the layout, and their name goes in its model id:
     the layout hash then tells a P/D peer that its blocks carry them too. A proposer whose state
     crosses the handoff beside the blocks (the block drafter's window) names itself there as well,
     so a peer without it is refused at pairing, not at its first handoff."""
-    if speculator is None:
-        if config.speculative.method != "off":
-            log.warning("speculative method %r is configured but this engine has no speculator: it runs without",
-                        config.speculative.method)
-        return SpecFootprint()
     footprint = speculator.load(models, device)
     if footprint.extra_kv_layers or footprint.model_id_suffix:
         mc = models.config
@@ -112,9 +108,13 @@ class Core:
 
 
 def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: torch.device,
-               eos_token_ids: tuple[int, ...], speculator: Speculator | None, footprint: SpecFootprint,
-               on_hold: Callable[[Sequence], None] | None = None) -> Core:
-    """`on_hold`: the engine's hold hook (a prefill worker's side of the handoff), for the scheduler."""
+               eos_token_ids: tuple[int, ...], hidden_pass: HiddenStatePass, footprint: SpecFootprint,
+               on_hold: Callable[[Sequence], None] | None = None,
+               admit_gate: Callable[[Sequence], Gate] | None = None, kv_events: KVEventLog | None = None) -> Core:
+    """`on_hold`: the engine's hold hook (a prefill worker's side of the handoff), for the scheduler;
+    `hidden_pass`: the speculator's pass over hidden states, wired in when `footprint.hidden_states`;
+    `admit_gate`: the engine's check that the KV tiers were asked first, used when tiers are built;
+    `kv_events`: where the pool and tiers report what they gain and lose (a worker's log)."""
     mc, cc = models.config, config.cache
     backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                      models.kernel_plan, models.dtype, scale=mc.attention_scale)
@@ -124,16 +124,23 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
         replay = None
     # Decode graphs pad their batches into one block past the pool's (never allocated).
     kv_cache = PagedKVCache(models.layout, plan.num_blocks + (1 if replay is not None else 0), device)
-    pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching)
+    hidden = hidden_pass if footprint.hidden_states else None
+    pool = BlockPool(plan.num_blocks, cc.enable_prefix_caching, on_allocate=hidden and hidden.invalidate,
+                     events=kv_events)
+    tiers = build_tiers(cc, plan, kv_cache, pool, device)
+    if tiers is not None and kv_events is not None:
+        tiers.attach_events(kv_events)
     scheduler = Scheduler(config.scheduler, pool, cc.block_size, models.max_model_len, eos_token_ids,
-                          on_hold=on_hold)
-    runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device)
-    if speculator is not None and footprint.hidden_states:
-        runner.hidden_hook = speculator.after_forward
-        runner.hidden_layers = footprint.hidden_layers
-        pool.on_allocate = speculator.invalidate
-        scheduler.hit_filter = speculator.usable_hits
-    return Core(backend, replay, kv_cache, pool, scheduler, runner, build_tiers(cc, plan, kv_cache, pool, device))
+                          on_hold=on_hold, hit_filter=hidden and hidden.usable_hits,
+                          admit_gate=admit_gate if tiers is not None and cc.enable_prefix_caching else None)
+    graphs = None
+    if replay is not None and hidden is None:   # a pass over every token's hidden states runs eager
+        graphs = decode_graphs(config, models, replay, models.model, kv_cache.arena, backend, plan.num_blocks,
+                               device, rows_per_seq=1 + footprint.max_draft_tokens)
+    runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device,
+                         hidden_hook=hidden and hidden.after_forward, hidden_layers=footprint.hidden_layers,
+                         graphs=graphs)
+    return Core(backend, replay, kv_cache, pool, scheduler, runner, tiers)
 
 
 def build_tiers(cache: CacheConfig, plan: MemoryPlan, kv_cache: PagedKVCache, pool: BlockPool,

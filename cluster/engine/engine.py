@@ -1,7 +1,9 @@
 """The engine: add a request, step, abort; `generate` on top.
 
-One step is `plan = scheduler.schedule(); logits = runner.execute(plan); scheduler.update(...)`,
-followed by detokenization, which may end a request on a stop string. What is not every
+One step is `plan = scheduler.schedule(); result = execute(plan); update(plan, result)`: `execute`
+runs the pass (`runner.execute`) and turns its rows into tokens (a `StepResult`); `update` takes
+them in named stages (prompt logprobs, token trees, forks, the scheduler's update, grammars,
+speculation) followed by detokenization, which may end a request on a stop string. What is not every
 request's lives beside it: construction in `builder.py`, forks (n samples) in `forks.py`, the
 deltas in `outputs.py`, speculation behind the `Speculator` of `speculation.py` (decode/spec/
 implements it), the prefill side of a P/D handoff behind the `HoldHook` of `hooks.py`
@@ -15,6 +17,7 @@ import time
 import uuid
 from itertools import islice
 from collections.abc import Callable, Iterable, Iterator, Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +28,14 @@ from cluster.engine.grammar import GrammarRuntime, accept_outputs, mask_plan
 from cluster.engine.graphs import DecodeGraphs
 from cluster.engine.hooks import HoldHook
 from cluster.engine.outputs import Requests
+from cluster.engine.runner import PromptLogits
 from cluster.engine.sampler import record_prompt_logprobs
 from cluster.engine.scheduler import Gate, StepPlan
 from cluster.engine.sequence import Sequence
-from cluster.engine.speculation import (Draft, Speculator, SpeculatorFactory, attach_drafts, choose_tokens,
-                                        compact_trees)
+from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, SpeculatorFactory, attach_drafts,
+                                        choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
+from cluster.kv.kv_events import KVEventLog
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -43,18 +48,31 @@ TIER_LOOKAHEAD = 4
 HoldFactory = Callable[["LLMEngine"], HoldHook]
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one step's pass produced, for the update's stages: the tokens to append per sequence
+    (a verification's accepted prefix and the target's own), each fork's first token, the drafts
+    that were verified (token trees to compact), and the prompt logprob rows."""
+    tokens: dict[Sequence, list[int]]
+    forked: dict[Sequence, int]
+    drafts: dict[Sequence, Draft]
+    prompt_logits: tuple[PromptLogits, ...] = ()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, speculator_factory: SpeculatorFactory | None = None,
-                 hold_factory: HoldFactory | None = None):
+                 hold_factory: HoldFactory | None = None, kv_events: KVEventLog | None = None):
         """`speculator_factory(config) -> Speculator` turns on speculative decoding (decode workers
         and the single-engine CLI pass `decode.spec.speculator.make_speculator`; prefill workers
         one that only computes what a handoff carries, `decode.spec.speculator.make_kv_only_speculator`).
         `hold_factory(engine) -> HoldHook`: what keeps the KV of `hold_kv` requests (a prefill
-        worker's `prefill.handoff.PrefillHandoff`); it may read the engine only once built."""
+        worker's `prefill.handoff.PrefillHandoff`); it may read the engine only once built.
+        `kv_events`: the log the pool and tiers report their changes to (a worker's, for the router)."""
         self.config = config
         self.hold_hook: HoldHook | None = hold_factory(self) if hold_factory else None
         self.device = builder.setup_threads(config)
-        self.speculator: Speculator | None = speculator_factory(config) if speculator_factory else None
+        # Without a factory: NoSpeculation (never proposes, refuses speculative requests).
+        self.speculator: Speculator = speculator_factory(config) if speculator_factory else NoSpeculation(config)
         models = builder.load_models(config, self.device)
         footprint = builder.load_speculation(config, models, self.speculator, self.device)
         self.model_config, self.model, self.dtype = models.config, models.model, models.dtype
@@ -64,26 +82,19 @@ class LLMEngine:
         self.memory_plan = builder.plan_for(config, models, footprint, self.device)
         core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
                                   self.speculator, footprint,
-                                  on_hold=self.hold_hook.hold if self.hold_hook is not None else None)
+                                  on_hold=self.hold_hook.hold if self.hold_hook is not None else None,
+                                  admit_gate=self._admission, kv_events=kv_events)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
-        if self.tiers is not None and self.pool.enable_prefix_caching:
-            self.scheduler.admit_gate = self._admission
-        self.requests = Requests(self.tokenizer, self.scheduler)
+        self.requests = Requests(self.tokenizer, self.scheduler, on_finish=self.speculator.release)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
         self.idle_step = False   # the last step scheduled nothing and produced no delta (the loop may sleep)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._grammar: GrammarRuntime | None = None   # built on the first constrained request
         self._grammar_lock = threading.Lock()
-        if self.speculator is not None:
-            self.speculator.attach(self)
-            self.requests.on_finish = self.speculator.release
-        if self.graph_replay is not None and not footprint.hidden_states:   # a pass over every token: eager
-            self.runner.graphs = self.decode_graphs(self.model, self.kv_cache.arena, self.backend,
-                                                    self.memory_plan.num_blocks,
-                                                    rows_per_seq=1 + footprint.max_draft_tokens)
+        self.speculator.attach(self)
         if self.backend.name == "triton" and self.device.type == "cuda":
             offline.warm_up(self)
         log.info("engine ready: %s (%s, %.1fM parameters), %s attention, %d KV blocks of %d tokens",
@@ -224,11 +235,6 @@ class LLMEngine:
         method = sampling.speculative
         if method in (None, "off") and sampling.num_speculative_tokens is None:
             return
-        if self.speculator is None:
-            if method in (None, "off"):
-                return
-            raise ValueError(f"speculative={method!r} was asked for, but this engine runs without speculative "
-                             "decoding; start it with --speculative")
         self.speculator.check_request(sampling)
 
     def skip_samples(self, request_id: str, n: int) -> None:
@@ -276,54 +282,69 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
-        out, self.requests.pending = self.requests.pending, []
-        if self.tiers is not None:
-            self.scheduler.waiting.extendleft(reversed(self.tiers.poll()))   # loaded: first in line
-            self._prefetch_next()
+        """`plan = scheduler.schedule(); result = execute(plan); update(plan, result)`, after the
+        deltas owed since the last step."""
+        out = self._owed_deltas()
         plan = self.scheduler.schedule()
         out += self._ended(plan)
         self.idle_step = plan.empty and not out
         if not plan.empty:
             t0, computed = time.perf_counter(), self.prompt_tokens_computed
-            out += self._update(plan, *self._run(plan))
+            out += self._update(plan, self._execute(plan))
             if self.prompt_tokens_computed > computed:
                 self.prompt_seconds += time.perf_counter() - t0
+        return out
+
+    def _owed_deltas(self) -> list[TokenDelta]:
+        """Deltas made between steps (aborts); requests whose KV the tiers loaded go first in line."""
+        out, self.requests.pending = self.requests.pending, []
+        if self.tiers is not None:
+            self.scheduler.waiting.extendleft(reversed(self.tiers.poll()))
+            self._prefetch_next()
         return out
 
     def _ended(self, plan: StepPlan) -> list[TokenDelta]:
         """Requests the scheduler had to end (the pool cannot hold them) still owe their caller a
         delta; preempted ones lose their proposer state."""
-        if self.speculator is not None:
-            for seq in plan.preempted:
-                self.speculator.release(seq)
+        for seq in plan.preempted:
+            self.speculator.release(seq)
         return [d for d in map(self.requests.ended, self.scheduler.take_ended()) if d is not None]
 
-    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence], dict[Sequence, Draft]]:
-        drafts = attach_drafts(self.speculator, self.scheduler, plan) if self.speculator and plan.decodes else {}
+    def _execute(self, plan: StepPlan) -> StepResult:
+        """The plan's forward pass and its tokens: decodes with a draft become verifications, the
+        grammar's masks (computed beside the pass) constrain the rows before they are sampled."""
+        drafts = attach_drafts(self.speculator, self.scheduler, plan) if plan.decodes else {}
+        self._count_prompt_tokens(plan)
+        masks = self.grammar.begin(jobs) if (jobs := mask_plan(plan, drafts)) else None
+        forward = self.runner.execute(plan)
+        if masks is not None:
+            masks.apply(forward.logits, forward.sampled, drafts)
+        tokens, forked = choose_tokens(forward.logits, forward.sampled, drafts, self.speculator) \
+            if forward.sampled else ({}, {})
+        return StepResult(tokens, forked, drafts, forward.prompt_logits)
+
+    def _count_prompt_tokens(self, plan: StepPlan) -> None:
         for c in plan.prefills + plan.decodes:   # a prompt's 1-token chunk is scheduled as a decode
             self.prompt_tokens_computed += max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start)
-        masks = self.grammar.begin(jobs) if (jobs := mask_plan(plan, drafts)) else None
-        logits, sampled_seqs = self.runner.execute(plan)
-        if masks is not None:
-            masks.apply(logits, sampled_seqs, drafts)
-        if self.runner.prompt_logits:
-            record_prompt_logprobs(self.runner.prompt_logits)
-            self.runner.prompt_logits = []
-        return logits, sampled_seqs, drafts
 
-    def _update(self, plan: StepPlan, logits: torch.Tensor, sampled: list[Sequence],
-                drafts: dict[Sequence, Draft]) -> list[TokenDelta]:
-        tokens, forked = choose_tokens(logits, sampled, drafts, self.speculator) if sampled else ({}, {})
-        compact_trees(self.kv_cache.arena, drafts, tokens, self.layout.block_size)
-        before = {seq: seq.num_tokens for seq in tokens}
-        parents = {seq: list(seq.forks) for seq in tokens if seq.forks}
-        spawned = spawn_forks(self, list(parents), forked)
-        self.scheduler.update(plan, tokens)
+    def _update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """The step's tokens into the requests, in named stages; returns their deltas."""
+        record_prompt_logprobs(result.prompt_logits)
+        compact_trees(self.kv_cache.arena, result.drafts, result.tokens, self.layout.block_size)
+        before = {seq: seq.num_tokens for seq in result.tokens}
+        forks = {seq: list(seq.forks) for seq in result.tokens if seq.forks}
+        spawned = spawn_forks(self, list(forks), result.forked)   # before the update may free a parent's blocks
+        self.scheduler.update(plan, result.tokens)
+        self._advance_grammars(before, result.forked)
+        self.speculator.after_update(forks)
+        return [self.requests.delta(seq, seq.token_ids[n:]) for seq, n in before.items()] + spawned
+
+    @staticmethod
+    def _advance_grammars(before: dict[Sequence, int], forked: dict[Sequence, int]) -> None:
+        """Constrained requests' matchers move past the tokens the update kept (`before`: each
+        sequence's length before it) and each fork's first token."""
         accept_outputs({**{seq: seq.token_ids[n:] for seq, n in before.items()},
                         **{fork: (t,) for fork, t in forked.items()}})
-        if self.speculator is not None:
-            self.speculator.after_update(parents)
-        return [self.requests.delta(seq, seq.token_ids[n:]) for seq, n in before.items()] + spawned
 
     # --- helpers on top (cluster/engine/offline.py) ------------------------------------
     def sequence(self, request_id: str) -> Sequence:

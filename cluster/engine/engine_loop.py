@@ -70,7 +70,7 @@ class EngineLoop:
         self.steps = 0                  # steps that did work (read by the progress watchdog)
         self._idle_at: tuple | None = None   # the queue sizes of an idle step: sleep until they change
         self._stop = threading.Event()
-        if getattr(engine, "tiers", None) is not None:   # a finished tier job wakes an idle loop to poll it
+        if engine.tiers is not None:   # a finished tier job wakes an idle loop to poll it
             engine.tiers.notify = lambda: self.soon(_nothing)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -201,7 +201,7 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all(exc)
             return
-        idle = getattr(self.engine, "idle_step", False) and not deltas
+        idle = self.engine.idle_step and not deltas
         self._idle_at = self._queue_sizes() if idle else None
         if not idle:
             self.steps += 1

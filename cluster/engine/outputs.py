@@ -11,13 +11,13 @@ from cluster.types import FinishReason, TokenDelta
 
 
 class Requests:
-    def __init__(self, tokenizer, scheduler: Scheduler):
+    def __init__(self, tokenizer, scheduler: Scheduler, on_finish: Callable[[Sequence], None]):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[TokenDelta] = []   # deltas made outside a step (aborts), sent by the next one
-        self.on_finish: Callable[[Sequence], None] | None = None   # the speculator forgets the request
+        self.on_finish = on_finish   # the speculator forgets the request
 
     def add(self, seq: Sequence) -> Sequence:
         self.seqs[seq.request_id] = seq

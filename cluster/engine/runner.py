@@ -1,10 +1,13 @@
-"""Turns a step plan into tensors, runs the model over the paged cache, returns logits.
+"""Turns a step plan into tensors, runs the model over the paged cache, returns its rows
+(`ForwardOutput`: the logits to sample from, the sequences they belong to, prompt logprob rows).
 
 A speculator that reads the target's hidden states (decode/spec/: the EAGLE head) is the
 runner's `hidden_hook`, called after the target's forward with the step's inputs."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +16,26 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
 from cluster.model.llama import CausalLM
+
+# (plan, input_ids, positions, hidden, meta): a pass over the target's hidden states of a step.
+HiddenHook = Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None]
+
+
+class PromptLogits(NamedTuple):
+    """Rows of a prompt's logprobs: fp32 logits of its positions from `first` on."""
+    seq: Sequence
+    first: int
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """One forward pass's rows: `logits` [rows, V] fp32 in the order of `sampled` (one row per
+    sequence whose chunk reaches its end, k+1 for a verification of k draft tokens), and the
+    prompt logprob rows asked for (`prompt_logits`)."""
+    logits: torch.Tensor
+    sampled: list[Sequence]
+    prompt_logits: tuple[PromptLogits, ...] = ()
 
 
 class BatchLayout:
@@ -62,7 +85,8 @@ class BatchLayout:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, hidden_hook: HiddenHook | None = None,
+                 hidden_layers: tuple[int, ...] = (), graphs=None):
         self.model = model
         self.kv_arena = kv_arena
         self.backend = backend
@@ -70,21 +94,17 @@ class ModelRunner:
         self.device = device
         # hidden_hook(plan, input_ids, positions, hidden, meta): the target's pre-norm hidden states
         # of every token of the step (a speculator's pass over them); None: the model returns none.
-        self.hidden_hook: Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None] | None = None
-        self.hidden_layers: tuple[int, ...] = ()   # the hook's layers (outputs side by side); (): the last's
-        self.graphs = None       # DecodeGraphs: pure-decode steps replayed from static buffers
-        # Prompt logprobs of the last step: (seq, first position, fp32 logits of positions from there).
-        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
+        self.hidden_hook = hidden_hook
+        self.hidden_layers = hidden_layers   # the hook's layers (outputs side by side); (): the last's
+        self.graphs = graphs     # DecodeGraphs: pure-decode steps replayed from static buffers, or None
 
-    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[Sequence]]:
-        """Returns fp32 logits and the sequences they belong to, in order: one row per sequence
-        whose chunk reaches its end, k+1 rows for a verification of k draft tokens."""
-        self.prompt_logits = []
+    def execute(self, plan: StepPlan) -> ForwardOutput:
+        """The plan's forward pass: its logits rows and the sequences they belong to (see `ForwardOutput`)."""
         prompt_rows = [c for c in plan.chunks if c.seq.wants_prompt_logprobs and not c.draft]
         if self.graphs is not None and self.hidden_hook is None and not prompt_rows:
             bucket = self.graphs.bucket_for(plan)
             if bucket is not None:
-                return self.graphs.run(plan, bucket)
+                return ForwardOutput(*self.graphs.run(plan, bucket))
         layout = BatchLayout(self.block_size, self.device)
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
@@ -119,12 +139,10 @@ class ModelRunner:
                          torch.tensor(logits_rows, dtype=torch.long, device=self.device),
                          return_hidden=self.hidden_hook is not None, hidden_layers=self.hidden_layers)
         logits, hidden = out if self.hidden_hook is not None else (out, None)
-        if spans:
-            self.prompt_logits = [(seq, first, logits[row:row + n]) for seq, first, row, n in spans]
-            logits = logits[:num_sampled]
+        prompt_logits = tuple(PromptLogits(seq, first, logits[row:row + n]) for seq, first, row, n in spans)
         if self.hidden_hook is not None:
             self.hidden_hook(plan, ids_t, pos_t, hidden, meta)
-        return logits, sampled
+        return ForwardOutput(logits[:num_sampled] if spans else logits, sampled, prompt_logits)
 
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is

@@ -85,7 +85,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], on_hold: Callable[[Sequence], None] | None = None):
+                 eos_token_ids: tuple[int, ...], on_hold: Callable[[Sequence], None] | None = None,
+                 hit_filter: Callable[[list[int]], list[int]] | None = None,
+                 admit_gate: Callable[[Sequence], Gate] | None = None):
         self.config = config
         self.pool = pool
         self.block_size = block_size
@@ -99,11 +101,11 @@ class Scheduler:
         self.ended: list[Sequence] = []   # requests the scheduler itself ended (see take_ended)
         # Trims a prefix hit to what the engine can continue from (an EAGLE head needs the hidden
         # state at the hit's last position, kept only for blocks this engine computed).
-        self.hit_filter = None
+        self.hit_filter = hit_filter
         # Whether a queued request may be admitted now (engine._prefetch_next: its prefix is still
         # to be asked of the KV tiers): ADMIT, HOLD (it keeps its place, the requests behind it go
         # on: it waits for a load slot) or STOP (nobody behind it goes first: it waits for memory).
-        self.admit_gate: Callable[[Sequence], Gate] | None = None
+        self.admit_gate = admit_gate
         self.queue_seconds = 0.0     # summed time from arrival to first schedule, and its count
         self.queue_count = 0
         self.queue_time_counts = [0] * len(QUEUE_TIME_BUCKETS)   # per bucket (not cumulative); +Inf: the rest

@@ -16,11 +16,15 @@ beside the blocks (`export_state`, `import_state`), proposers, acceptance rules 
 lookahead. A prefill worker runs one that never proposes but still computes what a handed-off
 request needs to speculate at once.
 
+The engine's step sees the speculator as a `SpecStep`; the builder wires its `HiddenStatePass`,
+the handoffs read its `HandoffState`. An engine built without one gets `NoSpeculation`.
+
 `attach_drafts` and `choose_tokens` are the engine's two moments of a speculative step: before
 the pass (drafts become verifications) and after it (rows become tokens).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +39,7 @@ from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Draft:
@@ -61,38 +66,9 @@ class SpecFootprint:
     max_draft_tokens: int = 0    # the widest draft a verification checks (0: it never proposes)
 
 
-class Speculator(Protocol):
-    # --- building (builder.py), in this order ---------------------------------------------
-    def load(self, target: Models, device: torch.device) -> SpecFootprint:
-        """Load what runs beside the target (before the memory plan) and say what it adds."""
-
-    def attach(self, engine) -> None:
-        """The engine is built (cache, pool, backend): make what runs over them."""
-
-    # --- around the forward pass -------------------------------------------------------------
-    def after_forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
-                      hidden: torch.Tensor, meta) -> None:
-        """The target's pre-norm hidden states of the step's tokens (only with `hidden_states`)."""
-
-    def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
-        """After the scheduler's update: computed counts are final; `forks` spawned from their parents."""
-
-    def usable_hits(self, hits: list[int]) -> list[int]:
-        """The longest prefix of a prefix-cache hit this engine can continue from."""
-
-    def invalidate(self, blocks: list[int]) -> None:
-        """`blocks` were just allocated: what was kept for them is gone."""
-
-    # --- the P/D handoff ---------------------------------------------------------------------
-    def export_state(self, seq: Sequence) -> bytes:
-        """What a decode worker needs beside `seq`'s blocks to speculate at once (b"": nothing)."""
-
-    def import_state(self, data: bytes, num_prompt_tokens: int) -> object:
-        """The `Sequence.spec_state` a handed-off sequence starts with; ValueError if `data` cannot be it."""
-
-    # --- per request and per step ------------------------------------------------------------
-    def check_request(self, sampling: SamplingParams) -> None:
-        """Raise ValueError when this speculator cannot serve what `sampling` asks for."""
+class SpecStep(Protocol):
+    """What a step calls: sizes, drafts, verification, and the update's end (`attach_drafts`,
+    `choose_tokens`, `LLMEngine._update`)."""
 
     def lookaheads(self, plan: StepPlan) -> list[int]:
         """Tokens to propose for each of `plan.decodes` this step (0: a plain decode)."""
@@ -103,18 +79,119 @@ class Speculator(Protocol):
     def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft) -> list[int]:
         """logits [len(draft)+1, V] at the last token and after each draft token: the tokens to append."""
 
+    def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        """After the scheduler's update: computed counts are final; `forks` spawned from their parents."""
+
     def release(self, seq: Sequence) -> None:
         """Forget a request's proposer state (it finished, was aborted or preempted)."""
 
+
+class HiddenStatePass(Protocol):
+    """A pass over the target's hidden states with state per block: wired into the runner, the
+    pool and the scheduler at construction when the footprint says `hidden_states`."""
+
+    def after_forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+                      hidden: torch.Tensor, meta) -> None:
+        """The target's pre-norm hidden states of the step's tokens."""
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        """The longest prefix of a prefix-cache hit this engine can continue from."""
+
+    def invalidate(self, blocks: list[int]) -> None:
+        """`blocks` were just allocated: what was kept for them is gone."""
+
+
+class HandoffState(Protocol):
+    """The proposer state that crosses a P/D handoff beside the blocks (prefill/ and decode/handoff.py)."""
+
+    def export_state(self, seq: Sequence) -> bytes:
+        """What a decode worker needs beside `seq`'s blocks to speculate at once (b"": nothing)."""
+
+    def import_state(self, data: bytes, num_prompt_tokens: int) -> object:
+        """The `Sequence.spec_state` a handed-off sequence starts with; ValueError if `data` cannot be it."""
+
+
+class Speculator(SpecStep, HiddenStatePass, HandoffState, Protocol):
+    """What an engine's speculator is: built with the engine (`load`, then `attach`), asked about
+    each request (`check_request`), and the three narrow parts above, each given only to what calls it."""
+    heads: object | None    # --spec-online's head versions (decode/spec/online/heads.py), or None
+
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
+        """Load what runs beside the target (before the memory plan) and say what it adds."""
+
+    def attach(self, engine) -> None:
+        """The engine is built (cache, pool, backend): make what runs over them."""
+
+    def check_request(self, sampling: SamplingParams) -> None:
+        """Raise ValueError when this speculator cannot serve what `sampling` asks for."""
+
     def stats(self) -> dict:
         """Counters by method: drafted, accepted, verify steps."""
+
+
+class NoSpeculation:
+    """The speculator of an engine built without one: it loads nothing, never proposes, and
+    refuses requests that ask for a speculative method (so the engine needs no None checks)."""
+
+    heads = None    # no online adaptation
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def load(self, target: Models, device: torch.device) -> SpecFootprint:
+        if self.config.speculative.method != "off":
+            log.warning("speculative method %r is configured but this engine has no speculator: it runs without",
+                        self.config.speculative.method)
+        return SpecFootprint()
+
+    def attach(self, engine) -> None:
+        pass
+
+    def check_request(self, sampling: SamplingParams) -> None:
+        if sampling.speculative not in (None, "off"):
+            raise ValueError(f"speculative={sampling.speculative!r} was asked for, but this engine runs without "
+                             "speculative decoding; start it with --speculative")
+
+    def lookaheads(self, plan: StepPlan) -> list[int]:
+        return [0] * len(plan.decodes)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [Draft(()) for _ in seqs]
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, draft: Draft) -> list[int]:
+        raise AssertionError("an engine without a speculator verifies no draft")
+
+    def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def after_forward(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor,
+                      hidden: torch.Tensor, meta) -> None:
+        pass
+
+    def usable_hits(self, hits: list[int]) -> list[int]:
+        return hits
+
+    def invalidate(self, blocks: list[int]) -> None:
+        pass
+
+    def export_state(self, seq: Sequence) -> bytes:
+        return b""
+
+    def import_state(self, data: bytes, num_prompt_tokens: int) -> object:
+        return None
+
+    def stats(self) -> dict:
+        return {}
 
 
 # What an engine is given to speculate: `LLMEngine(config, speculator_factory=...)` calls it with its config.
 SpeculatorFactory = Callable[[EngineConfig], Speculator]
 
 
-def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) -> dict[Sequence, Draft]:
+def attach_drafts(speculator: SpecStep, scheduler: Scheduler, plan: StepPlan) -> dict[Sequence, Draft]:
     """Turn the plan's decodes that get a draft into verifications; returns the drafts by sequence."""
     chunks, ks = [], []
     for chunk, k in zip(list(plan.decodes), speculator.lookaheads(plan)):
@@ -138,7 +215,7 @@ def attach_drafts(speculator: Speculator, scheduler: Scheduler, plan: StepPlan) 
 
 
 def choose_tokens(logits: torch.Tensor, seqs: list[Sequence], drafts: dict[Sequence, Draft],
-                  speculator: Speculator | None) -> tuple[dict[Sequence, list[int]], dict[Sequence, int]]:
+                  speculator: SpecStep) -> tuple[dict[Sequence, list[int]], dict[Sequence, int]]:
     """Plain rows are sampled together; each verification's k+1 rows go to the speculator. A
     prompt's forks draw from its row beside it. Returns (tokens per sequence, first token per fork)."""
     forked: dict[Sequence, int] = {}
@@ -170,7 +247,7 @@ def choose_tokens(logits: torch.Tensor, seqs: list[Sequence], drafts: dict[Seque
     return out, forked
 
 
-def _verify(speculator: Speculator, seq: Sequence, rows: torch.Tensor, draft: Draft) -> list[int]:
+def _verify(speculator: SpecStep, seq: Sequence, rows: torch.Tensor, draft: Draft) -> list[int]:
     tokens = speculator.verify(seq, rows, draft)
     if seq.sampling.logprobs is not None:
         # A tree's tokens come from the rows of the accepted path: the root's, then each accepted node's.

@@ -9,10 +9,10 @@ are evicted before its first ones (the first are the ones other prompts share).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from cluster.kv.hashing import BlockHash
-from cluster.kv.kv_events import KVTier
+from cluster.kv.kv_events import KVEventLog, KVTier
 
 
 class NoFreeBlocks(RuntimeError):
@@ -20,7 +20,8 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 on_allocate: Callable[[list[int]], None] | None = None, events: KVEventLog | None = None):
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -32,9 +33,9 @@ class BlockPool:
         # Counters for metrics: prompt blocks looked up / found in the cache.
         self.queries = 0
         self.hits = 0
-        self.on_allocate = None   # called with newly allocated block ids (per-block side state resets)
+        self.on_allocate = on_allocate   # called with newly allocated block ids (per-block side state resets)
         self.on_cached = None     # called with (block, key) when a block is published (KV tiers copy it down)
-        self.events = None        # a KVEventLog (cluster/kv/kv_events.py): keys stored and evicted, for the router
+        self.events = events      # a KVEventLog (cluster/kv/kv_events.py): keys stored and evicted, for the router
 
     # --- queries -------------------------------------------------------------------------
     @property

@@ -46,6 +46,7 @@ class AttentionBatch:
 
 class AttentionBackend(Protocol):
     name: str
+    verifies_trees: bool    # token-tree verifications (PrefillSpan.tree): a speculator may grow trees
 
     def prepare(self, batch: AttentionBatch) -> Any:
         """Build per-step metadata shared by all layers."""

@@ -144,6 +144,7 @@ class Transfer(Protocol):
 class Transport(Protocol):
     name: str
     agent_name: str
+    refused: int    # connections that failed their hello (a worker's stats); 0 where none are made
 
     def register(self, arena: torch.Tensor, layout: KVLayout) -> None:
         """Register the whole KV arena once; transfers then address blocks in it."""

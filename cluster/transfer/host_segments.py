@@ -27,6 +27,7 @@ class FutureTransfer:
 
 class HostSegmentTransport:
     name = "host"
+    refused = 0    # it makes no connections of its own to refuse (Transport.refused)
 
     def __init__(self, agent_name: str):
         self.agent_name = agent_name

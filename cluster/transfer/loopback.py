@@ -21,6 +21,7 @@ class LoopbackTransfer:
 
 class LoopbackTransport:
     name = "loopback"
+    refused = 0    # it makes no connections of its own to refuse (Transport.refused)
 
     def __init__(self, agent_name: str):
         if agent_name in _AGENTS:

@@ -59,6 +59,7 @@ class _Peer:
 
 class NixlTransport:
     name = "nixl"
+    refused = 0    # it makes no connections of its own to refuse (Transport.refused)
 
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",), progress_thread: bool = False):
         nixl_agent, nixl_agent_config = _import_nixl()

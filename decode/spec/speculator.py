@@ -130,7 +130,7 @@ class SpecDecoder:
             return
         if loaded.eagle is not None and self.config.spec_online:
             self._attach_online(loaded)
-        self._trees = self.config.spec_tree_budget > 0 and getattr(engine.backend, "verifies_trees", False)
+        self._trees = self.config.spec_tree_budget > 0 and engine.backend.verifies_trees
         self.proposers["ngram"] = NgramDrafts(self.config)
         self.proposers["jacobi"] = JacobiProposer(self.config)
         if loaded.draft_model is not None and self.config.method == "quantspec":
