@@ -1,15 +1,41 @@
 """`splitserve serve` as a user runs it: a subprocess that starts Ray, serves gRPC, answers, exits."""
+import os
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def _raylets() -> set[str]:
-    out = subprocess.run(["pgrep", "-f", "ray/raylet"], capture_output=True, text=True).stdout
-    return set(out.split())
+class Run:
+    """One command's processes: its environment carries a tag that every process it starts (Ray's
+    raylet, the worker actors) inherits, so what is left of it is told from any other Ray on the
+    machine (this suite's own session Ray, another suite's)."""
+
+    def __init__(self):
+        self.tag = f"SPLITSERVE_TEST_RUN={uuid.uuid4().hex}".encode()
+        name, value = self.tag.decode().split("=")
+        self.env = {**os.environ, name: value}
+
+    def processes(self, pattern: str) -> set[str]:
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        return {pid for pid in pids if self.tag in _environ(pid)}
+
+    def raylets(self) -> set[str]:
+        return self.processes("ray/raylet")
+
+    def workers(self) -> set[str]:
+        return self.processes("ray::(Decode|Prefill)Worker")
+
+
+def _environ(pid: str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:   # gone meanwhile
+        return []
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +55,15 @@ def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_m
     """With only the HTTP API (`--grpc-port none`): the request goes through its completions route."""
     model = str(tiny_model_dir("llama"))
     prompt = "def add(a, b):"
-    before = _raylets()
+    run = Run()
     served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model", model, "--grpc-port", "none",
                              "--http-port", "0", "--transport", "tcp", "--request", prompt, "--max-tokens", "12"],
-                            capture_output=True, text=True, timeout=240)
+                            capture_output=True, text=True, timeout=240, env=run.env)
     assert served.returncode == 0, served.stderr[-2000:]
     assert served.stdout == generated("--model", model, "--max-tokens", "12", prompt)
     assert "on 1 prefill + 1 decode workers, KV over tcp" in served.stderr
     assert "OpenAI API: http://127.0.0.1:" in served.stderr and "gRPC" not in served.stderr
-    assert not _raylets() - before, "the Ray it started was left running"
-
-
-def _workers() -> set[str]:
-    out = subprocess.run(["pgrep", "-f", "ray::(Decode|Prefill)Worker"], capture_output=True, text=True).stdout
-    return set(out.split())
+    assert not run.raylets(), "the Ray it started was left running"
 
 
 def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
@@ -50,7 +71,6 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
     stream is still running when the signal lands): the banner's addresses answer (the OpenAI API
     on vLLM's port 8000, with max_model_len in /v1/models), the stream ends with UNAVAILABLE
     saying why, the server exits 0, and neither Ray nor a worker process it started is left."""
-    import os
     import re
     import signal
     import threading
@@ -60,9 +80,9 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
     from openai import OpenAI
 
     from router.client import Client
-    before, workers_before = _raylets(), _workers()
+    run = Run()
     proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--transport", "tcp"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=run.env)
     try:
         target, banner = None, []
         deadline = time.monotonic() + 240
@@ -96,16 +116,15 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
     limit = time.monotonic() + 20
-    while (_raylets() - before or _workers() - workers_before) and time.monotonic() < limit:
+    while (run.raylets() or run.workers()) and time.monotonic() < limit:
         time.sleep(0.2)
-    assert not _raylets() - before, "the Ray it started was left running"
-    assert not _workers() - workers_before, "a worker process was left running"
+    assert not run.raylets(), "the Ray it started was left running"
+    assert not run.workers(), "a worker process was left running"
 
 
 def test_the_main_job_answers_a_question_with_the_real_default_model():
     """The README's main job as a new user runs it: no --model (SmolLM2-135M-Instruct from its
     GGUF), the question sent through the chat template, a sensible answer on stdout."""
-    import os
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
     served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--http-port", "0",
                              "--transport", "tcp", "--request", "What is the capital of France?", "--max-tokens", "24"],
@@ -159,15 +178,15 @@ def test_serve_from_yaml_answers_like_the_flags(tiny_model_dir, tmp_path, genera
 
 def test_a_port_in_use_is_refused_in_one_line_before_ray_starts(tiny_model_dir):
     import socket
-    before = _raylets()
+    run = Run()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--model",
                                  str(tiny_model_dir("llama")), "--port", "0", "--http-port", str(port)],
-                                capture_output=True, text=True, timeout=120)
+                                capture_output=True, text=True, timeout=120, env=run.env)
     assert served.returncode == 2
     assert served.stderr == f"splitserve: error: --http-port 127.0.0.1:{port} is in use; give another port, or 0 " \
                             "for a free one\n"
-    assert not _raylets() - before
+    assert not run.raylets()
