@@ -144,7 +144,11 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An empty weight (the checkpoint's is assigned over it): Embedding's own random init
+        # would run torch's Python reference of normal_ on the meta device, which imports
+        # torch._dynamo, 1.5-2 s of every worker's start.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i))
                                     for i, w in enumerate(cfg.layer_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -161,8 +165,11 @@ class CausalLM(nn.Module):
         one, the local layers'."""
         cfg = self.cfg
 
-        def table(rope: RopeConfig) -> RotaryTable:   # computed where torch's default device is, then moved
-            t = RotaryTable(rope, cfg.head_dim, max_positions)
+        def table(rope: RopeConfig) -> RotaryTable:
+            # Computed on the CPU, then moved: on the meta device (the loader builds the model
+            # there) torch's Python references would run, importing torch._dynamo (1-2 s a worker).
+            with torch.device("cpu"):
+                t = RotaryTable(rope, cfg.head_dim, max_positions)
             return t if device is None else t.to(device)
         self._fused_layers = None   # they point at the tables
         self.rotary = table(cfg.rope)

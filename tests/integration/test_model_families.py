@@ -120,3 +120,16 @@ def test_engine_refuses_a_checkpoint_with_attention_softcapping(tiny_model_dir, 
     (model / "config.json").write_text(json.dumps(_raw(tiny_model_dir, "gemma3", attn_logit_softcapping=50.0)))
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_loading_a_model_imports_no_compiler(tiny_model_dir, kind):
+    """Every worker loads its model at start: building it on the meta device must not run torch's
+    Python references (they import torch._dynamo, 1.5-2 s of each worker's start)."""
+    import subprocess
+    import sys
+    code = ("import sys; from cluster.model.loader import load_model; "
+            f"load_model({str(tiny_model_dir(kind))!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
