@@ -17,6 +17,7 @@ RESULTS="${1:-${OUT:-./gpu_results}}"
 PY="${PYTHON:-python3}"
 DEADLINE=${GPU_CHECK_DEADLINE:-575}   # seconds from the start by which every step has ended
 GRACE=${GPU_CHECK_GRACE:-15}          # seconds between a step's SIGINT and its SIGKILL
+MIN_STEP=${GPU_CHECK_MIN_STEP:-10}    # a step left fewer seconds than this is skipped
 mkdir -p "$RESULTS"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
@@ -26,7 +27,7 @@ START=$SECONDS
 step() {   # step NAME SECONDS COMMAND...: output to RESULTS/NAME.txt, status to RESULTS/summary.txt
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - (SECONDS - START) - GRACE))
-  if [ "$left" -lt 10 ]; then
+  if [ "$left" -lt "$MIN_STEP" ]; then
     echo "$name skipped: the deadline is near" | tee -a "$RESULTS/summary.txt"
     return
   fi
