@@ -120,17 +120,21 @@ def _refused_too_large(http_url: str) -> int:
         return exc.code
 
 
-def _held_until_scraped(base: str, client):
-    """One long stream, in flight until Prometheus has scraped the decode worker's KV in use: the
+def _held_until_scraped(base: str, client) -> list:
+    """Long streams, one at a time, until Prometheus has scraped the decode worker's KV in use: the
     short waves can start and end between two scrapes (1 s apart), and the KV-usage checks need a
-    scrape that saw blocks held. Its completion."""
+    scrape that saw blocks held. Their completions (each runs to its end: the token counts are
+    compared with what the server counted)."""
     seen = 'max_over_time(splitserve_kv_cache_usage_ratio{role="decode"}[1m]) > 0'
+    outs = []
     with ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(client.generate, PROMPTS[1], max_tokens=1500, ignore_eos=True)
-        while not _values(_query(base, seen)):
-            assert not stream.done(), "the long stream ended before any scrape saw its KV blocks"
-            time.sleep(0.2)
-        return stream.result()
+        while not outs or not _values(_query(base, seen)):
+            assert len(outs) < 8, "no scrape saw the KV blocks of 8 streams in flight"
+            stream = pool.submit(client.generate, PROMPTS[1], max_tokens=200, ignore_eos=True)
+            while not stream.done() and not _values(_query(base, seen)):
+                time.sleep(0.2)
+            outs.append(stream.result())
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -139,20 +143,25 @@ def prometheus_over_cluster(tmp_path_factory):
     help_text = subprocess.run(["splitserve", "serve", "--help"], capture_output=True, text=True, check=True).stdout
     speculative = "--speculative" in help_text
     spec_args = ["--speculative", "ngram"] if speculative else []
-    serve = ServeProcess("--dtype", "float32", "--transport", "nixl", "--local-prefill-max-tokens", "4",
-                         "--served-model-name", SERVED_NAME,
-                         "--max-in-flight-per-tenant", str(PER_TENANT), *spec_args)
+    # Prometheus starts first, its target the metrics port given to serve: its start and its
+    # scrapers' first round (every 5 s) overlap the cluster's start.
+    metrics_port = free_port()
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())   # the shipped config, sped up
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(MONITORING / "prometheus-rules.yaml")]
-    config["scrape_configs"][0]["static_configs"] = [{"targets": [serve.metrics_url.split("/")[2]]}]
+    config["scrape_configs"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     base = f"http://127.0.0.1:{free_port()}"
     prom = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address={base[7:]}"], stdout=subprocess.DEVNULL,
                             stderr=(tmp / "prometheus.log").open("w"))
+    serve = None
     try:
+        serve = ServeProcess("--dtype", "float32", "--transport", "nixl", "--local-prefill-max-tokens", "4",
+                             "--served-model-name", SERVED_NAME, "--metrics-port", str(metrics_port),
+                             "--max-in-flight-per-tenant", str(PER_TENANT), *spec_args)
+        assert serve.metrics_url.split("/")[2] == f"127.0.0.1:{metrics_port}", serve.metrics_url
         http_url = serve.http_url
         deadline = time.monotonic() + 30
         while True:
@@ -176,7 +185,7 @@ def prometheus_over_cluster(tmp_path_factory):
                 outs += pool.map(lambda p: client.generate(p, max_tokens=24), PROMPTS * 2)
                 assert all(o.finish_reason in ("length", "stop") for o in outs)
                 time.sleep(1.5)
-        outs.append(_held_until_scraped(base, client))
+        outs += _held_until_scraped(base, client)
         assert _refused_too_large(http_url) == 400
         time.sleep(3)                    # scrapes and rule evaluations after the last request
         texts = {"--metrics-port": serve.metrics(),
@@ -185,7 +194,8 @@ def prometheus_over_cluster(tmp_path_factory):
     finally:
         prom.terminate()
         prom.wait(30)
-        assert serve.stop() == 0, serve.log[-3000:]
+        if serve is not None:
+            assert serve.stop() == 0, serve.log[-3000:]
 
 
 def test_every_dashboard_and_rule_expression_has_data(prometheus_over_cluster):
