@@ -4,6 +4,7 @@ serves the same GGUF (float32 greedy), its chat template and tokenizer from the 
 conversion is atomic, and a missing package is an error that names the pip command."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 
 import pytest
@@ -40,7 +41,24 @@ def test_the_default_model_is_smollm2_from_its_gguf(monkeypatch, gguf_file, conv
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "gguf_source.json"} <= names
 
 
-def test_greedy_equals_transformers_loading_the_same_gguf(gguf_file, converted):
+@pytest.fixture
+def gguf_parsed_once(monkeypatch):
+    """transformers parses the GGUF three times (config, tokenizer, weights; ~4 s each here) and
+    rebuilds gguf's tensor-name map for every module (~6 s): each parse and map kept for the test
+    gives transformers the same inputs in a third of the time. Both are read-only to it."""
+    import gguf
+    parse, readers = gguf.GGUFReader, {}
+
+    def parsed(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+    monkeypatch.setattr(gguf, "GGUFReader", parsed)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+
+
+def test_greedy_equals_transformers_loading_the_same_gguf(gguf_file, converted, gguf_parsed_once):
     import transformers
     from router.chat_template import ChatTemplate
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
