@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -55,8 +56,20 @@ def _reference(model=None):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference()
+def colocated():
+    """Colocated clusters by engine config, started on first use and kept for the module: the
+    draft case's also serves the validation test."""
+    started: dict[str, ClusterThread] = {}
+    lock = threading.Lock()
+
+    def get(engine: EngineConfig) -> ClusterThread:
+        with lock:
+            if repr(engine) not in started:
+                started[repr(engine)] = ClusterThread(ClusterConfig(http_port=None, engine=engine, colocated=True, port=0))
+            return started[repr(engine)]
+    yield get
+    for c in started.values():
+        c.stop()
 
 
 def _scrape(cluster: ClusterThread) -> dict:
@@ -122,12 +135,8 @@ def _served_across_the_handoff(engine: EngineConfig, configured: str, methods, t
         pd.stop()
 
 
-def _served_colocated(engine: EngineConfig, methods) -> dict:
-    colo = ClusterThread(ClusterConfig(http_port=None, engine=engine, colocated=True, port=0))
-    try:
-        return {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
-    finally:
-        colo.stop()
+def _served_colocated(colo: ClusterThread, methods) -> dict:
+    return {m: _serve_one_by_one(colo, speculative=m, cache_salt=m) for m in methods}
 
 
 @pytest.mark.parametrize("configured,methods,model,tree", [("draft", ("draft", "ngram", "jacobi"), None, 0),
@@ -135,38 +144,37 @@ def _served_colocated(engine: EngineConfig, methods) -> dict:
                                                            ("eagle", ("eagle",), "default", 0),
                                                            ("block", ("block",), "default", 0)],
                          ids=["draft-ngram-jacobi", "eagle-trees", "eagle3-default-model", "block-default-model"])
-def test_speculation_across_the_handoff_matches_colocated(reference, configured, methods, model, tree):
+def test_speculation_across_the_handoff_matches_colocated(colocated, configured, methods, model, tree):
     """The P/D and the colocated cluster run side by side (each serves its requests one at a time,
-    so what either accepts does not depend on the other)."""
-    if model is not None:
-        reference = _reference(model)
+    so what either accepts does not depend on the other), the single engine's reference beside them."""
     engine = _engine_config(configured, model, tree)
-    session_ray()   # before the two threads: neither may start its own
-    with ThreadPoolExecutor(2) as pool:
+    session_ray()   # before the threads: none may start its own
+    with ThreadPoolExecutor(3) as pool:
+        reference_run = pool.submit(_reference, model)
         pd_run = pool.submit(_served_across_the_handoff, engine, configured, methods, tree)
-        colocated_run = pool.submit(_served_colocated, engine, methods)
-        results, colocated = pd_run.result(), colocated_run.result()
+        colocated_run = pool.submit(lambda: _served_colocated(colocated(engine), methods))
+        reference, results, co_results = reference_run.result(), pd_run.result(), colocated_run.result()
     for method in methods:
-        (pd_out, pd_len), (co_out, co_len) = results[method], colocated[method]
+        (pd_out, pd_len), (co_out, co_len) = results[method], co_results[method]
         assert pd_out == reference and co_out == reference, method
         assert pd_len > 1.0, f"{method}: mean accepted length {pd_len:.3f} <= 1"
         assert abs(pd_len - co_len) <= 0.02 * co_len, f"{method}: P/D {pd_len:.3f} vs colocated {co_len:.3f}"
 
 
-def test_per_request_speculation_is_validated():
-    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine_config("ngram"), colocated=True, port=0, max_tokens_limit=64))
-    try:
-        client = Client(c.target)
-        for kwargs, field in (({"speculative": "eagle"}, "sampling.speculative"),
-                              ({"num_speculative_tokens": 99}, "sampling.num_speculative_tokens")):
-            with pytest.raises(grpc.RpcError) as err:
-                client.generate("def f():", max_tokens=4, **kwargs)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert field in err.value.details()
-        out = client.generate("def f():", max_tokens=4, speculative="off")
-        assert len(out.token_ids) == 4
-    finally:
-        c.stop()
+def test_per_request_speculation_is_validated(colocated):
+    """A method the server was not started with (it runs draft, n-gram and Jacobi) and more
+    speculative tokens than it allows are refused, naming the field; "off" is plain decoding."""
+    c = colocated(_engine_config("draft"))
+    client = Client(c.target)
+    for kwargs, field in (({"speculative": "eagle"}, "sampling.speculative"),
+                          ({"num_speculative_tokens": 99}, "sampling.num_speculative_tokens")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("def f():", max_tokens=4, **kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    out = client.generate("def f():", max_tokens=4, speculative="off")
+    assert len(out.token_ids) == 4
+    c.wait_idle()
 
 
 def test_eagle_head_of_another_shape_is_refused_before_anything_starts(tmp_path):
