@@ -327,9 +327,15 @@ def _start_ray(cfg: ClusterConfig) -> bool:
         ray.init(address=cfg.ray_address, log_to_driver=False)
         _log_router_node(ray)
     else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                 num_cpus=max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
+        start_local_ray(max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
     return True
+
+
+def start_local_ray(num_cpus: int) -> None:
+    """A local Ray on loopback, without its dashboard (`ray_environment` first); `num_cpus` is
+    logical: what the actors' `num_cpus` draw from."""
+    _ray().init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                num_cpus=num_cpus)
 
 
 async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster]:

@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from cluster.launch.app import ray_environment, start_cluster
+from cluster.launch.app import ray_environment, start_cluster, start_local_ray
 
 # Logical CPUs only: enough that actors of a cluster still being killed never hold up the next one's.
 SESSION_RAY_CPUS = 64
@@ -20,8 +20,7 @@ def session_ray() -> None:
     ray_environment()
     import ray
     if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-                 num_cpus=SESSION_RAY_CPUS)
+        start_local_ray(SESSION_RAY_CPUS)
 
 
 def stop_session_ray() -> None:
