@@ -133,6 +133,7 @@ def http_completion(base_url: str, api_key: str | None, prompt: str | list[int],
     yield from _http_events(base_url, "/v1/completions", body, api_key, lambda choice: choice.get("text"), max_tokens)
 
 
-def room_left(max_model_len: int, prompt_len: int, max_tokens: int | None) -> int:
-    """The answer's limit: the tokens given, else the room left in the context."""
-    return max_tokens if max_tokens else max(1, max_model_len - prompt_len)
+def room_left(max_model_len: int, prompt_len: int, max_tokens: int | None, bound: int) -> int:
+    """The answer's limit: the tokens given, else the room left in the context (at most `bound`,
+    the most a request may ask for: the server's --max-tokens-limit)."""
+    return max_tokens if max_tokens else max(1, min(bound, max_model_len - prompt_len))

@@ -65,11 +65,17 @@ def _request_sampling(cfg, args, builder) -> tuple[dict, int | None, str]:
     sampling = session_sampling(args, cfg.engine.model if chat else None) if chat else \
         replace(GREEDY, source="a completion, not a chat", **_given(args))
     seed = session_seed(args) if sampling.temperature > 0 else args.seed
-    return sampling.request(), seed, sampling.describe() + (f"; seed {seed}" if seed is not None else "")
+    described = sampling.describe() + (f"; seed {seed}" if seed is not None else "")
+    return {**sampling.request(), **_stops(args)}, seed, described
 
 
 def _given(args) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
+
+
+def _stops(args) -> dict:
+    """--stop and --ignore-eos, as the request's fields (when given)."""
+    return {**({"stop": list(args.stop)} if args.stop else {}), **({"ignore_eos": True} if args.ignore_eos else {})}
 
 
 async def _answer(cfg, at, args, builder, max_model_len: int, console) -> None:
@@ -83,7 +89,7 @@ async def _answer(cfg, at, args, builder, max_model_len: int, console) -> None:
     printer, cut = StreamPrinter(), None
     if at.grpc is None:
         def relay():          # printed as the events arrive, off the event loop
-            for piece in http_completion(at.http, key, prompt, args.max_tokens, sampling, seed):
+            for piece in http_completion(at.http, key, prompt, args.max_tokens or cfg.max_tokens_limit, sampling, seed):
                 if isinstance(piece, Cut):
                     return piece
                 printer.add((), piece, None)
@@ -91,7 +97,8 @@ async def _answer(cfg, at, args, builder, max_model_len: int, console) -> None:
         cut = await asyncio.to_thread(relay)
     else:
         client = AsyncClient(at.grpc, api_key=key)
-        limit = args.max_tokens or room_left(max_model_len, len(prompt) if isinstance(prompt, list) else 0, None)
+        prompt_len = len(prompt) if isinstance(prompt, list) else 0
+        limit = room_left(max_model_len, prompt_len, args.max_tokens, cfg.max_tokens_limit)
         async for msg in client.stream(prompt, max_tokens=limit, seed=seed, **sampling):
             printer.add(msg.token_ids, msg.text, from_proto(msg.finish_reason) if msg.finish_reason else None)
         await client.close()
@@ -135,6 +142,7 @@ def cmd_chat(inv: Invocation) -> int:
         raise SettingError("--model", f"{cfg.engine.model.name} has no chat template; give --chat-template FILE")
     key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
     sampling, seed = session_sampling(args, cfg.engine.model), session_seed(args)
+    request = {**sampling.request(), **_stops(args)}
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     console.phase("starting")
@@ -144,26 +152,25 @@ def cmd_chat(inv: Invocation) -> int:
     at = endpoints(cfg, cluster)
     try:
         if at.grpc is None:         # only the HTTP API is served: its chat route renders the same template
-            reply = http_reply(at.http, None, key, args.max_tokens, sampling.request(), seed)
+            reply = http_reply(at.http, None, key, args.max_tokens or cfg.max_tokens_limit, request, seed)
         else:
-            reply = grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, sampling.request(), seed,
-                               cluster.max_model_len)
+            reply = grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, request, seed,
+                               (cluster.max_model_len, cfg.max_tokens_limit))
         return chat_loop(reply, note=console.note)
     finally:
-        console.phase("shutting down")
         asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
-        console.done()
 
 
 def grpc_reply(client, builder: PromptBuilder, max_tokens: int | None, sampling: dict, seed: int,
-               max_model_len: int):
+               room: tuple[int, int]):
     """A `reply` through a local cluster's gRPC API, the conversation rendered here; turn i is
-    seeded `seed + i`; without `max_tokens`, an answer may fill the context."""
+    seeded `seed + i`; without `max_tokens`, an answer may fill the context (`room`: its length, and
+    the most a request may ask for)."""
     turns = itertools.count()
 
     def reply(messages):
         ids = builder.conversation(messages)
-        limit = room_left(max_model_len, len(ids), max_tokens)
+        limit = room_left(room[0], len(ids), max_tokens, room[1])
         reason = ""
         for msg in client.stream(ids, max_tokens=limit, seed=seed + next(turns), **sampling):
             reason = msg.finish_reason or reason

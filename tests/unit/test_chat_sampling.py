@@ -39,7 +39,8 @@ def test_temperature_zero_alone_is_plain_greedy_and_generate_stays_greedy(tmp_pa
     greedy = chat_sampling.session_sampling(_args("--temperature", "0"), tmp_path)
     assert greedy == GREEDY and greedy.request() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                                      "repetition_penalty": 1.0}
-    assert chat_sampling.session_sampling(_args("--temperature", "0", "--repetition-penalty", "1.2"), tmp_path).repetition_penalty == 1.2
+    penalized = chat_sampling.session_sampling(_args("--temperature", "0", "--repetition-penalty", "1.2"), tmp_path)
+    assert penalized.repetition_penalty == 1.2
     gen = build_parser().parse_args(["generate", "hi"])
     assert (gen.temperature, gen.repetition_penalty, gen.max_tokens) == (0.0, 1.0, 128)
     chat = _args()
@@ -48,7 +49,8 @@ def test_temperature_zero_alone_is_plain_greedy_and_generate_stays_greedy(tmp_pa
 
 
 def test_gguf_metadata_states_sampling_as_generation_config_names_it():
-    meta = SimpleNamespace(get=lambda key: {"general.sampling.temp": 0.6, "general.sampling.penalty_repeat": 1.05}.get(key))
+    stated = {"general.sampling.temp": 0.6, "general.sampling.penalty_repeat": 1.05}
+    meta = SimpleNamespace(get=stated.get)
     assert sampling_defaults(meta) == {"temperature": 0.6, "repetition_penalty": 1.05}
 
 
@@ -62,7 +64,8 @@ def test_a_cut_answer_is_said_in_one_line_below_it():
     out = SimpleNamespace(text="", write=lambda s: setattr(out, "text", out.text + s), flush=lambda: None)
     assert chat_loop(reply, out=out, read=lambda _: next(lines), note=notes.append) == 0
     assert out.text == "an answer that\n" and notes == ["[cut at 12 tokens: --max-tokens N gives more]"]
-    assert room_left(8192, 100, None) == 8092 and room_left(8192, 100, 64) == 64
+    assert room_left(8192, 100, None, 9000) == 8092 and room_left(8192, 100, 64, 9000) == 64
+    assert room_left(8192, 100, None, 4096) == 4096
 
 
 CONSOLE_CHILD = textwrap.dedent("""
