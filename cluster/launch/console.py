@@ -60,7 +60,10 @@ class Console:
             self._saved_fd = None
 
     def phase(self, text: str) -> None:
-        """A start step begins: the status line says it, with the time since the command started."""
+        """A start step begins: the status line says it, with the time since the command started
+        (quiet only: otherwise the logs say it)."""
+        if self.log_path is None:
+            return
         with self._lock:
             self._phase, self._phase_at = text, time.monotonic()
         self._paint(force=True)
