@@ -9,8 +9,9 @@ message), through the engine in-process (the same sampler as a cluster's workers
 samples the same tokens whatever shares its batch). `greedy` is what `chat` did before (and what
 `--temperature 0` does now); `chat` is what it does now (cluster/launch/chat_sampling.py
 `model_sampling`: for SmolLM2-135M-Instruct its model card's temperature 0.2, top-p 0.9 and a
-repetition penalty of 1.1). The others were tried on the two questions of issue 65 (the tuning set,
-kept apart from these 20) to choose that penalty. docs/first_run.md has the figures.
+repetition penalty of 1.15). The others are the variations tried; the penalty was first set to 1.1
+(ollama's) and raised to 1.15 after 1.1 left one of these 20 looping, so they are no longer strictly
+held out (`--tuning` runs the issue's questions). docs/first_run.md has the figures.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ QUESTIONS = (      # held out: none of them was used to choose the defaults
     "Tell me about the history of the Roman Empire in a few sentences.",
     "What are the main differences between cats and dogs as pets?",
 )
-TUNING = ("Give me three tips for writing clean Python code.", "Which programming language should I learn first?")
+TUNING = ("Give me three tips for writing clean Python code.", "Which programming language should I learn first?",
+          "What is the capital of France?")
 
 
 def sentences(text: str) -> list[str]:
@@ -70,7 +72,10 @@ def loops(text: str) -> bool:
 def configs(model_dir) -> dict:
     chat = model_sampling(model_dir)
     return {"greedy": GREEDY, "chat": chat,
+            "chat-penalty-1.1": replace(chat, repetition_penalty=1.1, source="penalty 1.1"),
             "chat-no-penalty": replace(chat, repetition_penalty=1.0, source="chat defaults without the penalty"),
+            "chat-penalty-1.05": replace(chat, repetition_penalty=1.05, source="penalty 1.05"),
+            "chat-penalty-1.15": replace(chat, repetition_penalty=1.15, source="penalty 1.15"),
             "chat-penalty-1.2": replace(chat, repetition_penalty=1.2, source="penalty 1.2"),
             "greedy-penalty-1.1": replace(GREEDY, repetition_penalty=1.1, source="greedy, penalty 1.1"),
             "temp-0.7": replace(chat, temperature=0.7, source="temperature 0.7")}

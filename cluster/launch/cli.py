@@ -169,7 +169,9 @@ def _setup_logging(args, console: Console) -> None:
     level = args.log_level
     if console.log_path is not None:     # the file keeps INFO; its phases make the status line
         level = min(logging.getLevelName(level), logging.INFO)
-        logging.getLogger("cluster").addHandler(PhaseHandler(console))
+        for phased in ("cluster", "kernels"):
+            logging.getLogger(phased).addHandler(PhaseHandler(console))
+        logging.getLogger("kernels").setLevel(logging.INFO)
     for ours in ("cluster", "prefill", "decode", "router"):
         logging.getLogger(ours).setLevel(level)
 
