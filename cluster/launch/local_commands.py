@@ -135,6 +135,14 @@ def cmd_serve(inv: Invocation) -> int:
     return 0
 
 
+def _read_line(prompt: str) -> str:
+    """`input`, its prompt on stdout: on a terminal `input` writes it to stderr, which a quiet
+    console sends to the log file."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    return input()
+
+
 def cmd_chat(inv: Invocation) -> int:
     args, cfg, console = inv.args, inv.config, inv.console
     builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
@@ -156,7 +164,7 @@ def cmd_chat(inv: Invocation) -> int:
         else:
             reply = grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, request, seed,
                                (cluster.max_model_len, cfg.max_tokens_limit))
-        return chat_loop(reply, note=console.note)
+        return chat_loop(reply, read=_read_line, note=console.note)
     finally:
         asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
 

@@ -1,6 +1,7 @@
 """A new user's first chat, as a terminal shows it: `splitserve chat` with the default model in a
 pseudo-terminal (stdout and stderr on one screen, as a person sees them). One session, shared by
-the assertions: the start, the issue's question and its follow-up, the exit."""
+the assertions: the start, the issue's question, the exit (its follow-up, in docs/first_run.md's
+transcript, would double the test's time)."""
 import os
 import pty
 import re
@@ -14,7 +15,6 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 QUESTION = "Give me three tips for writing clean Python code."
-FOLLOW_UP = "Which of them is the most important?"
 
 
 class Terminal:
@@ -64,14 +64,12 @@ def session(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
     term = Terminal([sys.executable, "-m", "cluster.launch.cli", "chat", "--port", "0", "--http-port", "none",
                      "--transport", "tcp", "--seed", "1"], env)
-    start = term.read_until(b"> ", timeout=300).decode(errors="replace")
+    start = term.read_until(b"> ", timeout=180).decode(errors="replace")
     term.send(QUESTION)
-    first = term.read_until(b"\n> ", timeout=300).decode(errors="replace")
-    term.send(FOLLOW_UP)
-    second = term.read_until(b"\n> ", timeout=300).decode(errors="replace")
+    first = term.read_until(b"\n> ", timeout=180).decode(errors="replace")
     term.send("/exit")
     code = term.wait(120)
-    return {"start": start, "answers": [first, second], "code": code, "screen": term.screen.decode(errors="replace")}
+    return {"start": start, "answer": first, "code": code, "screen": term.screen.decode(errors="replace")}
 
 
 def _answer(echoed: str, question: str) -> str:
@@ -93,11 +91,10 @@ def test_the_start_is_one_status_line_and_then_only_the_conversation(session):
     assert "starting Ray" in kept and "INFO" in kept
 
 
-def test_three_different_tips_not_cut_and_a_follow_up(session):
-    tips = _answer(session["answers"][0], QUESTION)
+def test_three_different_tips_not_cut_and_no_sentence_said_three_times(session):
+    tips = _answer(session["answer"], QUESTION)
     items = re.findall(r"^\s*(?:\d+[.)]|[-*])\s*(.+)$", tips, flags=re.MULTILINE)
     assert len(items) >= 3 and len(set(items[:3])) == 3, tips
     assert "[cut at" not in session["screen"]
-    follow = _answer(session["answers"][1], FOLLOW_UP)
-    sentences = [s.strip().lower() for s in re.split(r"(?<=[.!?])\s+|\n+", follow) if len(s.strip()) > 8]
-    assert follow and max(sentences.count(s) for s in sentences) < 3, follow
+    sentences = [s.strip().lower() for s in re.split(r"(?<=[.!?])\s+|\n+", tips) if len(s.strip()) > 8]
+    assert max(sentences.count(s) for s in sentences) < 3, tips
