@@ -85,7 +85,7 @@ async def _answer(cfg, at, args, builder, max_model_len: int, console) -> None:
     key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
     prompt = builder.prompt(args.request, raw=args.raw)
     sampling, seed, described = _request_sampling(cfg, args, builder)
-    log.info("--request samples with %s", described)
+    console.note(f"splitserve: sampling: {described}")
     printer, cut = StreamPrinter(), None
     if at.grpc is None:
         def relay():          # printed as the events arrive, off the event loop
