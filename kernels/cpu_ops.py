@@ -120,6 +120,8 @@ def _build(folder: Path) -> Path | None:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the fused CPU ops into %s (once)", target,
+             extra={"phase": "building the CPU kernels (first start only)"})
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
         kvq = Path(tmp) / "kv_quant.o"

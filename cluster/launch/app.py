@@ -284,9 +284,11 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
+    log.info("starting Ray", extra={"phase": "starting Ray"})
     started = _start_ray(cfg)
     ray = _ray()
     workers, roster = await _start_workers(cfg)
+    log.info("starting %d workers", len(workers), extra={"phase": f"loading the model in {len(workers)} workers"})
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
     frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers)

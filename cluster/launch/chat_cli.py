@@ -5,8 +5,10 @@ And `splitserve chat`, a conversation in the terminal, against a local cluster o
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -39,9 +41,20 @@ class PromptBuilder:
         return self.conversation([{"role": "user", "content": text}])
 
 
-def chat_loop(reply, out=sys.stdout, read=input) -> int:
+@dataclass(frozen=True)
+class Cut:
+    """What a `reply` yields last when a token limit ended the answer (not the model)."""
+    max_tokens: int | None
+
+    def line(self) -> str:
+        limit = f"{self.max_tokens} tokens" if self.max_tokens else "the token limit"
+        return f"[cut at {limit}: --max-tokens N gives more]"
+
+
+def chat_loop(reply, out=sys.stdout, read=input, note=None) -> int:
     """Read a line, send the conversation so far, stream the answer; /exit or end of input stops.
-    `reply(messages)` yields text pieces."""
+    `reply(messages)` yields text pieces (and a `Cut` when a limit ended the answer, which
+    `note(line)` is told in one line)."""
     messages: list[dict] = []
     while True:
         try:
@@ -54,12 +67,18 @@ def chat_loop(reply, out=sys.stdout, read=input) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        answer = []
+        answer, cut = [], None
         for piece in reply(messages):
+            if isinstance(piece, Cut):
+                cut = piece
+                continue
             answer.append(piece)
             out.write(piece)
             out.flush()
         out.write("\n")
+        out.flush()
+        if cut is not None and note is not None:
+            note(cut.line())
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
@@ -80,26 +99,41 @@ def _sse_post(base_url: str, path: str, body: dict, api_key: str | None, piece):
     conn.close()
 
 
-def http_reply(base_url: str, model: str | None, api_key: str | None, max_tokens: int, temperature: float):
-    """A `reply` over a server's OpenAI API (/v1/chat/completions, streamed): its template applies."""
+def _http_events(base_url, path, body, api_key, text_of, max_tokens):
+    """Text pieces of a streamed OpenAI answer, a `Cut` after them when the length limit ended it."""
+    def piece(choice):
+        return [text_of(choice) or "", Cut(max_tokens) if choice.get("finish_reason") == "length" else None]
+    for text, cut in _sse_post(base_url, path, body, api_key, piece):
+        if text:
+            yield text
+        if cut is not None:
+            yield cut
+
+
+def http_reply(base_url: str, model: str | None, api_key: str | None, max_tokens: int | None, sampling: dict,
+               seed: int | None = None):
+    """A `reply` over a server's OpenAI API (/v1/chat/completions, streamed): its template applies.
+    `sampling`: the request's sampling fields; turn i is seeded `seed + i`."""
+    turns = itertools.count()
+
     def reply(messages):
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                **({"model": model} if model else {})}
-        yield from _sse_post(base_url, "/v1/chat/completions", body, api_key,
-                             lambda choice: choice.get("delta", {}).get("content") or "")
+        body = {"messages": messages, **sampling, **({"max_tokens": max_tokens} if max_tokens else {}),
+                **({"model": model} if model else {}), **({"seed": seed + next(turns)} if seed is not None else {})}
+        yield from _http_events(base_url, "/v1/chat/completions", body, api_key,
+                                lambda choice: choice.get("delta", {}).get("content"), max_tokens)
     return reply
 
 
-def http_completion(base_url: str, api_key: str | None, prompt: str | list[int], max_tokens: int,
-                    temperature: float = 0.0):
-    """One prompt (text, or token ids rendered here) through /v1/completions, streamed: its text pieces."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
-    yield from _sse_post(base_url, "/v1/completions", body, api_key, lambda choice: choice.get("text") or "")
+def http_completion(base_url: str, api_key: str | None, prompt: str | list[int], max_tokens: int | None,
+                    sampling: dict | None = None, seed: int | None = None):
+    """One prompt (text, or token ids rendered here) through /v1/completions, streamed: its text
+    pieces (greedy unless `sampling` says otherwise), then a `Cut` if the limit ended it."""
+    body = {"prompt": prompt, "temperature": 0.0, **(sampling or {}),
+            **({"max_tokens": max_tokens} if max_tokens else {}), **({"seed": seed} if seed is not None else {})}
+    yield from _http_events(base_url, "/v1/completions", body, api_key, lambda choice: choice.get("text"), max_tokens)
 
 
-def grpc_reply(client, builder: PromptBuilder, max_tokens: int, temperature: float):
-    """A `reply` through a local cluster's gRPC API, the conversation rendered here."""
-    def reply(messages):
-        for msg in client.stream(builder.conversation(messages), max_tokens=max_tokens, temperature=temperature):
-            yield msg.text
-    return reply
+def room_left(max_model_len: int, prompt_len: int, max_tokens: int | None, bound: int) -> int:
+    """The answer's limit: the tokens given, else the room left in the context (at most `bound`,
+    the most a request may ask for: the server's --max-tokens-limit)."""
+    return max_tokens if max_tokens else max(1, min(bound, max_model_len - prompt_len))

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, cache_dir
 from cluster.launch.chat_cli import chat_loop, http_reply
+from cluster.launch.chat_sampling import session_sampling, session_seed
 from cluster.launch.cli_parser import build_parser
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
+from cluster.launch.console import Console, PhaseHandler, log_file
 # Imported from here too (tests, scripts): what a command is, how it fails and prints.
 from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  # noqa: F401
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
@@ -121,12 +124,16 @@ def _check_machine(cfg, given: dict) -> None:
 
 
 def _chat_with_server(inv: Invocation) -> int:
-    """`splitserve chat --server`: over the server's OpenAI HTTP API (no torch, no gRPC here)."""
+    """`splitserve chat --server`: over the server's OpenAI HTTP API (no torch, no gRPC here); the
+    server's model is not known here, so unset sampling flags take the chat defaults."""
     args = inv.args
     keys = _api_keys(args)
     key = keys[0].key.decode() if keys else None
+    sampling, seed = session_sampling(args, None), session_seed(args)
+    inv.console.done(f"splitserve: chatting with {args.server}; {sampling.describe()}; seed {seed}; /exit to stop")
     try:
-        return chat_loop(http_reply(args.server, None, key, args.max_tokens, args.temperature))
+        return chat_loop(http_reply(args.server, None, key, args.max_tokens, sampling.request(), seed),
+                         note=inv.console.note)
     except (OSError, RuntimeError) as exc:
         raise CommandError(f"{args.server}: {exc}") from None
 
@@ -148,23 +155,48 @@ def _error(exc: BaseException) -> str:
     return "splitserve: error: " + " ".join(str(exc).split())
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        inv = load(argv)
-    except (ValueError, FileNotFoundError) as exc:      # SettingError, and the model's own refusals
-        print(_error(exc), file=sys.stderr)
-        return 2
+def _console(args) -> Console:
+    """The commands a person reads, run here (`chat`, `serve --request`), get a quiet console
+    unless -v: one status line while starting, the logs in a file under the cache."""
+    quiet = not getattr(args, "verbose", True) and (
+        (args.command == "chat" and not args.server) or (args.command == "serve" and args.request is not None))
+    return Console(log_file(cache_dir(), args.command) if quiet else None)
+
+
+def _setup_logging(args, console: Console) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level
+    if console.log_path is not None:     # the file keeps INFO; its phases make the status line
+        level = min(logging.getLevelName(level), logging.INFO)
+        for phased in ("cluster", "kernels"):
+            logging.getLogger(phased).addHandler(PhaseHandler(console))
+        logging.getLogger("kernels").setLevel(logging.INFO)
     for ours in ("cluster", "prefill", "decode", "router"):
-        logging.getLogger(ours).setLevel(inv.args.log_level)
+        logging.getLogger(ours).setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)      # a wrong flag: argparse's one line, exit 2
+    console = _console(args)
+    with console:
+        _setup_logging(args, console)
+        return _load_and_run(argv, console)
+
+
+def _load_and_run(argv: list[str] | None, console: Console) -> int:
+    try:
+        inv = replace(load(argv), console=console)
+    except (ValueError, FileNotFoundError) as exc:      # SettingError, and the model's own refusals
+        console.done(_error(exc))
+        return 2
     try:
         return run(inv)
     except CommandError as exc:
-        print(_error(exc), file=sys.stderr)
+        console.done(_error(exc))
         return 1
     except (ValueError, FileNotFoundError) as exc:
-        print(_error(exc), file=sys.stderr)
+        console.done(_error(exc))
         return 2
 
 

@@ -94,33 +94,54 @@ def _add_serve(srv: Parser) -> None:
     _add_cluster_args(srv)
     srv.add_argument("--request", default=None, metavar="PROMPT",
                      help="answer this one prompt through the gRPC API (streamed to stdout), then shut down")
-    srv.add_argument("--max-tokens", type=int, default=128, help="max tokens for --request")
     srv.add_argument("--raw", action="store_true",
                      help="send --request as is (default: as a user message through the model's chat template)")
+    _add_sampling_args(srv, for_reading=True)
+    _add_verbose(srv, "with --request: ")
 
 
 def _add_chat(chat: Parser) -> None:
     _add_cluster_args(chat)
-    _add_sampling_args(chat)
+    _add_sampling_args(chat, for_reading=True)
+    _add_verbose(chat, "")
     chat.add_argument("--server", default=None, metavar="URL",
                       help="chat with a running server's OpenAI API (e.g. http://127.0.0.1:8000) instead")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (the request's)")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="0 is greedy, the default here and in the gRPC API (the OpenAI HTTP API's default is "
-                        "OpenAI's and vLLM's, 1)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this "
-                                                             "probable")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens (0: all)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less probable than this times the top one")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens already seen "
-                                                                         "by this (1: none)")
-    g.add_argument("--seed", type=int, default=None, help="the request's seed (default: the engine's --default-seed)")
+# What `chat` and `serve --request` say of an unset sampling flag (cluster/launch/chat_sampling.py).
+FOR_READING = "the model's own default, else a chat default; --temperature 0 alone is plain greedy"
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, for_reading: bool = False) -> None:
+    """`generate`'s sampling flags default to greedy decoding; `for_reading` (the commands a
+    person reads) leaves them unset: the model's sampling defaults fill them."""
+    def default(value):
+        return None if for_reading else value
+    g = p.add_argument_group("sampling (the request's)" + (f"; unset: {FOR_READING}" if for_reading else ""))
+    g.add_argument("--max-tokens", type=int, default=None if for_reading else 128,
+                   help="tokens to generate at most" + (" (default: the room left in the context)" if for_reading
+                                                         else ""))
+    g.add_argument("--temperature", type=float, default=default(0.0),
+                   help="0 is greedy" + ("" if for_reading else ", the default here and in the gRPC API (the OpenAI "
+                                                                "HTTP API's default is OpenAI's and vLLM's, 1)"))
+    g.add_argument("--top-p", type=float, default=default(1.0), help="nucleus sampling: the smallest set of tokens "
+                                                                      "this probable")
+    g.add_argument("--top-k", type=int, default=default(0), help="sample from the k most probable tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=default(0.0), help="drop tokens less probable than this times the "
+                                                                      "top one")
+    g.add_argument("--repetition-penalty", type=float, default=default(1.0),
+                   help="divide the logits of tokens already seen by this (1: none)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="a random one per session, shown at the start (turn i uses seed + i)" if for_reading else
+                   "the request's seed (default: the engine's --default-seed)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+
+
+def _add_verbose(p: argparse.ArgumentParser, when: str) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help=f"{when}logs (ours, Ray's) on stderr as they come (default: one status line while starting, "
+                        "then only the conversation; the logs go to a file under the cache, named at the start)")
 
 
 def _add_cluster_args(p: Parser) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from cluster.launch.console import Console
 from cluster.launch.settings import Values
 
 
@@ -21,6 +22,7 @@ class Invocation:
     args: argparse.Namespace
     values: Values          # the settings given, on the command line or in YAML
     config: object          # ClusterConfig (serve, chat), EngineConfig (generate); None when nothing runs here
+    console: Console = field(default_factory=lambda: Console(None))    # a quiet one for chat, serve --request
 
 
 class StreamPrinter:

@@ -4,22 +4,29 @@ imports this module only when one of them runs."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.engine.engine import LLMEngine
 from cluster.launch.app import start_cluster
 from cluster.launch.banner import Endpoints, banner
-from cluster.launch.chat_cli import PromptBuilder, chat_loop, grpc_reply, http_completion, http_reply
+from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
+from cluster.launch.chat_sampling import GREEDY, SAMPLING_FIELDS, session_sampling, session_seed
 from cluster.launch.invocation import Invocation, StreamPrinter
 from cluster.launch.settings import SettingError
 from cluster.model.gguf_import import export_hf
-from cluster.types import SamplingParams
+from cluster.types import FinishReason, SamplingParams
 from cluster.version import splitserve_version
 from decode.spec.speculator import make_speculator
 from router.client import AsyncClient, Client
+from router.finish_reasons import from_proto
+
+log = logging.getLogger(__name__)
 
 
 def _sampling(args):
@@ -50,27 +57,59 @@ def endpoints(cfg, cluster):
                      metrics=metrics)
 
 
-async def _answer(cfg, at, args, builder) -> None:
-    """`serve --request`: the prompt (through the chat template unless --raw) greedy, streamed to
-    stdout, through the gRPC API (or the HTTP API's completions route when gRPC is off)."""
+def _request_sampling(cfg, args, builder) -> tuple[dict, int | None, str]:
+    """`serve --request`'s sampling: a question sent through the chat template samples as the model's
+    chat does (cluster/launch/chat_sampling.py); a raw prompt, or a model without a template, is
+    completed greedily unless flags say otherwise. Returns the fields, the seed, and a description."""
+    chat = builder.has_template and not args.raw
+    sampling = session_sampling(args, cfg.engine.model if chat else None) if chat else \
+        replace(GREEDY, source="a completion, not a chat", **_given(args))
+    seed = session_seed(args) if sampling.temperature > 0 else args.seed
+    described = sampling.describe() + (f"; seed {seed}" if seed is not None else "")
+    return {**sampling.request(), **_stops(args)}, seed, described
+
+
+def _given(args) -> dict:
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
+
+
+def _stops(args) -> dict:
+    """--stop and --ignore-eos, as the request's fields (when given)."""
+    return {**({"stop": list(args.stop)} if args.stop else {}), **({"ignore_eos": True} if args.ignore_eos else {})}
+
+
+async def _answer(cfg, at, args, builder, max_model_len: int, console) -> None:
+    """`serve --request`: the prompt (through the chat template unless --raw), streamed to stdout,
+    through the gRPC API (or the HTTP API's completions route when gRPC is off); a limit that cut
+    the answer is said in one line on stderr."""
     key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
     prompt = builder.prompt(args.request, raw=args.raw)
-    printer = StreamPrinter()
+    sampling, seed, described = _request_sampling(cfg, args, builder)
+    console.note(f"splitserve: sampling: {described}")
+    printer, cut = StreamPrinter(), None
     if at.grpc is None:
-        def relay() -> None:          # printed as the events arrive, off the event loop
-            for piece in http_completion(at.http, key, prompt, args.max_tokens):
+        def relay():          # printed as the events arrive, off the event loop
+            for piece in http_completion(at.http, key, prompt, args.max_tokens or cfg.max_tokens_limit, sampling, seed):
+                if isinstance(piece, Cut):
+                    return piece
                 printer.add((), piece, None)
-        await asyncio.to_thread(relay)
+            return None
+        cut = await asyncio.to_thread(relay)
     else:
         client = AsyncClient(at.grpc, api_key=key)
-        async for msg in client.stream(prompt, max_tokens=args.max_tokens):
-            printer.add(msg.token_ids, msg.text, None)
+        prompt_len = len(prompt) if isinstance(prompt, list) else 0
+        limit = room_left(max_model_len, prompt_len, args.max_tokens, cfg.max_tokens_limit)
+        async for msg in client.stream(prompt, max_tokens=limit, seed=seed, **sampling):
+            printer.add(msg.token_ids, msg.text, from_proto(msg.finish_reason) if msg.finish_reason else None)
         await client.close()
+        cut = Cut(limit) if printer.reason is FinishReason.LENGTH else None
     printer.close()
+    if cut is not None:
+        console.note(cut.line())
 
 
 def cmd_serve(inv: Invocation) -> int:
-    cfg, args = inv.config, inv.args
+    cfg, args, console = inv.config, inv.args, inv.console
 
     async def run() -> None:
         cluster = await start_cluster(cfg)
@@ -81,34 +120,72 @@ def cmd_serve(inv: Invocation) -> int:
         builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
         lines = banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template, cluster.first_stats,
                        cluster.max_model_len)
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        console.done()
+        print("\n".join(lines), file=console.err, flush=True)
         if args.request is not None:
-            await _answer(cfg, at, args, builder)
+            await _answer(cfg, at, args, builder, cluster.max_model_len, console)
             stop.set()
         await stop.wait()
-        print("splitserve: shutting down", file=sys.stderr)
+        log.info("shutting down")
+        if args.request is None:
+            print("splitserve: shutting down", file=console.err)
         await cluster.stop()
+    console.phase("starting")
     asyncio.run(run())
     return 0
 
 
+def _read_line(prompt: str) -> str:
+    """`input`, its prompt on stdout: on a terminal `input` writes it to stderr, which a quiet
+    console sends to the log file."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    return input()
+
+
 def cmd_chat(inv: Invocation) -> int:
-    args, cfg = inv.args, inv.config
+    args, cfg, console = inv.args, inv.config, inv.console
     builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
     if not builder.has_template:
         raise SettingError("--model", f"{cfg.engine.model.name} has no chat template; give --chat-template FILE")
     key = cfg.api_keys[0].key.decode() if cfg.api_keys else None
+    sampling, seed = session_sampling(args, cfg.engine.model), session_seed(args)
+    request = {**sampling.request(), **_stops(args)}
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
+    console.phase("starting")
     cluster = asyncio.run_coroutine_threadsafe(start_cluster(cfg), loop).result()
-    print(f"splitserve: chatting with {cluster.model_name}; /exit to stop", file=sys.stderr)
+    console.done(f"splitserve: chatting with {cluster.model_name}; {sampling.describe()}; seed {seed} "
+                 f"(--seed {seed} repeats it); /exit to stop")
     at = endpoints(cfg, cluster)
     try:
         if at.grpc is None:         # only the HTTP API is served: its chat route renders the same template
-            return chat_loop(http_reply(at.http, None, key, args.max_tokens, args.temperature))
-        return chat_loop(grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, args.temperature))
+            reply = http_reply(at.http, None, key, args.max_tokens or cfg.max_tokens_limit, request, seed)
+        else:
+            reply = grpc_reply(Client(at.grpc, api_key=key), builder, args.max_tokens, request, seed,
+                               (cluster.max_model_len, cfg.max_tokens_limit))
+        return chat_loop(reply, read=_read_line, note=console.note)
     finally:
         asyncio.run_coroutine_threadsafe(cluster.stop(), loop).result(120)
+
+
+def grpc_reply(client, builder: PromptBuilder, max_tokens: int | None, sampling: dict, seed: int,
+               room: tuple[int, int]):
+    """A `reply` through a local cluster's gRPC API, the conversation rendered here; turn i is
+    seeded `seed + i`; without `max_tokens`, an answer may fill the context (`room`: its length, and
+    the most a request may ask for)."""
+    turns = itertools.count()
+
+    def reply(messages):
+        ids = builder.conversation(messages)
+        limit = room_left(room[0], len(ids), max_tokens, room[1])
+        reason = ""
+        for msg in client.stream(ids, max_tokens=limit, seed=seed + next(turns), **sampling):
+            reason = msg.finish_reason or reason
+            yield msg.text
+        if reason and from_proto(reason) is FinishReason.LENGTH:
+            yield Cut(limit)
+    return reply
 
 
 def cmd_export_hf(inv: Invocation) -> int:

@@ -65,7 +65,8 @@ def hf_dir_for(gguf_path: Path, cache_root: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=final.parent))
     try:
-        log.info("converting %s to a Hugging Face directory (once; cached in %s)", gguf_path.name, final)
+        log.info("converting %s to a Hugging Face directory (once; cached in %s)", gguf_path.name, final,
+                 extra={"phase": f"converting {gguf_path.name} (first start only)"})
         export_hf(gguf_path, tmp, digest)
         try:
             os.rename(tmp, final)          # atomic; another process may have won the race
@@ -89,7 +90,8 @@ def export_hf(gguf_path: Path, out_dir: Path, digest: str | None = None) -> Path
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
     (out_dir / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=1))
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"], **sampling_defaults(meta)},
+        indent=1))
     _write_tokenizer(gguf_path, out_dir)
     (out_dir / "gguf_source.json").write_text(json.dumps(
         {"gguf": str(Path(gguf_path).resolve()), "sha256": digest or file_hash(gguf_path),
@@ -113,6 +115,17 @@ class _Metadata:
         if field.types[0].name == "ARRAY":
             return [field.parts[i].tolist()[0] for i in field.data]
         return field.parts[field.data[0]].tolist()[0]
+
+
+# The sampling a GGUF file's author recommends (llama.cpp's general.sampling.* keys), as
+# generation_config.json names it: `chat` and `serve --request` sample so (cluster/launch/chat_sampling.py).
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def sampling_defaults(meta: _Metadata) -> dict:
+    return {hf: meta.get(key) for key, hf in GGUF_SAMPLING_KEYS.items() if meta.get(key) is not None}
 
 
 def hf_config(meta: _Metadata) -> dict:

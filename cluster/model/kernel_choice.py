@@ -51,6 +51,8 @@ def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.devic
         return replace(plan, origin="cached")
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    log.info("measuring this CPU's kernels for the model's shapes (once; cached in %s)", path,
+             extra={"phase": "measuring this CPU's kernels (first start only)"})
     torch.set_num_threads(threads)
     try:
         plan = measure_kernel_plan(mc, dtype)

@@ -144,7 +144,8 @@ def test_chat_and_generate_apply_the_models_template(tmp_path):
     from cluster.types import SamplingParams
     model = make_chat_model(tmp_path / "chat", "llama")
     chat = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "chat", "--model", str(model), "--port", "0",
-                           "--http-port", "none", "--transport", "tcp", "--max-tokens", "6", "--colocated"],
+                           "--http-port", "none", "--transport", "tcp", "--max-tokens", "6", "--colocated",
+                           "--temperature", "0"],
                           input="hello there\nand again\n/exit\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr[-2000:]
     builder = PromptBuilder(model)
