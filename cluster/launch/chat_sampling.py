@@ -48,9 +48,6 @@ GREEDY = ChatSampling(temperature=0.0, source="--temperature 0")
 # none, 1.2 none but 8 of 20 ran to the 512-token bound (docs/first_run.md).
 SHIPPED = {"SmolLM2-135M-Instruct": ChatSampling(temperature=0.2, top_p=0.9, repetition_penalty=1.15,
                                                  source="SmolLM2-135M-Instruct's model card, our penalty")}
-# generation_config.json's names (transformers') and the GGUF metadata's (llama.cpp's general.sampling.*).
-_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty"}
 
 
 def model_sampling(model_dir: Path | None) -> ChatSampling:
@@ -73,19 +70,25 @@ def _generation_config(path: Path) -> dict:
     if gen.get("do_sample") is False:        # the model asks for greedy decoding
         return {"temperature": 0.0}
     types = {f.name: f.type for f in fields(ChatSampling)}
-    return {ours: (int if types[ours] == "int" else float)(gen[theirs]) for theirs, ours in _HF_KEYS.items()
-            if isinstance(gen.get(theirs), (int, float))}
+    # generation_config.json names them as we do (transformers' names; the GGUF's are mapped at conversion)
+    return {name: (int if types[name] == "int" else float)(gen[name]) for name in SAMPLING_FIELDS
+            if isinstance(gen.get(name), (int, float))}
 
 
 def session_sampling(args, model_dir: Path | None) -> ChatSampling:
     """The model's (or chat) defaults with the flags given on top. `--temperature 0` alone is plain
     greedy decoding: no penalty, no truncation, as `generate` decodes."""
-    given = {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
+    given = given_sampling(args)
     base = GREEDY if given.get("temperature") == 0 else model_sampling(model_dir)
     given = {name: value for name, value in given.items() if getattr(base, name) != value}
     if not given:
         return base
     return replace(base, **given, source=f"{base.source}; flags given win")
+
+
+def given_sampling(args) -> dict:
+    """The sampling flags given on the command line (unset ones are None)."""
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
 
 
 def session_seed(args) -> int:

@@ -16,7 +16,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.launch.app import start_cluster
 from cluster.launch.banner import Endpoints, banner
 from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
-from cluster.launch.chat_sampling import GREEDY, SAMPLING_FIELDS, session_sampling, session_seed
+from cluster.launch.chat_sampling import GREEDY, given_sampling, session_sampling, session_seed
 from cluster.launch.invocation import Invocation, StreamPrinter
 from cluster.launch.settings import SettingError
 from cluster.model.gguf_import import export_hf
@@ -62,15 +62,11 @@ def _request_sampling(cfg, args, builder) -> tuple[dict, int | None, str]:
     chat does (cluster/launch/chat_sampling.py); a raw prompt, or a model without a template, is
     completed greedily unless flags say otherwise. Returns the fields, the seed, and a description."""
     chat = builder.has_template and not args.raw
-    sampling = session_sampling(args, cfg.engine.model if chat else None) if chat else \
-        replace(GREEDY, source="a completion, not a chat", **_given(args))
+    sampling = session_sampling(args, cfg.engine.model) if chat else \
+        replace(GREEDY, source="a completion, not a chat", **given_sampling(args))
     seed = session_seed(args) if sampling.temperature > 0 else args.seed
     described = sampling.describe() + (f"; seed {seed}" if seed is not None else "")
     return {**sampling.request(), **_stops(args)}, seed, described
-
-
-def _given(args) -> dict:
-    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name, None) is not None}
 
 
 def _stops(args) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,8 +128,6 @@ def test_engine_refuses_a_checkpoint_with_attention_softcapping(tiny_model_dir, 
 def test_loading_a_model_imports_no_compiler(tiny_model_dir, kind):
     """Every worker loads its model at start: building it on the meta device must not run torch's
     Python references (they import torch._dynamo, 1.5-2 s of each worker's start)."""
-    import subprocess
-    import sys
     code = ("import sys; from cluster.model.loader import load_model; "
             f"load_model({str(tiny_model_dir(kind))!r}); "
             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
