@@ -252,7 +252,9 @@ _MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory ho
 class EngineConfig:
     model: Path = setting(help=_MODEL_HELP, factory=default_model_dir, metavar="MODEL",
                           default_text=f"SmolLM2-135M-Instruct ({DEFAULT_MODEL_INSTALL})")
-    dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's own, from config.json)", choices=DTYPES)
+    dtype: str = setting("auto", "weights and KV dtype (auto: on CPU bfloat16 where the CPU computes it natively, "
+                                  "AVX-512 BF16 or AMX, else float32; on GPU the checkpoint's own, from config.json)",
+                          choices=DTYPES)
     quantization: str = setting("none", "weight-only quantization: int8 (per output channel) or int4 (groups of "
                                         "32, scale and minimum) quantized at load; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
                                         "tensors served as stored; none: the weights in --dtype (docs/quantization.md)",
