@@ -244,7 +244,8 @@ class SchedulerConfig:
                                        "tenant getting its weighted share (cluster/engine/fair_share.py); "
                                        "a lone tenant gets the whole --max-num-batched-tokens")
     tenant_weights: str = setting("", "tenants' weights in the engine's fair share of steps and slots, "
-                                      "e.g. 'gold=4,free=1' (a tenant not named: 1)", metavar="NAME=W,...")
+                                      "e.g. 'gold=4,free=1' (a tenant not named: 1)", metavar="NAME=W,...",
+                                  default_text="every tenant 1")
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

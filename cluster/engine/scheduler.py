@@ -223,7 +223,9 @@ class Scheduler:
         its prefix into: the gate's STOP). Returns the budget left."""
         held = []
         if plan.shared:   # the tenants holding fewest slots per weight first
-            self.waiting = deque(self.fair.admission_order(self.waiting, self.running))
+            ordered = self.fair.admission_order(self.waiting, self.running)
+            self.waiting.clear()
+            self.waiting.extend(ordered)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) >= self.config.max_num_seqs and not (plan.shared and self._free_slot(seq, plan)):
