@@ -3,7 +3,8 @@
 A lone tenant gets the whole step, as without this policy. When sequences of two or more tenants
 are runnable (running, or queued for admission), the step's token budget drops to
 `fair_step_tokens` (so that a step, which every running sequence waits for, stays about as cheap
-as a lone decode's) and each tenant gets at most its weighted share of it: decode rows, prefill
+as a lone decode's; more only when every tenant has that much more to do per weight, as when all
+are prefilling prompts) and each tenant gets at most its weighted share of it: decode rows, prefill
 chunk tokens and speculative lookahead alike. Shares are deficit round robin: a tenant's unused
 fraction of a token carries to the next step (so 64 tenants sharing 8 tokens each run every 8th
 step), and within a tenant the sequence served longest ago goes first, so none starves. A
@@ -34,16 +35,21 @@ class FairShare:
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
 
-    def start_step(self, tenants: Iterable[str], budget: int) -> int | None:
-        """Open a step among the tenants with runnable sequences: the contended budget, or None
-        when fewer than two tenants contend (the step is the whole budget's, unshared)."""
+    def start_step(self, demand: Mapping[str, int], budget: int) -> int | None:
+        """Open a step among the tenants with runnable sequences (`demand`: the tokens each could
+        use now): the contended budget, or None when fewer than two tenants contend (the step is
+        the whole budget's, unshared). The contended budget is `step_tokens`, or more where every
+        tenant can use more per weight (prompts being prefilled on all sides, as on a prefill
+        worker): enough to serve the lightest tenant's whole demand, so that large steps are
+        taken only where no tenant's tokens wait on them."""
         self.turn += 1
-        present = set(tenants)
+        present = set(demand)
         if len(present) < 2:
             self.deficit.clear()
             return None
-        budget = min(budget, self.step_tokens)
         total = sum(self.weight(t) for t in present)
+        lightest = min(demand[t] / self.weight(t) for t in present)
+        budget = min(budget, max(self.step_tokens, math.ceil(lightest * total)))
         # A tenant absent this step banks nothing; a present one at most one step's share (or 1 token).
         quanta = {t: budget * self.weight(t) / total for t in present}
         self.deficit = {t: min(self.deficit.get(t, 0.0) + q, max(q, 1.0)) for t, q in quanta.items()}

@@ -189,8 +189,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        tenants = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        shared_budget = self.fair.start_step(tenants, budget)
+        shared_budget = self.fair.start_step(self._demand(), budget)
         picks = None
         if shared_budget is not None:
             plan.shared, budget = True, shared_budget
@@ -215,6 +214,13 @@ class Scheduler:
             return plan   # memory is tight: admit nobody new this step
         plan.budget_left = self._admit_waiting(plan, budget)
         return plan
+
+    def _demand(self) -> dict[str, int]:
+        """Per tenant, the tokens its running and queued sequences could compute now."""
+        demand: dict[str, int] = {}
+        for seq in (*self.running, *self.waiting):
+            demand[seq.tenant] = demand.get(seq.tenant, 0) + max(1, seq.num_tokens - seq.num_computed_tokens)
+        return demand
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         """Admit queued requests in order while the budget, the batch and the pool allow. One the
