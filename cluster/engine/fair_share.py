@@ -11,9 +11,9 @@ step), and within a tenant the sequence served longest ago goes first, so none s
 sequence skipped in a step keeps its blocks and simply waits.
 
 Slots follow the same shares: when the batch is full (`max_num_seqs`) and a tenant below its
-weighted share of the slots waits, the youngest unscheduled sequence of the tenant furthest over
-its share is preempted for it (its full blocks stay in the prefix cache, so its recompute is
-mostly hits). Weights are `SchedulerConfig.tenant_weights` (1 for a tenant not named there).
+weighted share of the slots waits, the youngest sequence (one outside the step first) of the
+tenant furthest over its share is preempted for it (its full blocks stay in the prefix cache, so
+its recompute is mostly hits). Weights are `SchedulerConfig.tenant_weights` (1 for a tenant not named there).
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ class FairShare:
 
     def slot_to_free(self, seq: Sequence, running: list[Sequence], planned: set[Sequence]) -> Sequence | None:
         """With the batch full: the running sequence to preempt so that queued `seq` gets a slot,
-        or None when `seq`'s tenant already holds its weighted share of the slots (or every
-        candidate is in this step's plan)."""
+        or None when `seq`'s tenant already holds its weighted share of the slots. The youngest
+        of the tenant furthest over its share, one outside this step's plan (`planned`) first."""
         tenants = {s.tenant for s in running} | {seq.tenant}
         total = sum(self.weight(t) for t in tenants)
         held = Counter(s.tenant for s in running)
@@ -102,10 +102,9 @@ class FairShare:
             return held[t] - len(running) * self.weight(t) / total
         if over(seq.tenant) + 1 > 0:
             return None
-        for tenant in sorted(held, key=over, reverse=True):
-            if tenant == seq.tenant or over(tenant) < 1:
-                break
-            victims = [s for s in running if s.tenant == tenant and s not in planned]
-            if victims:
-                return victims[-1]
-        return None
+        tenant = max(held, key=over)
+        if tenant == seq.tenant or over(tenant) < 1:
+            return None
+        mine = [s for s in running if s.tenant == tenant]
+        unplanned = [s for s in mine if s not in planned]
+        return (unplanned or mine)[-1]

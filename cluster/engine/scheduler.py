@@ -234,8 +234,11 @@ class Scheduler:
             self.waiting.extend(ordered)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) >= self.config.max_num_seqs and not (plan.shared and self._free_slot(seq, plan)):
-                break
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._free_slot(seq, plan) if plan.shared else None
+                if freed is None:
+                    break
+                budget += freed
             gate = Gate.ADMIT if self.admit_gate is None else self.admit_gate(seq)
             if gate is Gate.STOP:
                 break
@@ -263,17 +266,23 @@ class Scheduler:
             return budget if self.fair.allowance(seq.tenant) > 0 else 0
         return min(budget, self.fair.allowance(seq.tenant))
 
-    def _free_slot(self, seq: Sequence, plan: StepPlan) -> bool:
+    def _free_slot(self, seq: Sequence, plan: StepPlan) -> int | None:
         """The batch is full: preempt a sequence of the tenant furthest over its share of the slots
-        for queued `seq`, when `seq`'s tenant is below its own. `seq` stays first in the queue."""
-        planned = {c.seq for c in plan.chunks}
-        victim = self.fair.slot_to_free(seq, self.running, planned)
+        for queued `seq`, when `seq`'s tenant is below its own (None: not). `seq` stays first in
+        the queue. Returns the tokens the preempted one's chunk in this plan gave back."""
+        victim = self.fair.slot_to_free(seq, self.running, {c.seq for c in plan.chunks})
         if victim is None:
-            return False
+            return None
+        freed = 0
+        for chunks in (plan.decodes, plan.prefills):
+            for chunk in [c for c in chunks if c.seq is victim]:
+                chunks.remove(chunk)
+                freed += chunk.num_tokens
+        self.fair.charge(victim, -freed)
         self.preempt(victim, plan)
         self.waiting.remove(victim)
         self.waiting.append(victim)
-        return True
+        return freed
 
     # --- speculation ---------------------------------------------------------------------------
     def lookahead_room(self, seq: Sequence, k: int, plan: StepPlan) -> int:

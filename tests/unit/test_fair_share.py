@@ -170,6 +170,18 @@ def test_a_tenant_below_its_share_of_a_full_batch_gets_a_slot():
     assert all(h.num_output_tokens == 200 for h in hogs)
 
 
+def test_a_slot_taken_from_a_sequence_in_the_step_gives_its_tokens_back():
+    s = _sched(fair_tokens=8, max_num_seqs=2)
+    hogs = [_add(s, f"h{i}", "hog", max_tokens=50) for i in range(2)]
+    _step(s)
+    victim = _add(s, "victim", "victim", max_tokens=5)
+    plan = _step(s)                      # both hogs' decodes fit the step: one of them gives way
+    assert [c.seq for c in plan.chunks] == [hogs[0], victim] and plan.preempted == [hogs[1]]
+    assert hogs[1].block_ids == [] and hogs[1].status is SequenceStatus.WAITING
+    _run_out(s)
+    assert victim.num_output_tokens == 5 and all(h.num_output_tokens == 50 for h in hogs)
+
+
 def test_lookahead_counts_toward_the_tenants_share():
     s = _sched(fair_tokens=8)
     for i in range(4):
