@@ -240,9 +240,10 @@ class SchedulerConfig:
                                                  "(off: a prompt waits until its whole prefill fits one step)")
     # 8: a decode step of 8 rows costs about 1.25x a lone row's on a 2-core CPU (bench/profile_step.py
     # --sweep; docs/security.md), so a tenant sharing the engine waits little for another's load.
-    fair_step_tokens: int = setting(8, "tokens per engine step while two or more tenants have work, each "
-                                       "tenant getting its weighted share (cluster/engine/fair_share.py); "
-                                       "a lone tenant gets the whole --max-num-batched-tokens")
+    fair_step_tokens: int = setting(8, "tokens per engine step while two or more tenants have work (more "
+                                       "where each has more to do per weight), each tenant getting its "
+                                       "weighted share (cluster/engine/fair_share.py); a lone tenant gets the "
+                                       "whole --max-num-batched-tokens")
     tenant_weights: str = setting("", "tenants' weights in the engine's fair share of steps and slots, "
                                       "e.g. 'gold=4,free=1' (a tenant not named: 1)", metavar="NAME=W,...",
                                   default_text="every tenant 1")
