@@ -234,19 +234,21 @@ class Scheduler:
             self.waiting.extend(ordered)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            slot_from = None   # a batch full: the sequence `seq`'s tenant may take a slot from
             if len(self.running) >= self.config.max_num_seqs:
-                freed = self._free_slot(seq, plan) if plan.shared else None
-                if freed is None:
+                if plan.shared:
+                    slot_from = self.fair.slot_to_free(seq, self.running, {c.seq for c in plan.chunks})
+                if slot_from is None:
                     break
-                budget += freed
             gate = Gate.ADMIT if self.admit_gate is None else self.admit_gate(seq)
             if gate is Gate.STOP:
                 break
-            share = self._share(plan, seq, budget)
-            if gate is Gate.HOLD or share == 0:
+            if gate is Gate.HOLD or self._share(plan, seq, budget) == 0:
                 held.append(self.waiting.popleft())
                 continue
-            n = self._admit(seq, share)
+            if slot_from is not None:
+                budget += self._give_slot(slot_from, plan)
+            n = self._admit(seq, self._share(plan, seq, budget))
             if n == 0:
                 break
             self.waiting.popleft()
@@ -266,13 +268,9 @@ class Scheduler:
             return budget if self.fair.allowance(seq.tenant) > 0 else 0
         return min(budget, self.fair.allowance(seq.tenant))
 
-    def _free_slot(self, seq: Sequence, plan: StepPlan) -> int | None:
-        """The batch is full: preempt a sequence of the tenant furthest over its share of the slots
-        for queued `seq`, when `seq`'s tenant is below its own (None: not). `seq` stays first in
-        the queue. Returns the tokens the preempted one's chunk in this plan gave back."""
-        victim = self.fair.slot_to_free(seq, self.running, {c.seq for c in plan.chunks})
-        if victim is None:
-            return None
+    def _give_slot(self, victim: Sequence, plan: StepPlan) -> int:
+        """Preempt `victim` for a queued sequence of a tenant below its share of a full batch (the
+        queue's head stays first). Returns the tokens its chunk in this plan gave back."""
         freed = 0
         for chunks in (plan.decodes, plan.prefills):
             for chunk in [c for c in chunks if c.seq is victim]:
