@@ -128,9 +128,9 @@ def test_no_sequence_starves_and_skipped_ones_keep_their_blocks():
         before = {q: list(q.block_ids) for q in hogs + others if q.status is SequenceStatus.RUNNING}
         plan = _step(s)
         served = {c.seq for c in plan.chunks}
-        for q in before:
+        for q, blocks in before.items():
             if q not in served:                       # skipped: same blocks, nothing freed
-                assert q.block_ids == before[q] and q.status is SequenceStatus.RUNNING
+                assert q.block_ids == blocks and q.status is SequenceStatus.RUNNING
         for q in served:
             last_served[q] = step
         for q, when in last_served.items():
