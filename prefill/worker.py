@@ -28,7 +28,14 @@ from cluster.transfer.producer import KVProducer, LeaseState
 from cluster.transfer.progress import KVProgress
 from cluster.types import Fork, SamplingParams, TokenDelta
 from cluster.worker_base import EngineWorker
-from cluster.worker_messages import CONTROL, DecodeCall, HandOn, PrefillCall, PrefillResult, PrefillStats
+from cluster.worker_messages import (
+    CONTROL,
+    DecodeCall,
+    HandOn,
+    PrefillCall,
+    PrefillResult,
+    PrefillStats,
+)
 from prefill.handoff import PrefillHandoff, publish_first
 
 log = logging.getLogger(__name__)

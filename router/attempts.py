@@ -27,7 +27,14 @@ from functools import partial
 from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.token_stream import StreamBroken, StreamQueue, TokenReceiver
 from cluster.types import Fork, GenerateRequest, TokenDelta, merge_deltas
-from cluster.worker_messages import DecodeCall, GenerateCall, HandOn, PrefillCall, PrefillResult
+from cluster.worker_messages import (
+    DecodeCall,
+    GenerateCall,
+    HandOn,
+    PrefillCall,
+    PrefillResult,
+)
+from router.merging import merge_per_request, merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
 from router.worker_pool import ShuttingDown, WorkerPool
@@ -191,7 +198,7 @@ class Attempts:
                 async for d in attempt:
                     if d.finished:
                         done.add(d.request_id)
-                    yield _with_prefill_hits(d, firsts)
+                    yield with_prefill_hits(d, firsts)
                 view.remember(hashes)
                 return
             except (asyncio.CancelledError, RequestError, ShuttingDown, _PrefillFailed):
@@ -379,7 +386,7 @@ class Attempts:
                         raise item
                     if firsts is not None:
                         firsts.setdefault(item.request_id, item)
-                for delta in (merge_deltas(items),) if not forks else _merge_per_request(items):
+                for delta in (merge_deltas(items),) if not forks else merge_per_request(items):
                     yield delta
                     if delta.finish_reason is not None:
                         running -= 1
@@ -417,56 +424,6 @@ class Attempts:
             return
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
-
-
-def _with_prefill_hits(delta: TokenDelta, firsts: Mapping[str, TokenDelta]) -> TokenDelta:
-    """A handed-off request's usage counts the prompt tokens its prefill worker served from its
-    prefix cache: the decode worker that ends it computed none of the prompt (it reports 0)."""
-    if not delta.finished:
-        return delta
-    first = firsts.get(delta.request_id)
-    if first is None or first.num_cached_tokens <= delta.num_cached_tokens:
-        return delta
-    return replace(delta, num_cached_tokens=first.num_cached_tokens)
-
-
-def _merge_per_request(items: list[TokenDelta]) -> list[TokenDelta]:
-    """Deltas of several requests as one per request, in the order each first appeared."""
-    by_id: dict[str, list[TokenDelta]] = {}
-    for d in items:
-        by_id.setdefault(d.request_id, []).append(d)
-    return [merge_deltas(ds) for ds in by_id.values()]
-
-
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Items of several async iterators as they come; the first error ends them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(stream) -> None:
-        try:
-            async for item in stream:
-                await queue.put(item)
-            await queue.put(end)
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader
-            await queue.put(exc)
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is end:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
 
 
 async def _quietly(coro) -> None:
