@@ -139,7 +139,7 @@ class PrefillResult:
     # With `PrefillCall.hand_on`: the first deltas went over the caller's token stream
     # (`streamed`), and `handed_on` when the decode worker was started; its call's error, if it
     # raised (WorkerBusy, the worker's death, the request's fault), as the caller would have seen
-    # it: the lease is released by then.
+    # it: the lease is released by then. A handed-on answer carries no handle (the decode worker had it).
     streamed: bool = False
     handed_on: bool = False
     decode_error: BaseException | None = None

@@ -141,8 +141,8 @@ class PrefillWorker(EngineWorker):
         except Exception as exc:  # noqa: BLE001 - busy, failed or refused: the frontend's ladder decides
             log.info("decode worker %s did not end %s (%s)", to.decode_name, call.request_id, error_message(exc))
             await self._release(call.request_id)
-            return replace(result, handed_on=True, decode_error=_portable(exc))
-        return replace(result, handed_on=True)
+            return replace(result, handle=None, handed_on=True, decode_error=_portable(exc))
+        return replace(result, handle=None, handed_on=True)     # the handle was for the decode worker only
 
     async def _release(self, request_id: str) -> None:
         """The lease of a handoff that will not be pulled (its pins go at once, not at expiry)."""
