@@ -187,8 +187,12 @@ async def _handshake(name: str, workers: dict[str, WorkerClient], roster: Worker
     (`EngineWorker.add_peer`), so pulls in flight to a live peer survive.
     A peer that cannot be reached now (not in `alive`: its last poll failed; or slow to answer) is
     skipped and named in the result: its own bring-up connects the two when it is back, so no
-    worker waits on a peer that is restarting. Raises only when `name` itself fails."""
+    worker waits on a peer that is restarting. Raises only when `name` itself fails. A prefill
+    worker is also given every decode worker's actor handle (valid across their restarts): it hands
+    its requests on to them itself."""
     metas[name] = await workers[name].metadata()
+    if roster.role_of(name) == "prefill":
+        await workers[name].hand_on_to({d: workers[d].handle for d in roster.decode})
     skipped = []
     for other, client in workers.items():
         if roster.role_of(other) == roster.role_of(name):
