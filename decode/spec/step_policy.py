@@ -19,8 +19,12 @@ ever tries a neighbour of the best). With a token-tree budget (`--spec-tree-budg
 cap is the best: whether a step's extra verified rows pay depends on the batch and the machine (on
 a CPU a ninth row costs a second pass over the weights in the small-batch linear).
 
-Requests with a fixed k (the server's `--num-speculative-tokens K`, or the request's own) are left
-as asked.
+Greedy requests on the server's fixed k (`--num-speculative-tokens K`, the request naming none)
+get a policy of their own, `StepLookahead(..., fixed=StepSetting(K, budget))`: two arms, the
+server's setting (tried first: what was configured) and plain decoding, so at a batch where K
+drafts cost more than they save the batch decodes plainly. Their output does not depend on it
+(greedy verification keeps the target's tokens). Requests naming their own k, and sampled requests
+(their draws depend on k: reproducible with a seed), are left as asked.
 """
 from __future__ import annotations
 
@@ -59,9 +63,11 @@ class StepLookahead:
     TRIES = 4          # steps each cap gets at a bucket before the best is exploited
     DECAY = 0.95       # weight of the old sums per new step (about the last 20 steps count)
 
-    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0):
+    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0,
+                 fixed: StepSetting | None = None):
         self.caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
         self.tree_leaves = tree_leaves
+        self.fixed = fixed     # a fixed k's policy: that setting (tried first) or plain decoding
         self.explore = explore
         self.arms: dict[tuple[int, StepSetting], Arm] = {}
         self.rng = random.Random(seed)
@@ -70,6 +76,8 @@ class StepLookahead:
     @property
     def settings(self) -> list[StepSetting]:
         """Every arm, in order of how much a step verifies."""
+        if self.fixed is not None:
+            return [StepSetting(0), self.fixed]
         return [s for c in self.caps for s in ((StepSetting(c), StepSetting(c, self.tree_leaves))
                                                if c and self.tree_leaves else (StepSetting(c),))]
 
@@ -97,12 +105,20 @@ class StepLookahead:
         return self.arms.setdefault((bucket, setting), Arm())
 
     def _best(self, bucket: int) -> StepSetting:
-        return max(self.settings, key=lambda s: (self._arm(bucket, s).samples > 0, self._arm(bucket, s).rate, -s.cap))
+        """The measured arm of the highest rate; before any is measured, plain decoding (a fixed
+        k's policy: its setting, as configured)."""
+        measured = [s for s in self.settings if self._arm(bucket, s).samples]
+        if not measured:
+            return self.fixed or StepSetting(0)
+        return max(measured, key=lambda s: (self._arm(bucket, s).rate, -s.cap))
 
     def _trial(self, bucket: int, best: StepSetting) -> StepSetting | None:
         """The setting still owed its first tries: caps climb from 0 while each beats every cap
         before it (a larger cap is tried only while lookahead keeps paying, so a large batch
-        never tries cap 8), then the best cap's tree arm."""
+        never tries cap 8), then the best cap's tree arm. A fixed k's policy tries its setting,
+        then plain decoding."""
+        if self.fixed is not None:
+            return next((s for s in (self.fixed, StepSetting(0)) if self._arm(bucket, s).samples < self.TRIES), None)
         climbed = 0.0
         for cap in self.caps:
             arm = self._arm(bucket, StepSetting(cap))
@@ -119,6 +135,8 @@ class StepLookahead:
 
     def _neighbours(self, best: StepSetting) -> list[StepSetting]:
         """The caps beside the best one (chains), and the best cap with its tree leaves on or off."""
+        if self.fixed is not None:
+            return [s for s in self.settings if s != best]
         i = self.caps.index(best.cap)
         out = [StepSetting(self.caps[j]) for j in (i - 1, i + 1) if 0 <= j < len(self.caps)]
         if best.cap and self.tree_leaves:
