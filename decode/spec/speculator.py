@@ -110,9 +110,11 @@ class SpecDecoder:
         self.calibration = defaultdict(Calibration)
         self.max_k = config.max_speculative_tokens
         self.step_policy = StepLookahead(config.max_speculative_tokens, tree_leaves=config.spec_tree_budget)
-        # Greedy requests on the server's fixed k: that k (and tree budget) or plain decoding, measured.
+        # Greedy requests on the server's fixed k: that k (and tree budget) or plain decoding,
+        # measured, from 2 decodes a step on. Not in the deterministic mode: drafting follows the
+        # configuration there, not timings (docs/determinism.md).
         k = config.num_speculative_tokens
-        self.fixed_policy = None if k == AUTO else StepLookahead(
+        self.fixed_policy = None if k == AUTO or engine_config.deterministic else StepLookahead(
             config.max_speculative_tokens, fixed=StepSetting(k, config.spec_tree_budget))
         self._step_extra = 0        # accepted draft tokens of the current step
         self._chain: dict[Sequence, int] = {}   # this step's chain length where a tree may grow past it
@@ -240,11 +242,13 @@ class SpecDecoder:
 
     def _step_setting(self, plan: StepPlan, states: list) -> tuple[StepLookahead | None, StepSetting]:
         """The step's setting and the policy that chose (and times) it: `auto` requests' if the
-        step has any, else that of greedy requests on the server's fixed k; None: all as asked."""
+        step has any, else that of greedy requests on the server's fixed k (at batch 1 its rows are
+        nearly free and it drafts as configured); None: all as asked."""
         batch, measured = len(plan.decodes), not plan.prefills
         if any(look.dynamic and method != "off" for method, look in states):
             return self.step_policy, self.step_policy.choose(batch, measured)
-        if self.fixed_policy is not None and any(look.server_k and method != "off" for method, look in states):
+        if self.fixed_policy is not None and batch > 1 and any(look.server_k and method != "off"
+                                                               for method, look in states):
             return self.fixed_policy, self.fixed_policy.choose(batch, measured)
         return None, StepSetting(self.max_k, self.config.spec_tree_budget)   # fixed-k requests: as configured
 

@@ -23,8 +23,10 @@ Greedy requests on the server's fixed k (`--num-speculative-tokens K`, the reque
 get a policy of their own, `StepLookahead(..., fixed=StepSetting(K, budget))`: two arms, the
 server's setting (tried first: what was configured) and plain decoding, so at a batch where K
 drafts cost more than they save the batch decodes plainly. Their output does not depend on it
-(greedy verification keeps the target's tokens). Requests naming their own k, and sampled requests
-(their draws depend on k: reproducible with a seed), are left as asked.
+(greedy verification keeps the target's tokens). Requests naming their own k, sampled requests
+(their draws depend on k: reproducible with a seed), a step of one decode (its verified rows are
+nearly free) and the deterministic mode (drafting follows the configuration, not timings) are left
+as asked (decode/spec/speculator.py).
 """
 from __future__ import annotations
 

@@ -64,8 +64,8 @@ def clock(monkeypatch):
     return c
 
 
-def _speculator(clock: Clock, draft_seconds: float, k="4") -> tuple[SpecDecoder, FakeProposer]:
-    spec = SpecDecoder(SimpleNamespace(speculative=SpeculativeConfig(
+def _speculator(clock: Clock, draft_seconds: float, k="4", deterministic=False) -> tuple[SpecDecoder, FakeProposer]:
+    spec = SpecDecoder(SimpleNamespace(deterministic=deterministic, speculative=SpeculativeConfig(
         method="ngram", num_speculative_tokens=k if k == "auto" else int(k))))
     proposer = FakeProposer(clock, draft_seconds)
     spec.proposers["ngram"] = proposer
@@ -88,18 +88,18 @@ def _step(spec: SpecDecoder, clock: Clock, seqs: list[Seq], base: float, per_row
 
 
 def test_the_timed_window_covers_drafting(clock):
-    spec, proposer = _speculator(clock, draft_seconds=0.3)
-    seqs = [Seq(0, SamplingParams())]
+    spec, proposer = _speculator(clock, draft_seconds=0.15)
+    seqs = [Seq(0, SamplingParams()), Seq(1, SamplingParams())]
     drafts = _step(spec, clock, seqs, base=0.1, per_row=0.0)
-    assert proposer.calls == 1 and len(drafts[seqs[0]]) == 4   # the server's k, as configured, tried first
-    arm = spec.fixed_policy.arms[(batch_bucket(1), StepSetting(4))]
-    assert arm.seconds == pytest.approx(0.4) and arm.tokens == 5   # drafting and the pass; 4 accepted + 1
+    assert proposer.calls == 1 and [len(drafts[s]) for s in seqs] == [4, 4]   # the server's k, tried first
+    arm = spec.fixed_policy.arms[(batch_bucket(2), StepSetting(4))]
+    assert arm.seconds == pytest.approx(0.4) and arm.tokens == 10   # drafting and the pass; 4 accepted + 1 each
 
 
 def test_server_k_turned_off_where_drafts_do_not_pay_and_no_drafting_is_done(clock):
     """At batch 32 every verified row costs a decoded one's share and drafting costs besides:
     plain decoding wins and its steps call no proposer. At batch 1, where rows are nearly free,
-    the same drafts pay and stay on."""
+    the same drafts pay and stay on; a single decode drafts as configured, untimed."""
     spec, proposer = _speculator(clock, draft_seconds=0.003)
     large = [Seq(i, SamplingParams()) for i in range(32)]
     chosen = []
@@ -109,11 +109,13 @@ def test_server_k_turned_off_where_drafts_do_not_pay_and_no_drafting_is_done(clo
         chosen.append(bool(drafts))
         assert proposer.calls == calls + bool(drafts)   # no drafting work on a step that decodes plainly
     assert sum(chosen[-150:]) <= 0.1 * 150      # exploring steps only
-    small = [Seq(99, SamplingParams())]
+    small = [Seq(99, SamplingParams()), Seq(98, SamplingParams())]
     on = [bool(_step(spec, clock, small, base=0.02, per_row=0.001)) for _ in range(100)]
     assert sum(on[-80:]) >= 0.9 * 80
     table = spec.fixed_policy.table()
-    assert table[32]["0"] > table[32]["4"] and table[1]["4"] > table[1]["0"]
+    assert table[32]["0"] > table[32]["4"] and table[2]["4"] > table[2]["0"]
+    assert all(_step(spec, clock, [Seq(97, SamplingParams())], base=0.02, per_row=0.001) for _ in range(20))
+    assert 1 not in spec.fixed_policy.table()
 
 
 def test_own_k_and_sampled_requests_keep_theirs_when_the_server_k_is_off(clock):
@@ -127,6 +129,13 @@ def test_own_k_and_sampled_requests_keep_theirs_when_the_server_k_is_off(clock):
     own, sampled = Seq(200, SamplingParams(num_speculative_tokens=2)), Seq(201, SamplingParams(temperature=0.8, seed=1))
     plan = SimpleNamespace(decodes=[SimpleNamespace(seq=s) for s in [*greedy, own, sampled]], prefills=[])
     assert spec.lookaheads(plan) == [0] * 30 + [2, 4]
+
+
+def test_the_deterministic_mode_drafts_the_server_k_as_configured(clock):
+    spec, proposer = _speculator(clock, draft_seconds=0.003, deterministic=True)
+    large = [Seq(i, SamplingParams()) for i in range(32)]
+    assert all(_step(spec, clock, large, base=0.0, per_row=0.004) for _ in range(30))
+    assert spec.fixed_policy is None and proposer.calls == 30
 
 
 def test_auto_requests_are_capped_by_their_own_policy(clock):
