@@ -53,6 +53,11 @@ class Arm:
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
+    steps: float = 0.0     # decayed like the sums: seconds / steps is its mean step time
+
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / self.steps if self.steps > 0 else 0.0
 
     @property
     def rate(self) -> float:
@@ -99,9 +104,18 @@ class StepLookahead:
             elif self.rng.random() < self.explore:
                 # A neighbour of the best: a setting far from it (8 where 0 is best) can cost a
                 # step or two of throughput, while the neighbours are what the choice can drift to.
-                choice = self.rng.choice(self._neighbours(best))
+                # Taken in proportion to how much shorter the best's steps are: exploring takes
+                # `explore` of the time, not of the steps (a fixed k = 4 step at batch 8 can cost
+                # several plain ones).
+                neighbour = self.rng.choice(self._neighbours(best))
+                if self.rng.random() < self._time_share(bucket, best, neighbour):
+                    choice = neighbour
         self._open = (bucket, choice, time.perf_counter(), batch) if measured else None
         return choice
+
+    def _time_share(self, bucket: int, best: StepSetting, other: StepSetting) -> float:
+        ours, theirs = self._arm(bucket, best).step_seconds, self._arm(bucket, other).step_seconds
+        return 1.0 if ours <= 0 or theirs <= 0 else min(1.0, ours / theirs)
 
     def _arm(self, bucket: int, setting: StepSetting) -> Arm:
         return self.arms.setdefault((bucket, setting), Arm())
@@ -157,6 +171,7 @@ class StepLookahead:
         arm = self.arms[(bucket, setting)]
         arm.tokens = self.DECAY * arm.tokens + decodes + extra_tokens
         arm.seconds = self.DECAY * arm.seconds + seconds
+        arm.steps = self.DECAY * arm.steps + 1
         arm.samples += 1
 
     def table(self) -> dict[int, dict[str, float]]:

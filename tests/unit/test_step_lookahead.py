@@ -107,3 +107,12 @@ def test_a_fixed_k_is_tried_first_then_plain_decoding_and_the_faster_kept(clock)
     assert sum(c == 4 for c in small[-150:]) >= 0.9 * 150
     assert sum(c == 0 for c in large[-150:]) >= 0.9 * 150
     assert set(policy.table()[32]) == {"0", "4+t"}
+
+
+def test_exploring_takes_a_share_of_the_time_not_of_the_steps(clock):
+    """At batch 32 a k = 4 step takes 5 plain steps' time: it is explored a fifth as often as a
+    setting of the best's step time would be, so exploring costs about `explore` of the time."""
+    policy = StepLookahead(k_max=8, explore=0.05, seed=4, fixed=StepSetting(4))
+    large = _run(policy, clock, 32, 2000)[-1500:]
+    explored = sum(c == 4 for c in large)
+    assert 0 < explored <= 0.02 * len(large)     # 1% expected; 5% if steps were counted
