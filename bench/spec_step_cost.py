@@ -59,17 +59,11 @@ def run(method: str, k: int | str, prompts: list[list[int]], dtype: str, max_tok
     if speculator.features is not None:
         speculator.features.after_forward = features.wrap(speculator.features.after_forward)
         speculator.features.keep = features.wrap(speculator.features.keep)
-    policy = getattr(speculator, "step_policy", None)
+    # The step policies (decode/spec/step_policy.py): `auto` requests', the server's fixed k's.
+    policies = {name: p for name in ("step_policy", "fixed_policy") if (p := getattr(speculator, name, None))}
     chosen: dict[tuple[int, int], int] = {}
-    if policy is not None:
-        choose = policy.choose
-
-        def counted(batch, measured):
-            setting = choose(batch, measured)
-            key = (1 << max(0, (batch - 1).bit_length()), setting.cap)
-            chosen[key] = chosen.get(key, 0) + 1
-            return setting
-        policy.choose = counted
+    for policy in policies.values():
+        policy.choose = _counted(policy.choose, chosen)
     tokens = steps = 0
     pending = list(prompts)
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -82,7 +76,17 @@ def run(method: str, k: int | str, prompts: list[list[int]], dtype: str, max_tok
     return {"tok_s": tokens / wall, "step_ms": 1000 * wall / steps, "cpu_ms": 1000 * cpu / steps,
             "cpu_tok_s": tokens / cpu, "draft_ms": 1000 * drafting.seconds / steps,
             "features_ms": 1000 * features.seconds / steps, "per_step": tokens / steps,
-            "policy": {} if policy is None else policy.table(), "chosen": chosen}
+            "policy": {name: p.table() for name, p in policies.items() if p.arms}, "chosen": chosen}
+
+
+def _counted(choose, chosen: dict):
+    """`choose`, counting the steps each (batch bucket, cap) was chosen for."""
+    def counted(batch, measured):
+        setting = choose(batch, measured)
+        key = (1 << max(0, (batch - 1).bit_length()), setting.cap)
+        chosen[key] = chosen.get(key, 0) + 1
+        return setting
+    return counted
 
 
 def main() -> None:
