@@ -8,7 +8,7 @@ verified row costs about as much as a decoded one. The trackers show what a fixe
 there (vLLM's dynamic speculation collapsing throughput past a batch-size threshold). So the step
 itself is measured: for each batch-size bucket, a few caps on the lookahead of `auto` requests
 (0 is plain decoding) are tried, their tokens per second are kept as decayed ratios over pure
-decode steps, and the best one is used, with a small share of steps exploring its neighbours so
+decode steps, and the best one is used, with a small share of the time exploring its neighbours so
 the choice follows the workload (acceptance changes with the text) and the machine. Where speculation
 does not pay, cap 0 wins and the batch decodes plainly, losing at most the exploration share.
 
