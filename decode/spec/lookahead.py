@@ -33,6 +33,7 @@ class Lookahead:
     dynamic: bool
     accepted: float = 3.0  # decayed counts of accepted / rejected draft tokens (a prior of 0.75)
     rejected: float = 1.0
+    server_k: bool = False  # a greedy request on the server's fixed k: that k or none, per step (step_policy.py)
 
     @property
     def alpha(self) -> float:

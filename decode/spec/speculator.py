@@ -110,6 +110,12 @@ class SpecDecoder:
         self.calibration = defaultdict(Calibration)
         self.max_k = config.max_speculative_tokens
         self.step_policy = StepLookahead(config.max_speculative_tokens, tree_leaves=config.spec_tree_budget)
+        # Greedy requests on the server's fixed k: that k (and tree budget) or plain decoding,
+        # measured, from 2 decodes a step on. Not in the deterministic mode: drafting follows the
+        # configuration there, not timings (docs/determinism.md).
+        k = config.num_speculative_tokens
+        self.fixed_policy = None if k == AUTO or engine_config.deterministic else StepLookahead(
+            config.max_speculative_tokens, fixed=StepSetting(k, config.spec_tree_budget))
         self._step_extra = 0        # accepted draft tokens of the current step
         self._chain: dict[Sequence, int] = {}   # this step's chain length where a tree may grow past it
         self._trees = False         # token trees: a budget, a proposer that grows them, a backend that verifies them
@@ -158,7 +164,9 @@ class SpecDecoder:
     def after_update(self, forks: dict[Sequence, list[Sequence]]) -> None:
         if self.features is not None:
             self.features.keep(forks)
-        self.step_policy.observe(self._step_extra)
+        for policy in (self.step_policy, self.fixed_policy):   # the one that timed this step, if any
+            if policy is not None:
+                policy.observe(self._step_extra)
         self._step_extra = 0
 
     def usable_hits(self, hits: list[int]) -> list[int]:
@@ -195,9 +203,10 @@ class SpecDecoder:
         if look is None:
             sp = seq.sampling
             method = self.default_method if sp.speculative is None else sp.speculative
-            k = self.config.num_speculative_tokens if sp.num_speculative_tokens is None else sp.num_speculative_tokens
+            own = sp.num_speculative_tokens is not None
+            k = sp.num_speculative_tokens if own else self.config.num_speculative_tokens
             k_max = self.config.max_speculative_tokens
-            look = Lookahead(1 if k == AUTO else k, k_max, k == AUTO)
+            look = Lookahead(1 if k == AUTO else k, k_max, k == AUTO, server_k=not own and k != AUTO and sp.greedy)
             self._lookahead[seq] = look
             self._method[seq] = method
         return self._method[seq], look
@@ -205,26 +214,43 @@ class SpecDecoder:
     # --- the engine's protocol --------------------------------------------------------------
     def lookaheads(self, plan: StepPlan) -> list[int]:
         """Per decode of the plan: its own k (fixed, or dynamic from its acceptance), within the
-        step's cap for dynamic ones (step_policy.py: measured at this batch size); plus room for
-        token-tree leaves where a tree may grow (the chain's length is kept for `propose`)."""
+        step's cap for dynamic ones (step_policy.py: measured at this batch size), and the
+        server's fixed k of greedy requests on or off as measured; plus room for token-tree leaves
+        where a tree may grow (the chain's length is kept for `propose`)."""
         if not self.proposing:
             return [0] * len(plan.decodes)
         states = [self._state(c.seq) for c in plan.decodes]
-        step = StepSetting(self.max_k, self.config.spec_tree_budget)   # for fixed-k requests: as configured
-        if any(look.dynamic and method != "off" for method, look in states):
-            step = self.step_policy.choose(len(plan.decodes), measured=not plan.prefills)
+        policy, step = self._step_setting(plan, states)
         self._step_extra = 0
         self._chain.clear()
         self._step_leaves = step.leaves
         out = []
         for chunk, (method, look) in zip(plan.decodes, states):
-            k = 0 if method == "off" else min(look.next_k(self.tau[method]), step.cap if look.dynamic else self.max_k)
-            leaves = step.leaves if look.dynamic else self.config.spec_tree_budget
+            governed = look.dynamic or (look.server_k and policy is self.fixed_policy)
+            if method == "off":
+                k = 0
+            elif look.dynamic:
+                k = min(look.next_k(self.tau[method]), step.cap)
+            else:
+                k = (look.k if step.cap else 0) if governed else min(look.k, self.max_k)
+            leaves = step.leaves if governed else self.config.spec_tree_budget
             if k and leaves and self._trees and method in TREE_METHODS and _tree_ok(chunk.seq.sampling):
                 self._chain[chunk.seq] = k
                 k += min(k, leaves)
             out.append(k)
         return out
+
+    def _step_setting(self, plan: StepPlan, states: list) -> tuple[StepLookahead | None, StepSetting]:
+        """The step's setting and the policy that chose (and times) it: `auto` requests' if the
+        step has any, else that of greedy requests on the server's fixed k (at batch 1 its rows are
+        nearly free and it drafts as configured); None: all as asked."""
+        batch, measured = len(plan.decodes), not plan.prefills
+        if any(look.dynamic and method != "off" for method, look in states):
+            return self.step_policy, self.step_policy.choose(batch, measured)
+        if self.fixed_policy is not None and batch > 1 and any(look.server_k and method != "off"
+                                                               for method, look in states):
+            return self.fixed_policy, self.fixed_policy.choose(batch, measured)
+        return None, StepSetting(self.max_k, self.config.spec_tree_budget)   # fixed-k requests: as configured
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         by_method: dict[str, list[int]] = defaultdict(list)

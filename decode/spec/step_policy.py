@@ -8,7 +8,7 @@ verified row costs about as much as a decoded one. The trackers show what a fixe
 there (vLLM's dynamic speculation collapsing throughput past a batch-size threshold). So the step
 itself is measured: for each batch-size bucket, a few caps on the lookahead of `auto` requests
 (0 is plain decoding) are tried, their tokens per second are kept as decayed ratios over pure
-decode steps, and the best one is used, with a small share of steps exploring its neighbours so
+decode steps, and the best one is used, with a small share of the time exploring its neighbours so
 the choice follows the workload (acceptance changes with the text) and the machine. Where speculation
 does not pay, cap 0 wins and the batch decodes plainly, losing at most the exploration share.
 
@@ -19,8 +19,14 @@ ever tries a neighbour of the best). With a token-tree budget (`--spec-tree-budg
 cap is the best: whether a step's extra verified rows pay depends on the batch and the machine (on
 a CPU a ninth row costs a second pass over the weights in the small-batch linear).
 
-Requests with a fixed k (the server's `--num-speculative-tokens K`, or the request's own) are left
-as asked.
+Greedy requests on the server's fixed k (`--num-speculative-tokens K`, the request naming none)
+get a policy of their own, `StepLookahead(..., fixed=StepSetting(K, budget))`: two arms, the
+server's setting (tried first: what was configured) and plain decoding, so at a batch where K
+drafts cost more than they save the batch decodes plainly. Their output does not depend on it
+(greedy verification keeps the target's tokens). Requests naming their own k, sampled requests
+(their draws depend on k: reproducible with a seed), a step of one decode (its verified rows are
+nearly free) and the deterministic mode (drafting follows the configuration, not timings) are left
+as asked (decode/spec/speculator.py).
 """
 from __future__ import annotations
 
@@ -47,6 +53,11 @@ class Arm:
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
+    steps: float = 0.0     # decayed like the sums: seconds / steps is its mean step time
+
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / self.steps if self.steps > 0 else 0.0
 
     @property
     def rate(self) -> float:
@@ -59,9 +70,11 @@ class StepLookahead:
     TRIES = 4          # steps each cap gets at a bucket before the best is exploited
     DECAY = 0.95       # weight of the old sums per new step (about the last 20 steps count)
 
-    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0):
+    def __init__(self, k_max: int, explore: float = 0.05, seed: int = 0, tree_leaves: int = 0,
+                 fixed: StepSetting | None = None):
         self.caps = sorted({c for c in (0, 1, 2, 4, k_max) if c <= k_max})
         self.tree_leaves = tree_leaves
+        self.fixed = fixed     # a fixed k's policy: that setting (tried first) or plain decoding
         self.explore = explore
         self.arms: dict[tuple[int, StepSetting], Arm] = {}
         self.rng = random.Random(seed)
@@ -70,6 +83,8 @@ class StepLookahead:
     @property
     def settings(self) -> list[StepSetting]:
         """Every arm, in order of how much a step verifies."""
+        if self.fixed is not None:
+            return [StepSetting(0), self.fixed]
         return [s for c in self.caps for s in ((StepSetting(c), StepSetting(c, self.tree_leaves))
                                                if c and self.tree_leaves else (StepSetting(c),))]
 
@@ -89,20 +104,37 @@ class StepLookahead:
             elif self.rng.random() < self.explore:
                 # A neighbour of the best: a setting far from it (8 where 0 is best) can cost a
                 # step or two of throughput, while the neighbours are what the choice can drift to.
-                choice = self.rng.choice(self._neighbours(best))
+                # Taken in proportion to how much shorter the best's steps are: exploring takes
+                # `explore` of the time, not of the steps (a fixed k = 4 step at batch 8 can cost
+                # several plain ones).
+                neighbour = self.rng.choice(self._neighbours(best))
+                if self.rng.random() < self._time_share(bucket, best, neighbour):
+                    choice = neighbour
         self._open = (bucket, choice, time.perf_counter(), batch) if measured else None
         return choice
+
+    def _time_share(self, bucket: int, best: StepSetting, other: StepSetting) -> float:
+        ours, theirs = self._arm(bucket, best).step_seconds, self._arm(bucket, other).step_seconds
+        return 1.0 if ours <= 0 or theirs <= 0 else min(1.0, ours / theirs)
 
     def _arm(self, bucket: int, setting: StepSetting) -> Arm:
         return self.arms.setdefault((bucket, setting), Arm())
 
     def _best(self, bucket: int) -> StepSetting:
-        return max(self.settings, key=lambda s: (self._arm(bucket, s).samples > 0, self._arm(bucket, s).rate, -s.cap))
+        """The measured arm of the highest rate; before any is measured, plain decoding (a fixed
+        k's policy: its setting, as configured)."""
+        measured = [s for s in self.settings if self._arm(bucket, s).samples]
+        if not measured:
+            return self.fixed or StepSetting(0)
+        return max(measured, key=lambda s: (self._arm(bucket, s).rate, -s.cap))
 
     def _trial(self, bucket: int, best: StepSetting) -> StepSetting | None:
         """The setting still owed its first tries: caps climb from 0 while each beats every cap
         before it (a larger cap is tried only while lookahead keeps paying, so a large batch
-        never tries cap 8), then the best cap's tree arm."""
+        never tries cap 8), then the best cap's tree arm. A fixed k's policy tries its setting,
+        then plain decoding."""
+        if self.fixed is not None:
+            return next((s for s in (self.fixed, StepSetting(0)) if self._arm(bucket, s).samples < self.TRIES), None)
         climbed = 0.0
         for cap in self.caps:
             arm = self._arm(bucket, StepSetting(cap))
@@ -119,6 +151,8 @@ class StepLookahead:
 
     def _neighbours(self, best: StepSetting) -> list[StepSetting]:
         """The caps beside the best one (chains), and the best cap with its tree leaves on or off."""
+        if self.fixed is not None:
+            return [s for s in self.settings if s != best]
         i = self.caps.index(best.cap)
         out = [StepSetting(self.caps[j]) for j in (i - 1, i + 1) if 0 <= j < len(self.caps)]
         if best.cap and self.tree_leaves:
@@ -137,6 +171,7 @@ class StepLookahead:
         arm = self.arms[(bucket, setting)]
         arm.tokens = self.DECAY * arm.tokens + decodes + extra_tokens
         arm.seconds = self.DECAY * arm.seconds + seconds
+        arm.steps = self.DECAY * arm.steps + 1
         arm.samples += 1
 
     def table(self) -> dict[int, dict[str, float]]:

@@ -4,7 +4,7 @@ exploring steps; a step with prompt chunks is neither timed nor explored."""
 import pytest
 
 from decode.spec import step_policy
-from decode.spec.step_policy import StepLookahead, batch_bucket
+from decode.spec.step_policy import StepLookahead, StepSetting, batch_bucket
 
 
 class Clock:
@@ -93,3 +93,26 @@ def test_buckets_and_caps():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [0, 1, 2, 2, 3, 3, 4, 5, 6]
     assert StepLookahead(k_max=3).caps == [0, 1, 2, 3]
     assert StepLookahead(k_max=8).caps == [0, 1, 2, 4, 8]
+
+
+def test_a_fixed_k_is_tried_first_then_plain_decoding_and_the_faster_kept(clock):
+    """The server's fixed k (4, with its tree budget) against plain decoding only: tried as
+    configured first, then cap 0; at batch 1 it stays on, at batch 32 the batch decodes plainly."""
+    policy = StepLookahead(k_max=8, explore=0.05, seed=3, fixed=StepSetting(4, 2))
+    assert policy.settings == [StepSetting(0), StepSetting(4, 2)]
+    assert policy.choose(32, measured=False) == StepSetting(4, 2)     # nothing measured: as configured
+    small, large = _run(policy, clock, 1, 200), _run(policy, clock, 32, 200)
+    assert small[:2 * policy.TRIES] == [4] * policy.TRIES + [0] * policy.TRIES
+    assert large[:2 * policy.TRIES] == [4] * policy.TRIES + [0] * policy.TRIES
+    assert sum(c == 4 for c in small[-150:]) >= 0.9 * 150
+    assert sum(c == 0 for c in large[-150:]) >= 0.9 * 150
+    assert set(policy.table()[32]) == {"0", "4+t"}
+
+
+def test_exploring_takes_a_share_of_the_time_not_of_the_steps(clock):
+    """At batch 32 a k = 4 step takes 5 plain steps' time: it is explored a fifth as often as a
+    setting of the best's step time would be, so exploring costs about `explore` of the time."""
+    policy = StepLookahead(k_max=8, explore=0.05, seed=4, fixed=StepSetting(4))
+    large = _run(policy, clock, 32, 2000)[-1500:]
+    explored = sum(c == 4 for c in large)
+    assert 0 < explored <= 0.02 * len(large)     # 1% expected; 5% if steps were counted
