@@ -12,6 +12,8 @@ from cluster.config import (
     default_model_file,
     resolve_model,
 )
+from cluster.launch.banner import Endpoints, banner
+from cluster.launch.cli import load
 
 
 def _converted(tmp_path, types):
@@ -47,3 +49,16 @@ def test_engine_config_resolves_auto_once_and_keeps_explicit_choices(tiny_model_
     assert EngineConfig(model=smollm2, quantized_activations="int8").quantization == "gguf"   # 4-bit: accepted
     spec = EngineConfig(model=smollm2, speculative=SpeculativeConfig(method="quantspec"))
     assert spec.quantization == "none"
+
+
+def test_the_banner_says_what_auto_chose_and_why():
+    def weights_line(*argv) -> str:
+        cfg = load(["serve", *argv], check_machine=False).config
+        return next(line for line in banner(cfg, "m", "9.9.9", Endpoints("127.0.0.1:1", None, None), True)
+                    if line.startswith("  weights:"))
+    assert weights_line("--model", str(default_model_file())) == ("  weights: --quantization auto: gguf (the GGUF's Q4_1/Q8_0 blocks served as stored "
+                              "(faster decode than dequantized)) (docs/quantization.md)")
+    assert weights_line("--model", "stdlib-coder") == \
+        "  weights: --quantization auto: none (not a GGUF model: weights in --dtype) (docs/quantization.md)"
+    assert weights_line("--quantization", "none", "--quantization", "int4") == \
+        "  weights: --quantization int4 (docs/quantization.md)"
