@@ -105,7 +105,7 @@ def auto_quantization(model_dir: Path, device: str, dtype: str, speculative: str
         return "none", "the quantized kernels take float32 or bfloat16 activations: dequantized to float16"
     if speculative == "quantspec":
         return "none", "QuantSpec drafts on the 4-bit blocks for a target in --dtype"
-    return "gguf", f"the GGUF's {'/'.join(blocks)} blocks served as stored (faster decode than dequantized)"
+    return "gguf", f"the GGUF's {'/'.join(blocks)} blocks served as stored, faster decode than dequantized"
 
 
 def default_model_dir() -> Path:

@@ -24,7 +24,7 @@ def _converted(tmp_path, types):
 
 def test_the_served_block_types_go_gguf_anything_else_none(tmp_path):
     assert auto_quantization(_converted(tmp_path, ["F32", "Q4_1", "Q8_0"]), "cpu", "auto", "off") == \
-        ("gguf", "the GGUF's Q4_1/Q8_0 blocks served as stored (faster decode than dequantized)")
+        ("gguf", "the GGUF's Q4_1/Q8_0 blocks served as stored, faster decode than dequantized")
     scheme, why = auto_quantization(_converted(tmp_path, ["F32", "Q4_K", "Q6_K"]), "cpu", "auto", "off")
     assert scheme == "none" and "Q4_K/Q6_K" in why
     assert auto_quantization(_converted(tmp_path, ["F32"]), "cpu", "auto", "off")[0] == "none"   # an F32 GGUF
@@ -56,8 +56,9 @@ def test_the_banner_says_what_auto_chose_and_why():
         cfg = load(["serve", *argv], check_machine=False).config
         return next(line for line in banner(cfg, "m", "9.9.9", Endpoints("127.0.0.1:1", None, None), True)
                     if line.startswith("  weights:"))
-    assert weights_line("--model", str(default_model_file())) == ("  weights: --quantization auto: gguf (the GGUF's Q4_1/Q8_0 blocks served as stored "
-                              "(faster decode than dequantized)) (docs/quantization.md)")
+    assert weights_line("--model", str(default_model_file())) == (
+        "  weights: --quantization auto: gguf (the GGUF's Q4_1/Q8_0 blocks served as stored, faster decode than "
+        "dequantized) (docs/quantization.md)")
     assert weights_line("--model", "stdlib-coder") == \
         "  weights: --quantization auto: none (not a GGUF model: weights in --dtype) (docs/quantization.md)"
     assert weights_line("--quantization", "none", "--quantization", "int4") == \
