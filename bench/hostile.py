@@ -26,7 +26,7 @@ under 100 ms). Attacks:
                      256-prompt request is refused up front); not an attack the bounds refuse but
                      load they admit: it shares the engine's batch with the victim, which only a
                      per-tenant cap (--max-in-flight-per-tenant) limits
-Extra server flags go after `--`, e.g. `-- --max-in-flight-per-tenant 16`.
+`--phases slot_hog` runs only the named attacks (after quiet). Extra server flags go after `--`, e.g. `-- --max-in-flight-per-tenant 16`.
 Writes hostile.json to --out.
 """
 from __future__ import annotations
@@ -154,15 +154,15 @@ def _attacks(addr) -> dict:
     counter = iter(range(10**9))
     return {
         "stop_flood": ([lambda: _once(addr, flood)] * 4,
-                       {"original 5,000 x 400 stop strings": _once(addr, original_stops)}),
-        "stop_control": ([lambda: _once(addr, control)] * 4, {}),
-        "validation_flood": ([lambda: _once(addr, too_long), lambda: _chat(addr, chat)], {
+                       lambda: {"original 5,000 x 400 stop strings": _once(addr, original_stops)}),
+        "stop_control": ([lambda: _once(addr, control)] * 4, dict),
+        "validation_flood": ([lambda: _once(addr, too_long), lambda: _chat(addr, chat)], lambda: {
             "original 256 prompts x n=64": _once(addr, {"prompt": ["y" * 900] * 256, "n": 64}),
             "3.9 MB text prompt": _once(addr, {"prompt": "def f(x):\n    return x\n" * 160_000})}),
-        "malformed": ([lambda: _once(addr, malformed[next(counter) % len(malformed)])], {}),
-        "slowloris": ([], {}),
+        "malformed": ([lambda: _once(addr, malformed[next(counter) % len(malformed)])], dict),
+        "slowloris": ([], dict),
         "slot_hog": ([lambda: _once(addr, samples)] * 4,
-                     {"original 256-prompt request": _once(addr, {"prompt": ["z"] * 256, "max_tokens": 1})}),
+                     lambda: {"original 256-prompt request": _once(addr, {"prompt": ["z"] * 256, "max_tokens": 1})}),
     }
 
 
@@ -202,6 +202,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--out", default="bench-out/hostile")
+    p.add_argument("--phases", default=None, help="comma-separated attacks to run (quiet always runs), e.g. slot_hog; "
+                                                   "default: all")
     p.add_argument("server_args", nargs="*", help="more `splitserve serve` flags (after --)")
     args = p.parse_args()
     from cluster.config import default_model_dir
@@ -223,7 +225,11 @@ def main() -> int:
         _run_phase(addr, 2.0, [])                                # warm-up
         results = {"machine": platform.processor() or platform.machine(), "cpu": _cpu_model(),
                    "mode": args.mode, "server_args": args.server_args, "quiet": _run_phase(addr, args.seconds, [])}
+        chosen = set(args.phases.split(",")) if args.phases else None
         for name, (attackers, up_front) in _attacks(addr).items():
+            if chosen is not None and name not in chosen:
+                continue
+            up_front = up_front()     # the attack's refused-up-front bodies, sent once
             if name == "slowloris":
                 stop = threading.Event()
                 held = {}

@@ -11,6 +11,8 @@ Modes (bench/servers.py starts each):
   colocated-http  the colocated cluster with `--http-port PORT --served-model-name bench`, loaded over
                   splitserve's OpenAI-compatible HTTP API by the very client code that loads vLLM
   pd-http         the 1P1D cluster with the HTTP API, the same
+  main-job        `splitserve serve` with all its defaults (model, dtype, quantization, 1P1D), over gRPC:
+                  the README's main job against vLLM on the bf16 copy
 
 Each mode's server starts as a subprocess on 127.0.0.1, gets a short warm-up and then a closed loop
 at each concurrency C: C streams, each sending its next request as soon as the last one finished.

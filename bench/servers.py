@@ -8,6 +8,8 @@
                     (`--http-port PORT --served-model-name bench`); ready when GET /health answers 200,
                     as vLLM is, and loaded through the HTTP API, as vLLM is
     pd-http         `splitserve serve --prefill 1 --decode 1` with the HTTP API; the same
+    main-job        `splitserve serve` with every default (the README's main job: the default model as
+                    its defaults serve it, whatever the model argument says), loaded over gRPC
 
 A server's `target` is what bench/loadgen.py connects to: http://HOST:PORT for vLLM and the -http
 modes (its OpenAI-compatible HTTP API), HOST:PORT for the gRPC modes. Every mode serves the model
@@ -33,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_NAME = "bench"   # --served-model-name of vLLM and of the -http modes; the loader sends it as "model"
-SPLITSERVE_MODES = ("colocated", "pd", "colocated-http", "pd-http")
+SPLITSERVE_MODES = ("colocated", "pd", "colocated-http", "pd-http", "main-job")
 
 
 def free_port() -> int:
@@ -179,9 +181,12 @@ def start_splitserve(mode: str, model: Path, log: Path, threads: int | None, tra
         raise ValueError(f"unknown splitserve mode {mode!r} (one of {', '.join(SPLITSERVE_MODES)})")
     http = mode.endswith("-http")
     port = free_port()
-    topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
-    cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *topology, "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "bfloat16", "--transport", transport]
+    if mode == "main-job":   # the README's main job: the default model, dtype, quantization and topology
+        cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
+        cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *topology, "--model", str(model), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--transport", transport]
     if threads is not None:
         cmd += ["--num-threads", str(threads)]
     if http:

@@ -11,6 +11,7 @@ command line reports under the flag or YAML key the value came from. Those primi
 from __future__ import annotations
 
 import importlib.metadata as md
+import math
 import os
 import re
 from collections.abc import Callable
@@ -259,11 +260,36 @@ class SchedulerConfig:
     max_num_batched_tokens: int = setting(2048, "tokens per engine step, shared by decodes and prefill chunks")
     enable_chunked_prefill: bool = setting(True, "split long prompts into chunks that share steps with decodes "
                                                  "(off: a prompt waits until its whole prefill fits one step)")
+    # 8: a decode step of 8 rows costs about 1.25x a lone row's on a 2-core CPU (bench/profile_step.py
+    # --sweep; docs/security.md), so a tenant sharing the engine waits little for another's load.
+    fair_step_tokens: int = setting(8, "tokens per engine step while two or more tenants have work (more "
+                                       "where each has more to do per weight), each tenant getting its "
+                                       "weighted share (cluster/engine/fair_share.py); a lone tenant gets the "
+                                       "whole --max-num-batched-tokens")
+    tenant_weights: str = setting("", "tenants' weights in the engine's fair share of steps and slots, "
+                                      "e.g. 'gold=4,free=1' (a tenant not named: 1)", metavar="NAME=W,...",
+                                  default_text="every tenant 1")
 
     def __post_init__(self) -> None:
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        require(self.fair_step_tokens >= 1, "fair_step_tokens", f"must be >= 1, got {self.fair_step_tokens}")
+        self.weights()
+
+    def weights(self) -> dict[str, float]:
+        """`tenant_weights` parsed: tenant name -> weight (> 0)."""
+        out = {}
+        for item in filter(None, (part.strip() for part in self.tenant_weights.split(","))):
+            name, sep, value = item.rpartition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = 0.0
+            require(bool(sep) and weight > 0 and math.isfinite(weight), "tenant_weights",
+                    f"must be NAME=WEIGHT pairs with weights > 0, got {item!r}")
+            out[name.strip()] = weight
+        return out
 
 
 _MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory holding one), or a built-in name "
@@ -274,7 +300,9 @@ _MODEL_HELP = (f"a local Hugging Face directory, a .gguf file (or a directory ho
 class EngineConfig:
     model: Path = setting(help=_MODEL_HELP, factory=default_model_dir, metavar="MODEL",
                           default_text=f"SmolLM2-135M-Instruct ({DEFAULT_MODEL_INSTALL})")
-    dtype: str = setting("auto", "weights and KV dtype (auto: the checkpoint's own, from config.json)", choices=DTYPES)
+    dtype: str = setting("auto", "weights and KV dtype (auto: on CPU bfloat16 where the CPU computes it natively, "
+                                  "AVX-512 BF16 or AMX, else float32; on GPU the checkpoint's own, from config.json)",
+                          choices=DTYPES)
     quantization: str = setting("auto", "weight-only quantization: int8 (per output channel) or int4 (groups of "
                                         "32, scale and minimum) quantized at load; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
                                         "tensors served as stored; none: the weights in --dtype; auto: gguf for a "

@@ -2,8 +2,8 @@
 and what comes back. Frozen, typed and checked on construction, so a wrong shape fails where it is
 built, not three processes later; each result carries a version its reader checks.
 
-Reading order: the calls (`PrefillCall`, `GenerateCall`, `DecodeCall`, their `forks` being
-`cluster.types.Fork`), the prefill outcome (`PrefillResult`), the stats a worker answers a poll
+Reading order: the calls (`PrefillCall` with its `HandOn`, `GenerateCall`, `DecodeCall`, their
+`forks` being `cluster.types.Fork`), the prefill outcome (`PrefillResult`), the stats a worker answers a poll
 with (`WorkerStats`, with its role's parts as typed sub-records). Deltas do not travel here: they
 go over the token stream (`cluster/token_stream.py`).
 """
@@ -18,7 +18,8 @@ from cluster.types import FinishReason, Fork, SamplingParams, TokenDelta
 
 WORKER_STATS_VERSION = 1
 CONTROL = "control"     # the workers' Ray concurrency group for control calls (cluster/launch/app.py)
-PREFILL_RESULT_VERSION = 2     # 2: the first delta as a TokenDelta (its token no longer a field of its own)
+# 2: the first delta as a TokenDelta (its token no longer a field of its own); 3: a handoff's outcome
+PREFILL_RESULT_VERSION = 3
 
 
 def _need(ok: bool, message: str) -> None:
@@ -36,9 +37,28 @@ def _check_call(call) -> None:
 
 
 @dataclass(frozen=True)
+class HandOn:
+    """Where a prefill worker hands its request on, so that a handed-off request costs its
+    frontend one Ray call: the decode worker (by name: the wiring gave each prefill worker the
+    decode workers' actor handles at its handshake) and the frontend's stream (`sink`, `key`; the
+    forks' keys are in `PrefillCall.forks`) that the first deltas go to at once, and the decode
+    worker's after them."""
+    decode_name: str
+    sink: SinkAddress
+    key: int
+    sent_at: float = 0.0         # when the frontend sent the call (handoff timings)
+    tenant: str = ""
+
+    def __post_init__(self):
+        _need(isinstance(self.sink, SinkAddress), "HandOn.sink: a SinkAddress")
+
+
+@dataclass(frozen=True)
 class PrefillCall:
     """Prefill a prompt and publish its KV. `forks` (request id, sampling): more samples of this
-    prompt, computed once, each with its own first token, all continued from one handle."""
+    prompt, computed once, each with its own first token, all continued from one handle. With
+    `hand_on` the worker streams the first deltas and starts the decode itself (`DecodeCall`), and
+    answers once the decode worker has ended the request; without it, it answers with the handle."""
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -47,11 +67,16 @@ class PrefillCall:
     # Publish the KV even when the request ends with its first token: a prefix exported for another
     # worker to read (router: PrefillPlace.FETCHED), not a request of its own.
     export: bool = False
+    hand_on: HandOn | None = None
 
     def __post_init__(self):
         _check_call(self)
         _need(self.stats_sink is None or isinstance(self.stats_sink, SinkAddress),
               "PrefillCall.stats_sink: a SinkAddress or None")
+        _need(self.hand_on is None or isinstance(self.hand_on, HandOn), "PrefillCall.hand_on: a HandOn or None")
+        _need(self.hand_on is None or all(f.stream_key is not None for f in self.forks),
+              "PrefillCall.forks: each with its stream key when handed on")
+        _need(self.hand_on is None or not self.export, "PrefillCall: an export is not handed on")
 
 
 @dataclass(frozen=True)
@@ -111,6 +136,13 @@ class PrefillResult:
     # n > 1: the other samples' first tokens, drawn from the same prompt logits (finish_reason
     # None: it continues on the decode worker, on the same handle).
     forks: tuple[TokenDelta, ...] = ()
+    # With `PrefillCall.hand_on`: the first deltas went over the caller's token stream
+    # (`streamed`), and `handed_on` when the decode worker was started; its call's error, if it
+    # raised (WorkerBusy, the worker's death, the request's fault), as the caller would have seen
+    # it: the lease is released by then. A handed-on answer carries no handle (the decode worker had it).
+    streamed: bool = False
+    handed_on: bool = False
+    decode_error: BaseException | None = None
     version: int = PREFILL_RESULT_VERSION
 
     def first_deltas(self, fork_ids: tuple[str, ...] = ()) -> dict[str, TokenDelta]:

@@ -1,6 +1,11 @@
 """A request's calls on its workers: the remote prefill, then decode attempts until every member
 (the request and its forks) has ended, with the failover between them.
 
+A handed-off request (`Attempts.handoff`) costs one Ray call: to the prefill worker, which streams
+the first deltas as its prefill ends and starts the decode worker's decode itself (`HandOn`),
+answering when that has ended, with the decode call's error inside if it raised. That call is the
+first decode attempt (`_handed_on`): its errors take the same ladder as the router's own calls.
+
 A decode attempt is a Ray control call (it returns when the request ends, raises when the worker
 dies) plus the deltas that arrive over the token stream (`cluster/token_stream.py`), keyed per
 attempt, so that a late frame from a dead worker never reaches its retry. One request and the n
@@ -22,7 +27,14 @@ from functools import partial
 from cluster.errors import RequestError, WorkerBusy, error_message
 from cluster.token_stream import StreamBroken, StreamQueue, TokenReceiver
 from cluster.types import Fork, GenerateRequest, TokenDelta, merge_deltas
-from cluster.worker_messages import DecodeCall, GenerateCall, PrefillCall, PrefillResult
+from cluster.worker_messages import (
+    DecodeCall,
+    GenerateCall,
+    HandOn,
+    PrefillCall,
+    PrefillResult,
+)
+from router.merging import merge_per_request, merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
 from router.worker_pool import ShuttingDown, WorkerPool
@@ -40,6 +52,37 @@ class Prefilled:
     worker: str
 
 
+class NoPrefillTaken(Exception):
+    """No prefill worker took a handoff (none routable, or each failed or was busy) before any delta
+    streamed: the decode worker computes the prompt."""
+
+
+class HandOnLost(RuntimeError):
+    """The prefill worker of a handed-on request failed after its first deltas streamed: the decode
+    it started is aborted and the request continues as after a failed decode attempt."""
+
+
+class _PrefillFailed(Exception):
+    """The one call's prefill worker failed or declined before any delta: the next one is tried."""
+
+
+class _CallFailed(Exception):
+    """The one call itself raised (its prefill worker's fault, not the decode's): `cause`."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(error_message(cause))
+        self.cause = cause
+
+
+class _NotHandedOn(Exception):
+    """The prefill worker answered with its result instead of streaming it and handing the request
+    on (a worker that does not hand on): the router continues it with its own decode call."""
+
+    def __init__(self, result: PrefillResult):
+        super().__init__(result.request_id)
+        self.result = result
+
+
 class Attempts:
     def __init__(self, config: RouterConfig, workers: WorkerPool, receiver: TokenReceiver,
                  active: dict[str, list[str]], metrics=None):
@@ -51,6 +94,7 @@ class Attempts:
         self.metrics = metrics
         self.recoveries = 0                      # streams continued on another worker after a failure
         self.busy_retries = 0                    # handoffs a full decode worker declined
+        self.worker_calls = 0                    # Ray calls made on workers for requests (data calls, aborts)
 
     async def prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()
                       ) -> Prefilled | None:
@@ -69,6 +113,7 @@ class Attempts:
                 self.active[m.request_id].append(view.name)
             view.in_flight += 1
             t0 = time.perf_counter()
+            self.worker_calls += 1
             try:
                 result = await self.workers.clients[view.name].prefill(call)
             except (asyncio.CancelledError, RequestError):
@@ -102,6 +147,7 @@ class Attempts:
                                    speculative=None, num_speculative_tokens=None),
                            stats_sink=self.receiver.address, export=True)
         self.active[req.request_id].append(plan.source)
+        self.worker_calls += 1
         try:
             result = await self.workers.clients[plan.source].prefill(call)
         except (asyncio.CancelledError, RequestError):
@@ -114,28 +160,61 @@ class Attempts:
             self.active[req.request_id].remove(plan.source)
         return result.handle
 
+    async def handoff(self, members: list[GenerateRequest], dec: WorkerView, hashes,
+                      streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
+        """A disaggregated request in one call: prefilled on the first prefill worker that takes
+        it, which hands it on to `dec` (the first deltas stream as its prefill ends), then decode
+        attempts as `decode`'s. `NoPrefillTaken`, before any delta, when no prefill worker took it."""
+        tried = set()
+        while True:
+            candidates = [v for v in self.workers.healthy("prefill") if v.name not in tried]
+            if not candidates:
+                raise NoPrefillTaken()
+            via = self.workers.policy.choose_prefill(hashes, candidates)
+            tried.add(via.name)
+            try:
+                async for d in self.decode(members, dec, hashes, None, streamed, via=via):
+                    yield d
+                return
+            except _PrefillFailed:
+                continue
+
     async def decode(self, members: list[GenerateRequest], dec: WorkerView, hashes, prefilled: Prefilled | None,
-                     streamed: dict[str, list[int]], prefix: bytes | None = None) -> AsyncIterator[TokenDelta]:
+                     streamed: dict[str, list[int]], prefix: bytes | None = None, via: WorkerView | None = None
+                     ) -> AsyncIterator[TokenDelta]:
         """Attempts on decode workers until every member has ended. The first continues the handoff
-        (`prefilled`) into every member, or computes the prompt there once (first pulling `prefix`,
+        (`prefilled`) into every member, or is the one call on prefill worker `via` that hands the
+        request on (`_handed_on`), or computes the prompt there once (first pulling `prefix`,
         a handle another worker exported, when given). When an attempt fails,
         each unfinished member goes on alone from the prompt plus every token it has streamed (its
         seeded generator resumed past them): on another worker, or on a busy one once it has room."""
         failures, busy_wait = 0, 0.02
+        firsts = dict(prefilled.firsts) if prefilled is not None else {}   # each member's from its prefill
         while True:
             view, done = dec, set()
             try:
-                async for d in self._attempt(members, view, prefilled, streamed, prefix):
+                attempt = (self._attempt(members, view, prefilled, streamed, prefix) if via is None
+                           else self._handed_on(members, view, via, hashes, firsts))
+                async for d in attempt:
                     if d.finished:
                         done.add(d.request_id)
-                    yield d
+                    yield with_prefill_hits(d, firsts)
                 view.remember(hashes)
                 return
-            except (asyncio.CancelledError, RequestError, ShuttingDown):
+            except (asyncio.CancelledError, RequestError, ShuttingDown, _PrefillFailed):
                 raise
+            except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
+                prefilled, via = self._answered(members, view, via, answer.result), None
+                firsts.update(prefilled.firsts)
+                for first in prefilled.firsts.values():
+                    yield first
+                members = [m for m in members if not prefilled.firsts[m.request_id].finished]
+                if not members:
+                    return
+                continue
             except Exception as exc:  # noqa: BLE001 - busy or failed: `_attempt_failed` says which
                 busy = self._attempt_failed(view, members[0].request_id, exc, prefilled)
-                prefilled = prefix = None
+                prefilled = prefix = via = None
                 failures += not busy
                 if failures >= self.config.max_attempts:
                     raise
@@ -146,6 +225,68 @@ class Attempts:
                 async for d in merge_streams([self.decode([m], dec, hashes, None, streamed) for m in members]):
                     yield d
                 return
+
+    async def _handed_on(self, members: list[GenerateRequest], dec: WorkerView, via: WorkerView, hashes,
+                         firsts: dict[str, TokenDelta]) -> AsyncIterator[TokenDelta]:
+        """The one call of a handed-off request: on prefill worker `via`, naming decode worker `dec`;
+        the deltas of both come over the token stream, each member's first recorded in `firsts`.
+        The decode call's error comes back in the answer and is raised here as its own; the call's
+        own failure is the prefill worker's (`_prefill_failed`)."""
+        lead = members[0]
+        for m in members:
+            self.active[m.request_id] += [via.name, dec.name]
+        via.in_flight += 1
+        dec.in_flight += 1
+        prefilling, t0 = True, time.perf_counter()
+
+        def make(sink, key, forks=()) -> PrefillCall:
+            return PrefillCall(lead.request_id, lead.prompt_token_ids, lead.sampling, forks, stats_sink=sink,
+                               hand_on=HandOn(dec.name, sink, key, sent_at=time.time(), tenant=lead.tenant))
+        try:
+            async for d in self._stream(self.workers.clients[via.name], lead.request_id, make,
+                                        tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts):
+                if prefilling:
+                    prefilling = False
+                    via.in_flight -= 1
+                    via.remember(hashes)
+                    if self.metrics:
+                        self.metrics.observe_prefill(time.perf_counter() - t0)
+                yield d
+        except _CallFailed as failed:
+            raise await self._prefill_failed(members, dec, via, failed.cause, after_first=not prefilling) from None
+        finally:
+            via.in_flight -= prefilling
+            dec.in_flight -= 1
+
+    async def _prefill_failed(self, members: list[GenerateRequest], dec: WorkerView, via: WorkerView,
+                              exc: BaseException, after_first: bool) -> Exception:
+        """What follows when the one call's prefill worker failed or declined: before any delta the
+        next prefill worker is tried (`_PrefillFailed`), after it the request fails over from what
+        it streamed (`HandOnLost`). A failed one may have handed on already: the decode is aborted
+        first, and waited for, so that no retry on that decode worker meets the abort."""
+        if isinstance(exc, WorkerBusy):
+            log.info("prefill worker %s is full (%s); trying another", via.name, error_message(exc))
+        else:
+            log.warning("prefill worker %s failed (%s)", via.name, error_message(exc))
+            self.workers.worker_failed(via.name, exc)
+            await asyncio.gather(*(self.abort_on(dec.name, m.request_id) for m in members), return_exceptions=True)
+        for m in members:
+            for name in (via.name, dec.name):
+                if name in self.active[m.request_id]:
+                    self.active[m.request_id].remove(name)
+        if after_first:
+            return HandOnLost(f"prefill worker {via.name} failed after handing on ({error_message(exc)})")
+        return _PrefillFailed(error_message(exc))
+
+    def _answered(self, members: list[GenerateRequest], dec: WorkerView, via: WorkerView,
+                  result: PrefillResult) -> Prefilled:
+        """A prefill worker's answer that it did not hand on, as a remote prefill's outcome: done
+        there but for the lead's lease; the decode worker is called by the attempt that follows."""
+        for m in members:
+            self.active[m.request_id].remove(dec.name)
+            if m is not members[0] or result.handle is None:
+                self.active[m.request_id].remove(via.name)
+        return Prefilled(result, result.first_deltas(tuple(m.request_id for m in members[1:])), via.name)
 
     def _attempt_failed(self, view: WorkerView, request_id: str, exc: Exception, prefilled: Prefilled | None
                         ) -> bool:
@@ -216,29 +357,36 @@ class Attempts:
         workers = self.active.get(request_id, [])
         if prefill_worker in workers:
             workers.remove(prefill_worker)
-        asyncio.ensure_future(_quietly(self.workers.clients[prefill_worker].abort(request_id)))
+        asyncio.ensure_future(_quietly(self.abort_on(prefill_worker, request_id)))
+
+    def abort_on(self, worker: str, request_id: str):
+        """The abort call of `request_id` on `worker` (a coroutine: the caller awaits it)."""
+        self.worker_calls += 1
+        return self.workers.clients[worker].abort(request_id)
 
     async def _stream(self, client: WorkerClient, request_id: str,
-                      make: Callable[..., GenerateCall | DecodeCall], forks: tuple[Fork, ...] = ()
-                      ) -> AsyncIterator[TokenDelta]:
-        """One attempt on one worker: start it with a control call (`make(sink, key, forks=...)`,
-        each fork given its own stream key), read its deltas from the token stream. Several deltas
-        that arrived together leave as one (a lagging reader coalesces). The attempt ends when the
-        request and every fork have finished."""
+                      make: Callable[..., GenerateCall | DecodeCall | PrefillCall], forks: tuple[Fork, ...] = (),
+                      firsts: dict[str, TokenDelta] | None = None) -> AsyncIterator[TokenDelta]:
+        """One attempt on one worker: start it with a call (`make(sink, key, forks=...)`, each fork
+        given its own stream key; a `PrefillCall` is a handed-on request's one call), read its
+        deltas from the token stream, each request's first as it arrived kept in `firsts`. Several
+        deltas that arrived together leave as one (a lagging reader coalesces). The attempt ends
+        when the request and every fork have finished."""
         key, queue = self.receiver.open(request_id)
         forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
         keys = [key, *(f.stream_key for f in forks)]
         running, watch = 1 + len(forks), None
         try:
             call = make(self.receiver.address, key, forks=forks)
-            ref = client.decode(call) if isinstance(call, DecodeCall) else client.generate(call)
-            watch = asyncio.ensure_future(self._watch(ref, queue))
+            watch = asyncio.ensure_future(self._watch(self._start(client, call), queue, isinstance(call, PrefillCall)))
             while True:
                 items = await queue.take()
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                for delta in (merge_deltas(items),) if not forks else _merge_per_request(items):
+                    if firsts is not None:
+                        firsts.setdefault(item.request_id, item)
+                for delta in (merge_deltas(items),) if not forks else merge_per_request(items):
                     yield delta
                     if delta.finish_reason is not None:
                         running -= 1
@@ -250,57 +398,32 @@ class Attempts:
             if watch is not None:
                 watch.cancel()
 
-    async def _watch(self, call, queue: StreamQueue) -> None:
-        """The attempt's control call: it raises if the worker dies (Ray knows), and returns once the
-        request has ended, by which time its last frame is on the wire."""
+    def _start(self, client: WorkerClient, call: GenerateCall | DecodeCall | PrefillCall):
+        self.worker_calls += 1
+        if isinstance(call, PrefillCall):
+            return client.prefill(call)
+        return client.decode(call) if isinstance(call, DecodeCall) else client.generate(call)
+
+    async def _watch(self, call, queue: StreamQueue, handed_on: bool = False) -> None:
+        """The attempt's call: it raises if the worker dies (Ray knows), and returns once the
+        request has ended, by which time its last frame is on the wire. A handed-on request's
+        answer carries the decode call's error, raised as that call's; the call's own error is
+        its prefill worker's (`_CallFailed`)."""
         try:
-            await call
+            answer = await call
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
+        except RequestError as exc:
             queue.push(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.push(_CallFailed(exc) if handed_on else exc)
+            return
+        if isinstance(answer, PrefillResult) and (not answer.streamed or answer.decode_error is not None):
+            queue.push(_NotHandedOn(answer) if not answer.streamed else answer.decode_error)
             return
         await asyncio.sleep(self.config.final_delta_grace_s)
         queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
-
-
-def _merge_per_request(items: list[TokenDelta]) -> list[TokenDelta]:
-    """Deltas of several requests as one per request, in the order each first appeared."""
-    by_id: dict[str, list[TokenDelta]] = {}
-    for d in items:
-        by_id.setdefault(d.request_id, []).append(d)
-    return [merge_deltas(ds) for ds in by_id.values()]
-
-
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator:
-    """Items of several async iterators as they come; the first error ends them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(stream) -> None:
-        try:
-            async for item in stream:
-                await queue.put(item)
-            await queue.put(end)
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader
-            await queue.put(exc)
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is end:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
 
 
 async def _quietly(coro) -> None:

@@ -1,7 +1,8 @@
 """Orchestrates one request: pick workers, prefill (or not), hand the KV to decode, stream tokens.
 
-The first token is yielded as soon as the prefill worker returns it, before the decode worker has
-pulled the KV. The router keeps the request registry (which workers hold each request, whose tenant
+A handed-off request is one Ray call, to the prefill worker, naming the decode worker: the prefill
+worker streams the first token as soon as its prefill ends, before the decode worker has pulled
+the KV, and starts the decode itself (`Attempts.handoff`). The router keeps the request registry (which workers hold each request, whose tenant
 owns it, what each member has streamed) and the top-level flow (`Router.generate`: register,
 choose, prefill here or there, decode, forget); the calls on workers and their failover are
 `router/attempts.py`, the workers' health and routing views `router/worker_pool.py`.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from enum import Enum
 
 from cluster.errors import RequestError
@@ -27,7 +27,7 @@ from cluster.token_stream import TokenReceiver
 from cluster.types import GenerateRequest, TokenDelta
 from cluster.worker_messages import StatsSource, stats_from_wire
 from router.admission import SHUTTING_DOWN
-from router.attempts import Attempts, Prefilled
+from router.attempts import Attempts, NoPrefillTaken
 from router.health import WorkerHealth
 from router.policy import WorkerView
 from router.prefix_fetch import FetchPlan, plan_fetch
@@ -92,6 +92,12 @@ class Router:
         """Handoffs a full decode worker declined."""
         return self.attempts.busy_retries
 
+    @property
+    def worker_calls(self) -> int:
+        """Ray calls this router made on workers for requests (data calls and aborts; not the
+        stats poll's): a handed-off request that streams to its end costs one."""
+        return self.attempts.worker_calls
+
     def stats_pushed(self, worker: str, body: dict) -> None:
         """Stats a worker pushed over its token stream (cluster/token_stream.py), observed by the pool
         as a poll's are (a worker this frontend does not route is ignored there). ValueError (the
@@ -124,7 +130,7 @@ class Router:
         if tenant is not None and self.owner.get(request_id, tenant) != tenant:
             return False
         workers = self.active.get(request_id, [])
-        await asyncio.gather(*(self.workers.clients[w].abort(request_id) for w in workers), return_exceptions=True)
+        await asyncio.gather(*(self.attempts.abort_on(w, request_id) for w in workers), return_exceptions=True)
         return bool(workers)
 
     async def generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...] = ()
@@ -167,12 +173,12 @@ class Router:
 
     async def _generate(self, req: GenerateRequest, forks: tuple[GenerateRequest, ...],
                         streamed: dict[str, list[int]]) -> AsyncIterator[TokenDelta]:
-        """Choose the decode worker, prefill remotely unless the prompt is not worth a handoff (the
-        first tokens stream at once), then decode what has not ended with its first token."""
+        """Choose the decode worker, then hand the request off through a prefill worker unless the
+        prompt is not worth it (the first tokens stream as its prefill ends), else decode there."""
         self.check_capacity(req)
         hashes = hash_prefix_blocks(req.prompt_token_ids, self.config.block_size, req.sampling.cache_salt)
         dec = self.workers.policy.choose_decode(hashes, await self.workers.routable("decode"))
-        prefilled = prefix = None
+        prefix = None
         members = [req, *forks]
         place = self._prefill_place(req, hashes, dec)
         fetch = self._fetch_plan(hashes, dec) if place is PrefillPlace.HANDOFF else None
@@ -180,23 +186,26 @@ class Router:
             prefix = await self.attempts.export_prefix(req, fetch)
             place = PrefillPlace.FETCHED if prefix is not None else place
         if place is PrefillPlace.HANDOFF:
-            dec.in_flight += 1          # counted from the choice on, so requests arriving together spread
+            handoff = self.attempts.handoff(members, dec, hashes, streamed)
             try:
-                prefilled = await self.attempts.prefill(req, hashes, forks)
-            finally:
-                dec.in_flight -= 1
-            if prefilled is None:       # no prefill worker could take it; the decode worker prefills
+                first = await anext(handoff)
+            except NoPrefillTaken:       # no prefill worker could take it; the decode worker prefills
                 place = PrefillPlace.NO_PREFILL_WORKER
+            else:
+                self._count(place)
+                yield first
+                async for d in handoff:
+                    yield d
+                return
+            finally:
+                await handoff.aclose()
+        self._count(place)
+        async for d in self.attempts.decode(members, dec, hashes, None, streamed, prefix):
+            yield d
+
+    def _count(self, place: PrefillPlace) -> None:
         if self.metrics is not None:
             self.metrics.count_prefill(place.value)
-        if prefilled is not None:
-            for first in prefilled.firsts.values():
-                yield first
-            members = [m for m in members if not prefilled.firsts[m.request_id].finished]
-            if not members:
-                return
-        async for d in self.attempts.decode(members, dec, hashes, prefilled, streamed, prefix):
-            yield _with_prefill_hits(d, prefilled)
 
     def _fetch_plan(self, hashes, dec: WorkerView) -> FetchPlan | None:
         """A prefill worker holding most of the prompt, if pulling from it beats computing (prefix_fetch.py)."""
@@ -224,13 +233,3 @@ class Router:
         for q in list(self.receiver.queues.values()):
             q.push(ShuttingDown(SHUTTING_DOWN))
 
-
-def _with_prefill_hits(delta: TokenDelta, prefilled: Prefilled | None) -> TokenDelta:
-    """A handed-off request's usage counts the prompt tokens its prefill worker served from its
-    prefix cache: the decode worker that ends it computed none of the prompt (it reports 0)."""
-    if prefilled is None or not delta.finished:
-        return delta
-    first = prefilled.firsts.get(delta.request_id)
-    if first is None or first.num_cached_tokens <= delta.num_cached_tokens:
-        return delta
-    return replace(delta, num_cached_tokens=first.num_cached_tokens)

@@ -73,5 +73,9 @@ class WorkerClient:
     async def add_peer(self, metadata: bytes) -> str:
         return await self._control(self.handle.add_peer).remote(metadata)
 
+    async def hand_on_to(self, decode_workers: dict) -> None:
+        """A prefill worker's decode peers, by name: the Ray actor handles it hands requests on to."""
+        await self._control(self.handle.hand_on_to).remote(decode_workers)
+
     async def set_ready(self, incarnation: str) -> bool:
         return await self._control(self.handle.set_ready).remote(incarnation)

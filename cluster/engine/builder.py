@@ -28,9 +28,9 @@ from cluster.kv.disk_io import make_file_io
 from cluster.kv.tier_store import DiskTier, HostTier
 from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
-from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan
+from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan, plan_dtype
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
-from cluster.model.model_config import TORCH_DTYPES, ModelConfig
+from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
 from cluster.placement import pin_process, usable_cpus
 from cluster.types import KVLayout
@@ -47,8 +47,7 @@ def setup_threads(config: EngineConfig) -> torch.device:
 
 def load_models(config: EngineConfig, device: torch.device) -> Models:
     """The target on the kernel plan, and its own KV layout."""
-    dtype = None if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
-    mc, model = load_model(config.model, dtype=dtype, device=device, max_positions=config.max_model_len)
+    mc, model = load_model(config.model, dtype=plan_dtype(config), device=device, max_positions=config.max_model_len)
     dtype = model.embed_tokens.weight.dtype
     quant = quantize_model(model, mc, Quantization(config.quantization), config.model,
                            act_int8=config.quantized_activations == "int8")

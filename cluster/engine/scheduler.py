@@ -14,6 +14,10 @@ Speculative decoding turns a decode into a verification of k+1 positions (`attac
 blocks are reserved only from free ones, and `update` keeps the accepted prefix: computed counts
 advance over the accepted tokens only and blocks reserved past them go back to the pool.
 
+Tenants share each step by weight (`fair_share.py`): when two or more have work, the step's
+budget is `fair_step_tokens` and each tenant gets its share of it (decodes, prefill chunks and
+lookahead); a lone tenant gets the whole budget. Sequences skipped in a step keep their blocks.
+
 It counts what the metrics read (`WorkerStats`): each request's time from arrival to its first
 schedule, in Prometheus buckets, and preemptions.
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from cluster.engine import room
+from cluster.engine.fair_share import FairShare
 from cluster.engine.sequence import Sequence, SequenceStatus
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.hashing import BlockHash, hash_prefix_blocks
@@ -69,6 +74,7 @@ class StepPlan:
     stalled: list[Sequence] = field(default_factory=list)   # running, waiting for blocks held outside
     verifies: list[ScheduledChunk] = field(default_factory=list)  # decodes with a draft to verify
     budget_left: int = 0
+    shared: bool = False    # tenants contend: each gets its fair share of the step (fair_share.py)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -87,8 +93,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, block_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], on_hold: Callable[[Sequence], None] | None = None,
                  hit_filter: Callable[[list[int]], list[int]] | None = None,
-                 admit_gate: Callable[[Sequence], Gate] | None = None):
+                 admit_gate: Callable[[Sequence], Gate] | None = None, fair: FairShare | None = None):
         self.config = config
+        # How tenants share steps and slots; by default from the config's weights and fair step budget.
+        self.fair = fair if fair is not None else FairShare(config.weights(), config.fair_step_tokens)
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -131,6 +139,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.fair.forget(seq)
         if seq.hold_kv and reason is not FinishReason.ABORT and seq.block_ids and self.on_hold is not None:
             self.on_hold(seq)      # its blocks and computed count are the hook's now
             seq.block_ids = []
@@ -180,12 +189,23 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
+        shared_budget = self.fair.start_step(self._demand(), budget)
+        picks = None
+        if shared_budget is not None:
+            plan.shared, budget = True, shared_budget
+            picks = self.fair.pick(self.running, budget)
+        # In admission order even when shared, so that room's preemption (of the youngest) never
+        # takes a sequence already in the plan.
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue   # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if picks is not None:
+                n = min(n, picks.get(seq, 0))
+                if n == 0:
+                    continue   # past its tenant's share this step: it waits, keeping its blocks
             if not room.reserve(self, seq, seq.num_computed_tokens + n, plan):
                 continue
             self._add_chunk(plan, seq, n)
@@ -195,21 +215,40 @@ class Scheduler:
         plan.budget_left = self._admit_waiting(plan, budget)
         return plan
 
+    def _demand(self) -> dict[str, int]:
+        """Per tenant, the tokens its running and queued sequences could compute now."""
+        demand: dict[str, int] = {}
+        for seq in (*self.running, *self.waiting):
+            demand[seq.tenant] = demand.get(seq.tenant, 0) + max(1, seq.num_tokens - seq.num_computed_tokens)
+        return demand
+
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         """Admit queued requests in order while the budget, the batch and the pool allow. One the
         gate holds (its KV tiers not asked yet: no free load slot) keeps its place and the ones
         behind it go on; none jumps a request that waits for memory (the pool's, or room to load
         its prefix into: the gate's STOP). Returns the budget left."""
         held = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if plan.shared:   # the tenants holding fewest slots per weight first
+            ordered = self.fair.admission_order(self.waiting, self.running)
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            slot_from = None   # a batch full: the sequence `seq`'s tenant may take a slot from
+            if len(self.running) >= self.config.max_num_seqs:
+                if plan.shared:
+                    slot_from = self.fair.slot_to_free(seq, self.running, {c.seq for c in plan.chunks})
+                if slot_from is None:
+                    break
             gate = Gate.ADMIT if self.admit_gate is None else self.admit_gate(seq)
             if gate is Gate.STOP:
                 break
-            if gate is Gate.HOLD:
+            if gate is Gate.HOLD or self._share(plan, seq, budget) == 0:
                 held.append(self.waiting.popleft())
                 continue
-            n = self._admit(seq, budget)
+            if slot_from is not None:
+                budget += self._give_slot(slot_from, plan)
+            n = self._admit(seq, self._share(plan, seq, budget))
             if n == 0:
                 break
             self.waiting.popleft()
@@ -220,12 +259,37 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         return budget
 
+    def _share(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """The tokens a queued `seq` may take this step: its tenant's allowance when shared (a
+        whole prompt when prefill is not chunked: its tenant pays it back over later steps)."""
+        if not plan.shared:
+            return budget
+        if not self.config.enable_chunked_prefill:
+            return budget if self.fair.allowance(seq.tenant) > 0 else 0
+        return min(budget, self.fair.allowance(seq.tenant))
+
+    def _give_slot(self, victim: Sequence, plan: StepPlan) -> int:
+        """Preempt `victim` for a queued sequence of a tenant below its share of a full batch (the
+        queue's head stays first). Returns the tokens its chunk in this plan gave back."""
+        freed = 0
+        for chunks in (plan.decodes, plan.prefills):
+            for chunk in [c for c in chunks if c.seq is victim]:
+                chunks.remove(chunk)
+                freed += chunk.num_tokens
+        self.fair.charge(victim, -freed)
+        self.preempt(victim, plan)
+        self.waiting.remove(victim)
+        self.waiting.append(victim)
+        return freed
+
     # --- speculation ---------------------------------------------------------------------------
     def lookahead_room(self, seq: Sequence, k: int, plan: StepPlan) -> int:
         """Reserve blocks for up to k draft tokens after `seq`'s pending one, from free blocks only
         and within the step's token budget, the context and max_tokens; returns the k reserved."""
         k = min(k, plan.budget_left, self.max_model_len - seq.num_tokens,
                 seq.sampling.max_tokens - seq.num_output_tokens - 1)
+        if plan.shared:
+            k = min(k, self.fair.allowance(seq.tenant))
         if k <= 0:
             return 0
         # Slots this step writes: the pending token's and k drafts' (positions up to num_tokens + k - 1).
@@ -237,6 +301,8 @@ class Scheduler:
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
         plan.budget_left -= k
+        if plan.shared:
+            self.fair.charge(seq, k)
         return k
 
     def attach_draft(self, plan: StepPlan, chunk: ScheduledChunk, draft: tuple[int, ...],
@@ -258,6 +324,8 @@ class Scheduler:
             self.pool.free(reversed(extra))
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, n: int) -> None:
+        if plan.shared:
+            self.fair.charge(seq, n)
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, n)
         (plan.decodes if n == 1 else plan.prefills).append(chunk)
 

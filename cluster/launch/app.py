@@ -12,13 +12,12 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.config import WorkerConfig
+from cluster.config import EngineConfig, WorkerConfig
 from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.metrics import ClusterMetrics
 from cluster.model.tokenizer import load_tokenizer
-from cluster.model.kernel_choice import engine_config_plan
-from cluster.model.kernel_plan import KernelPlan
+from cluster.model.kernel_choice import resolved_engine_config
 from cluster.model.model_config import load_model_config
 from cluster.model.quantize import Quantization, check_quantization
 from cluster.placement import CpuShare, local_worker_shares, worker_env
@@ -188,8 +187,12 @@ async def _handshake(name: str, workers: dict[str, WorkerClient], roster: Worker
     (`EngineWorker.add_peer`), so pulls in flight to a live peer survive.
     A peer that cannot be reached now (not in `alive`: its last poll failed; or slow to answer) is
     skipped and named in the result: its own bring-up connects the two when it is back, so no
-    worker waits on a peer that is restarting. Raises only when `name` itself fails."""
+    worker waits on a peer that is restarting. Raises only when `name` itself fails. A prefill
+    worker is also given every decode worker's actor handle (valid across their restarts): it hands
+    its requests on to them itself."""
     metas[name] = await workers[name].metadata()
+    if roster.role_of(name) == "prefill":
+        await workers[name].hand_on_to({d: workers[d].handle for d in roster.decode})
     skipped = []
     for other, client in workers.items():
         if roster.role_of(other) == roster.role_of(name):
@@ -344,7 +347,7 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
     """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
     the cluster's kernel plan; their clients, prefill workers first, and who plays which role."""
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
-    shares, plan = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
+    shares, resolved = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
     secret = cfg.cluster_secret or Secret(os.urandom(32))
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
@@ -357,7 +360,7 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
                                   else ("decode", DecodeWorker, make_speculator))
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
-        engine = replace(cfg.engine, num_threads=share.threads, cpus=share.cpus, kernel_plan=plan)
+        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus)
         wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
                             kv_host=None if cfg.ray_address else "127.0.0.1")
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
@@ -437,20 +440,20 @@ def _frontend_config(cfg: ClusterConfig, limits: Limits, info: ServerInfo, roste
                           http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
 
 
-async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], KernelPlan]:
-    """Threads and cores per worker (cluster/placement.py), and the one kernel plan every worker
-    runs with: resolved here for a local cluster, on a decode node by a Ray task for a remote one
-    (the driver's CPU may not be the workers')."""
+async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], EngineConfig]:
+    """Threads and cores per worker (cluster/placement.py), and the engine config every worker
+    runs with, its dtype and kernel plan resolved once: here for a local cluster, on a decode node
+    by a Ray task for a remote one (the driver's CPU may not be the workers')."""
     ray = _ray()
     if cfg.ray_address:
         shares = [CpuShare(cfg.engine.num_threads or max(1, int(cfg.worker_cpus)), None)] * num_workers
     else:
         shares = local_worker_shares(num_workers, cfg.engine.num_threads)
-    if cfg.engine.kernel_plan is not None:
-        return shares, cfg.engine.kernel_plan
+    if cfg.engine.kernel_plan is not None and cfg.engine.dtype != "auto":
+        return shares, cfg.engine
     if not cfg.ray_address:
-        return shares, engine_config_plan(cfg.engine, shares[-1].threads)
-    task = ray.remote(engine_config_plan).options(num_cpus=cfg.worker_cpus, num_gpus=gpus_per_worker(cfg),
+        return shares, resolved_engine_config(cfg.engine, shares[-1].threads)
+    task = ray.remote(resolved_engine_config).options(num_cpus=cfg.worker_cpus, num_gpus=gpus_per_worker(cfg),
                                                   resources=cfg.decode_resources)
     return shares, await task.remote(cfg.engine, shares[-1].threads)
 

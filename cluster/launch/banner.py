@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cluster.config import format_size
 from cluster.launch.cluster_config import ClusterConfig
+from cluster.model.kernel_choice import plan_dtype
 from cluster.worker_messages import WorkerStats
 
 QUESTION = "What is the capital of France?"
@@ -89,6 +90,15 @@ def curl_line(cfg: ClusterConfig, http: str, model_name: str, chat: bool) -> str
     return f"curl{tls} -s {http}/v1/{route} -H 'Content-Type: application/json'{key} -d '{body}'"
 
 
+def dtype_line(cfg: ClusterConfig) -> str:
+    """What the workers compute in, and why when `--dtype auto` chose it."""
+    dtype = str(plan_dtype(cfg.engine)).removeprefix("torch.")
+    if cfg.engine.dtype != "auto":
+        return dtype
+    why = ("this CPU computes bf16 natively" if dtype == "bfloat16" else "no native bf16 on this CPU")
+    return f"{dtype} (--dtype auto: {why})" if cfg.engine.device.startswith("cpu") else f"{dtype} (the checkpoint's)"
+
+
 def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, chat: bool,
            workers: Sequence[WorkerStats] = (), max_model_len: int | None = None) -> list[str]:
     """The lines to print, in order: what, how, where, then a request to try (`chat`: the model
@@ -101,6 +111,7 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
         lines.append(f"  prefill: {rule}")
     lines.append(f"  speculative decoding: {speculation(cfg)}; deterministic (batch-invariant): "
                  f"{'on' if cfg.engine.deterministic else 'off'}")
+    lines.append(f"  compute dtype: {dtype_line(cfg)}")
     if cfg.engine.quantization_choice is not None:   # --quantization auto: what it chose and why
         lines.append(f"  weights: --quantization {cfg.engine.quantization_choice} (docs/quantization.md)")
     elif cfg.engine.quantization != "none":

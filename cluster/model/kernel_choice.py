@@ -101,7 +101,7 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
     plan = config.kernel_plan
     if plan is None:
         mc = load_model_config(config.model)
-        dtype = mc.dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+        dtype = plan_dtype(config)
         if config.deterministic:
             return invariant_plan(dtype, torch.device(config.device))
         plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
@@ -115,6 +115,13 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
     if config.cuda_graphs == "on" and device_type == "cpu":   # replays read static tables: the C kernel's
         return fused_decode_plan(plan, config.kernels, device_type, plan_dtype(config), "decode graphs on CPU")
     return plan
+
+
+def resolved_engine_config(config, threads: int | None = None):
+    """`config` with what this node decides resolved once, for every worker of a cluster: the
+    dtype (`--dtype auto` follows the CPU) and the kernel plan (`engine_config_plan`)."""
+    plan = engine_config_plan(config, threads)
+    return replace(config, dtype=str(plan_dtype(config)).removeprefix("torch."), kernel_plan=plan)
 
 
 def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype, why: str) -> KernelPlan:
@@ -131,4 +138,17 @@ def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: t
 
 
 def plan_dtype(config) -> torch.dtype:
-    return load_model_config(config.model).dtype if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+    """The dtype an EngineConfig computes in: its --dtype, or for "auto" `auto_dtype`'s choice."""
+    if config.dtype != "auto":
+        return TORCH_DTYPES[config.dtype]
+    return auto_dtype(load_model_config(config.model).dtype, config.device.split(":")[0])
+
+
+def auto_dtype(checkpoint: torch.dtype, device_type: str) -> torch.dtype:
+    """`--dtype auto`: on a CPU, bfloat16 where it computes bf16 natively (AVX-512 BF16, AMX),
+    whatever the checkpoint stores (as vLLM's auto halves a float32 checkpoint), else float32
+    (emulated bf16 is slower there than float32: docs/benchmarks.md, "What bf16 costs"); on
+    other devices the checkpoint's own dtype."""
+    if device_type != "cpu":
+        return checkpoint
+    return torch.bfloat16 if cpu_ops.native_bf16() else torch.float32

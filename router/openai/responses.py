@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from cluster.errors import RequestError, error_message
 from cluster.types import TokenDelta
-from router.attempts import merge_streams
+from router.merging import merge_streams
 from router.openai.protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, PromptGroup, usage
 from router.openai.tool_calls import ToolCallParser, parse_text
 

@@ -260,6 +260,23 @@ def test_metrics_count_what_was_sent(cluster):
     assert delta("splitserve_worker_stats_reports_total{source=push,worker=prefill-0}") >= 1
 
 
+def test_a_handed_off_request_costs_the_router_one_ray_call(cluster, reference):
+    """1P1D: the router calls the prefill worker once, naming the decode worker; the prefill worker
+    streams the first token and starts the decode itself. Streamed or not, one call."""
+    router = cluster.cluster.router
+    client = Client(cluster.target)
+    prompts = [p for p in _prompts(8, seed=7) if len(p) > 4][:2]     # unseen, over --local-prefill-max-tokens
+    cluster.wait_idle()
+    before = router.worker_calls
+    out = client.generate(prompts[0], max_tokens=6, ignore_eos=True)
+    assert router.worker_calls - before == 1
+    streamed = [t for msg in client.stream(prompts[1], max_tokens=6, ignore_eos=True) for t in msg.token_ids]
+    assert router.worker_calls - before == 2
+    assert [list(out.token_ids), streamed] == reference(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    cluster.wait_idle()
+    assert router.worker_calls - before == 2        # nothing was left to abort
+
+
 @pytest.fixture(scope="module")
 def colocated_tls(tiny_model_dir, tmp_path_factory):
     """One colocated cluster serving gRPC over TLS (a self-signed certificate for 127.0.0.1), for

@@ -120,3 +120,26 @@ def test_bfloat16_tracks_transformers_on_every_linear_path(linear, tiny_model_di
         for token, logprob in out.logprobs[0].top:
             assert logprob == pytest.approx(float(ref[token]), abs=0.1)
     engine.pool.check_idle()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_follows_the_cpus_bf16(native, tiny_model_dir, monkeypatch):
+    """`--dtype auto` on CPU: bfloat16 where the CPU computes it natively, float32 elsewhere,
+    whatever the (float32) checkpoint stores; an explicit dtype is kept as given."""
+    from cluster.model.kernel_choice import plan_dtype, resolved_engine_config
+    monkeypatch.setattr(cpu_ops, "native_bf16", lambda: native)
+    want = torch.bfloat16 if native else torch.float32
+    config = EngineConfig(model=tiny_model_dir("llama"), num_threads=1, cache=CacheConfig(num_blocks=16))
+    assert load_model_config(config.model).dtype == torch.float32 and plan_dtype(config) == want
+    assert resolved_engine_config(config, 1).dtype == str(want).removeprefix("torch.")
+    assert LLMEngine(config).dtype == want
+    assert plan_dtype(replace(config, dtype="float32")) == torch.float32
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "cpu_signature", lambda: "AMD EPYC|fpu avx512f avx512_bf16 sse")
+    assert cpu_ops.native_bf16()
+    monkeypatch.setattr(cpu_ops, "cpu_signature", lambda: "Intel Xeon|fpu amx_bf16 amx_tile")
+    assert cpu_ops.native_bf16()
+    monkeypatch.setattr(cpu_ops, "cpu_signature", lambda: "AMD EPYC 7B13|fpu avx2 fma")
+    assert not cpu_ops.native_bf16()
