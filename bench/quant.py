@@ -4,7 +4,9 @@
                           [--rounds 3]
 
 A scheme is WEIGHTS or WEIGHTS/KV: `--quantization` (cluster/model/quantize.py), `+a8` after it
-for `--quantized-activations int8` (gguf+a8, int4+a8), and after the slash `--kv-cache-dtype`
+for `--quantized-activations int8` (gguf+a8, int4+a8), `+kernel` for every pass on the quantized
+kernel (prefill too, as before passes of many rows went to a dequantized GEMM:
+cluster/model/quant_linear.py's DENSE_MIN_ROWS), and after the slash `--kv-cache-dtype`
 (cluster/kv/kv_quant.py; auto when omitted). Each is built in a child
 process of its own (one engine's memory never hides behind another's), bfloat16 activations, the
 engine's default kernel plan. Per scheme:
@@ -46,11 +48,12 @@ def child(args) -> None:
     from cluster.config import CacheConfig, EngineConfig
     from cluster.engine.engine import LLMEngine
     from cluster.kv.paged_cache import resident_bytes
-    from cluster.model.quant_linear import QuantLinear
+    from cluster.model.quant_linear import QuantLinear, set_dense_rows
     from cluster.types import SamplingParams
     from perplexity import windows
     from vllm_offline import measure, prompts
     weights, _, kv = args.child.partition("/")
+    weights, kernel_only = weights.removesuffix("+kernel"), weights.endswith("+kernel")
     weights, a8, _ = weights.partition("+a8")
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", quantization=weights,
@@ -58,6 +61,8 @@ def child(args) -> None:
                                     num_threads=args.threads, cache=CacheConfig(num_blocks=1024,
                                                                                 kv_cache_dtype=kv or "auto")))
     load_s = time.perf_counter() - t0
+    if kernel_only:
+        set_dense_rows(engine.model, None)
     linears = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
     table = engine.model.embed_tokens.weight      # not quantized by any scheme; a tied head shares it
     weight = resident_bytes(engine.model) - table.numel() * table.element_size()
@@ -66,8 +71,9 @@ def child(args) -> None:
 
     def generate(batch, n):
         engine.generate(batch, SamplingParams(max_tokens=n, ignore_eos=True, cache_salt=f"r{next(salts)}"))
-    decode = {b: measure(generate, vocab, b, 64, 64, args.repeats)["decode_tok_s"] for b in (1, 8)}
-    decode["8@1k"] = measure(generate, vocab, 8, 1024, 64, args.repeats)["decode_tok_s"]
+    decode = {b: measure(generate, vocab, b, 64, 64, args.repeats)["decode_tok_s"] for b in (1, 8)[:args.batches]}
+    if args.batches > 2:
+        decode["8@1k"] = measure(generate, vocab, 8, 1024, 64, args.repeats)["decode_tok_s"]
     long = prompts(vocab, 1, 512, 99)
     generate(long, 1)
     t0 = time.perf_counter()
@@ -88,7 +94,7 @@ def child(args) -> None:
 
 def run(args, scheme: str) -> dict:
     cmd = [sys.executable, __file__, "--child", scheme, "--model", str(args.model), "--threads", str(args.threads),
-           "--repeats", str(args.repeats), "--windows", str(args.windows)]
+           "--repeats", str(args.repeats), "--windows", str(args.windows), "--batches", str(args.batches)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     for line in out.stdout.splitlines():
         if line.startswith(MARK):
@@ -109,12 +115,14 @@ def table(rows: list[dict]) -> str:
     lines = ["| scheme | formats | weight MiB | resident MiB | decode b1 tok/s | vs base | decode b8 tok/s | vs base "
              "| b8@1k tok/s | vs base | TTFT 512 ms | perplexity | vs base | KV B/token | 2k seqs in 1 GiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    def speed(r: dict, key: str) -> str:   # a batch not measured (--batches): blank
         d, bd = r["decode_tok_s"], base["decode_tok_s"]
+        return f"{d[key]:.1f} | {d[key] / bd[key]:.2f}x" if key in d else " | "
+    for r in rows:
         lines.append(
             f"| {r['scheme']} | {'/'.join(r['formats'])} | {r['weight_bytes'] / 2**20:.1f} | "
-            f"{r['resident_bytes'] / 2**20:.1f} | {d['1']:.1f} | {d['1'] / bd['1']:.2f}x | {d['8']:.1f} | "
-            f"{d['8'] / bd['8']:.2f}x | {d['8@1k']:.1f} | {d['8@1k'] / bd['8@1k']:.2f}x | {r['ttft_512_ms']:.0f} | "
+            f"{r['resident_bytes'] / 2**20:.1f} | {speed(r, '1')} | {speed(r, '8')} | {speed(r, '8@1k')} | "
+            f"{r['ttft_512_ms']:.0f} | "
             f"{r['perplexity']:.3f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
             f"{r['kv_bytes_per_token']:.0f} | {r['seqs_2k_in_1gib']:.1f} |")
     return "\n".join(lines)
@@ -129,6 +137,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run the schemes round-robin N times (one child each "
                                                           "time); speed and TTFT are the medians of the rounds")
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 512 tokens for perplexity")
+    ap.add_argument("--batches", type=int, default=3, choices=(1, 2, 3),
+                    help="decode speeds measured: 1 (batch 1), 2 (and batch 8), 3 (and batch 8 after 1k prompts)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

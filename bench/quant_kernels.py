@@ -6,6 +6,10 @@ on the default model's linear shapes, at several row counts and thread counts.
 
 `q4_1-a8` is Q4_1 with `act_int8=True` (activations quantized to int8 per block inside the kernel:
 not the default, its results carry the activations' rounding), timed as a format of its own.
+`bf16-gemm` is torch's F.linear on the bf16 weight (what `--quantization none` runs at prefill
+sizes); `q4_1-dq` / `q8_0-dq` the weight dequantized to bf16 in C and then torch's GEMM (what
+QuantLinear runs for passes of DENSE_MIN_ROWS rows on: cluster/model/quant_linear.py), the whole
+matrix at once; `q4_1-dq256` the same 256 weight rows at a time (a tile that stays in L2).
 
 Each layer shape is held `--layers` times at distinct addresses (the 30 layers of a decode step:
 106M weights, 66 MB even in Q4_1, more than a 32 MB last-level cache), the LM head 3 times, and
@@ -28,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_ops  # noqa: E402
-from kernels.cpu_quant import QuantizedWeight, quant_linear  # noqa: E402
+from kernels.cpu_quant import QuantizedWeight, dequantize_into, quant_linear  # noqa: E402
 
 HIDDEN, INTER, HEADS_DIM, KV_DIM, VOCAB = 576, 1536, 576, 192, 49152
 LAYER_SHAPES = {"qkv": (HEADS_DIM + 2 * KV_DIM, HIDDEN), "o": (HIDDEN, HEADS_DIM),
@@ -40,17 +44,37 @@ HEAD_COPIES = 3   # 53 MB in Q4_1: one copy (18 MB) would stay in the last-level
 def _copies(fmt: str, shape: tuple[int, int], count: int):
     """`count` weights of `shape` in `fmt` at distinct addresses (one quantized, then cloned)."""
     w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] + shape[1])) * 0.05
-    if fmt == "bf16":
+    if fmt.startswith("bf16"):
         w = w.to(torch.bfloat16)
         return [w.clone() for _ in range(count)], w.numel() * 2
-    qw = QuantizedWeight.quantize(w, fmt.removesuffix("-a8"))
+    qw = QuantizedWeight.quantize(w, fmt.split("-")[0])
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
     return [QuantizedWeight(qw.format, qw.n, qw.k, clone(qw.quants), clone(qw.scales), clone(qw.mins))
             for _ in range(count)], qw.nbytes
 
 
+def _dense(x: torch.Tensor, qw: QuantizedWeight, chunk: int) -> torch.Tensor:
+    """Dequantize `chunk` weight rows at a time into one scratch and multiply (0: all at once)."""
+    chunk = chunk or qw.n
+    scratch = _SCRATCH.setdefault((chunk, qw.k), torch.empty(chunk, qw.k, dtype=x.dtype))
+    parts = []
+    for n0 in range(0, qw.n, chunk):
+        rows = min(chunk, qw.n - n0)
+        parts.append(torch.nn.functional.linear(x, dequantize_into(qw, scratch[:rows], n0)))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+_SCRATCH: dict = {}
+
+
 def _call(fmt: str, x: torch.Tensor, w) -> torch.Tensor:
-    return cpu_ops.linear(x, w, None) if fmt == "bf16" else quant_linear(x, w, act_int8=fmt.endswith("-a8"))
+    if fmt == "bf16":
+        return cpu_ops.linear(x, w, None)
+    if fmt == "bf16-gemm":
+        return torch.nn.functional.linear(x, w)
+    if "-dq" in fmt:
+        return _dense(x, w, int(fmt.split("-dq")[1] or 0))
+    return quant_linear(x, w, act_int8=fmt.endswith("-a8"))
 
 
 def _time(fmt: str, x: torch.Tensor, weights: list, budget: float) -> float:

@@ -31,7 +31,7 @@ from cluster.spec_config import (AUTO, MAX_SPECULATIVE_TOKENS, QUANTSPEC_KV_VIEW
 from cluster.model.model_paths import (BUILTIN_MODELS, DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR,  # noqa: F401
                                        DEFAULT_MODEL_BLOCK_DIR, DEFAULT_MODEL_EAGLE_DIR, DEFAULT_MODEL_FILE,
                                        DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE, STDLIB_CODER_DIR,
-                                       WEIGHTS_DIR, find_gguf)
+                                       WEIGHTS_DIR, find_gguf, gguf_tensor_types)
 
 if TYPE_CHECKING:
     from cluster.model.kernel_plan import KernelPlan
@@ -40,7 +40,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
 KERNELS = ("auto", "torch")
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")   # cluster/model/quantize.py's Quantization
+# GGML block types the quantized kernels serve as stored (kernels/cpu_quant.py); F32 is a GGUF's norms.
+SERVED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")     # cluster/kv/kv_quant.py's KVCacheDType
 TRANSPORTS = ("nixl", "ucx", "tcp", "cuda_ipc", "loopback")  # cluster/transfer/registry.py makes them
 # --transport's choices: loopback moves KV within one process only.
@@ -85,6 +87,26 @@ def _converted(gguf: Path) -> Path:
     if key not in _CONVERTED:
         _CONVERTED[key] = hf_dir_for(gguf, cache_dir())
     return _CONVERTED[key]
+
+
+def auto_quantization(model_dir: Path, device: str, dtype: str, speculative: str) -> tuple[str, str]:
+    """What `--quantization auto` serves a (resolved) model with, and why: a GGUF model whose
+    tensors are all in the block types the CPU kernels serve, from its stored blocks (decode on them
+    measured 3.6-4.2x bf16's, docs/quantization.md); anything else in --dtype, as `none`."""
+    types = gguf_tensor_types(model_dir)
+    if types is None:
+        return "none", "not a GGUF model: weights in --dtype"
+    blocks = sorted(set(types) - {"F32"})
+    if not blocks or not set(blocks) <= set(SERVED_GGUF_TYPES):
+        kinds = "/".join(blocks) or "F32"
+        return "none", f"the GGUF's {kinds} tensors are not all {'/'.join(SERVED_GGUF_TYPES)}: dequantized to --dtype"
+    if device.split(":")[0] != "cpu":
+        return "none", "the GGUF's blocks are served on CPU only: dequantized to --dtype"
+    if dtype == "float16":
+        return "none", "the quantized kernels take float32 or bfloat16 activations: dequantized to float16"
+    if speculative == "quantspec":
+        return "none", "QuantSpec drafts on the 4-bit blocks for a target in --dtype"
+    return "gguf", f"the GGUF's {'/'.join(blocks)} blocks served as stored, faster decode than dequantized"
 
 
 def default_model_dir() -> Path:
@@ -281,10 +303,12 @@ class EngineConfig:
     dtype: str = setting("auto", "weights and KV dtype (auto: on CPU bfloat16 where the CPU computes it natively, "
                                   "AVX-512 BF16 or AMX, else float32; on GPU the checkpoint's own, from config.json)",
                           choices=DTYPES)
-    quantization: str = setting("none", "weight-only quantization: int8 (per output channel) or int4 (groups of "
+    quantization: str = setting("auto", "weight-only quantization: int8 (per output channel) or int4 (groups of "
                                         "32, scale and minimum) quantized at load; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
-                                        "tensors served as stored; none: the weights in --dtype (docs/quantization.md)",
-                                choices=QUANTIZATIONS)
+                                        "tensors served as stored; none: the weights in --dtype; auto: gguf for a "
+                                        "GGUF model whose tensors are all Q4_0/Q4_1/Q8_0 (on CPU), else none "
+                                        "(docs/quantization.md)", choices=QUANTIZATIONS)
+    quantization_choice: str | None = derived(None, "what --quantization auto chose and why (the banner says it)")
     quantized_activations: str = setting("none", "int8: 4-bit weights (--quantization int4 or gguf) multiply "
                                                  "activations rounded to int8 per row and block of 32, with integer "
                                                  "dot products (llama.cpp's way): faster at small batch, lossy "
@@ -328,13 +352,17 @@ class EngineConfig:
                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         require(self.quantized_activations in ("none", "int8"), "quantized_activations",
                 f"must be none or int8, got {self.quantized_activations!r}")
-        require(self.quantized_activations == "none" or self.quantization in ("int4", "gguf"), "quantized_activations",
-                "int8 activations go with 4-bit weights: add --quantization int4 (or gguf for a GGUF model)")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                 f"must be >= 2, got {self.max_model_len}")
         require(self.num_threads is None or self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
         require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"), "device",
                 f"must be cpu or cuda (cuda:N), got {self.device!r}")
+        if self.quantization == "auto":   # resolved here, once: every reader sees the scheme it serves
+            scheme, why = auto_quantization(self.model, self.device, self.dtype, self.speculative.method)
+            object.__setattr__(self, "quantization", scheme)
+            object.__setattr__(self, "quantization_choice", f"auto: {scheme} ({why})")
+        require(self.quantized_activations == "none" or self.quantization in ("int4", "gguf"), "quantized_activations",
+                "int8 activations go with 4-bit weights: add --quantization int4 (or gguf for a GGUF model)")
 
 
 def parse_switch(value) -> bool:

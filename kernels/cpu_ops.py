@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "ops.c"
 PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over torch's thread pool
 QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
+DEQUANT_SOURCE = SOURCE.with_name("dequant.c")       # quantized weights to a dense matrix (prefill's GEMM)
 KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
 HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "ss_silu_mul": (_P, _P, _I64, _I64, _INT),
     "ss_linear": (_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _INT),
     "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
+    "ss_qdequant": (_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT, _INT),
     "ss_masked_argmax": (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT, _P, _P),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
@@ -121,6 +123,7 @@ def _build(folder: Path) -> Path | None:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
                          + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
+                         + DEQUANT_SOURCE.read_bytes()
                          + b"".join(h.read_bytes() for h in HEADERS)
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
@@ -131,12 +134,13 @@ def _build(folder: Path) -> Path | None:
              extra={"phase": "building the CPU kernels (first start only)"})
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
-        kvq = Path(tmp) / "kv_quant.o"
+        kvq, deq = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o"
         built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(quant), str(QUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(deq), str(DEQUANT_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -144,12 +148,12 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(par),
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(par),
                       f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])

@@ -5,7 +5,8 @@ columns, one sequential stream per tile; see that file), packed from a GGUF tens
 (`from_gguf`, no dequantized copy) or quantized from a float weight at load (`quantize`).
 `quant_linear` is F.linear on it: activations float32 or bfloat16, fp32 arithmetic, output in the
 activation dtype, each row's result independent of the rows beside it. `dequantize` is the
-reference. The library is built and loaded by `cpu_ops` (one place builds it).
+reference; `dequantize_into` writes the same values into a dense float32 or bfloat16 matrix (C),
+for the GEMM that serves passes of many rows (cluster/model/quant_linear.py). The library is built and loaded by `cpu_ops` (one place builds it).
 
 Q4_0 is stored as Q4_1 with m = -8d (exact: d(q-8) = dq - 8d in fp32), so one 4-bit kernel serves
 both; float weights quantize to int8 per channel, Q8_0 or Q4_1 (groups of 32 with a minimum).
@@ -161,6 +162,26 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), quants, scales, mins,
                               None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n, fmt, dtype_code)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def dequantize_into(qweight: QuantizedWeight, out: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """Rows [row0, row0 + len(out)) of the dense weight in `out` (contiguous, float32 or bfloat16;
+    row0 a multiple of TILE, the rows within n): each element d * q + m (or d * q, s * q) in fp32
+    as `dequantize` computes it, rounded once to out's dtype, the same bits on every call. For
+    passes with enough rows that a GEMM on it beats `quant_linear`."""
+    rows, k = out.shape
+    dtype_code = _DTYPE_CODES.get(out.dtype)
+    if dtype_code is None or k != qweight.k or not out.is_contiguous() or row0 % TILE or row0 + rows > qweight.n:
+        raise ValueError(f"dequantize_into: rows {row0}.. of a {qweight.n}x{qweight.k} weight into a contiguous "
+                         f"float32 or bfloat16 matrix, not {out.dtype} {tuple(out.shape)}")
+    if cpu_ops.load() is None:   # no C compiler
+        return out.copy_(qweight.dequantize()[row0:row0 + rows])
+    if (row0 + rows) % TILE and row0 + rows != qweight.n:
+        raise ValueError(f"dequantize_into: {rows} rows from {row0} end inside a tile of {TILE}")
+    quants, scales, mins, fmt = qweight._kernel_args
+    cpu_ops.op("ss_qdequant")(quants, scales, mins, row0 // TILE, -(-(row0 + rows) // TILE), qweight.n, qweight.k,
+                              out.data_ptr(), fmt, dtype_code)
+    return out
 
 
 def act_int8_reference(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

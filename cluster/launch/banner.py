@@ -112,7 +112,9 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
     lines.append(f"  speculative decoding: {speculation(cfg)}; deterministic (batch-invariant): "
                  f"{'on' if cfg.engine.deterministic else 'off'}")
     lines.append(f"  compute dtype: {dtype_line(cfg)}")
-    if cfg.engine.quantization != "none":
+    if cfg.engine.quantization_choice is not None:   # --quantization auto: what it chose and why
+        lines.append(f"  weights: --quantization {cfg.engine.quantization_choice} (docs/quantization.md)")
+    elif cfg.engine.quantization != "none":
         lines.append(f"  weights: --quantization {cfg.engine.quantization} (docs/quantization.md)")
     if cfg.engine.cache.kv_cache_dtype != "auto":
         lines.append(f"  KV cache: --kv-cache-dtype {cfg.engine.cache.kv_cache_dtype}, one byte a value and an fp16 "

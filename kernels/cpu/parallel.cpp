@@ -21,6 +21,8 @@ void ss_linear_cols(const void *x, int64_t x_stride, const void *w, const void *
 void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
                       const float *bias, int64_t t0, int64_t t1, int64_t n_dim, int64_t k_dim, int64_t rows,
                       void *out, int64_t out_stride, int fmt, int dtype);
+void ss_qdequant_tiles(const void *quants, const void *scale, const void *mins, int64_t t0, int64_t t1,
+                       int64_t n_dim, int64_t k_dim, void *out, int fmt, int dtype);
 void ss_silu_mul_rows(const void *gate_up, void *out, int64_t r0, int64_t r1, int64_t inter, int dtype);
 void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                const int64_t *tables, int64_t max_blocks, const int64_t *lens,
@@ -112,6 +114,17 @@ extern "C" void ss_qlinear_par(const void *x, int64_t x_stride, const void *quan
     at::parallel_for(0, (n_dim + 7) / 8, 8, [&](int64_t t0, int64_t t1) {
         ss_qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, out_stride, fmt,
                          dtype);
+    });
+}
+
+extern "C" void ss_qdequant_par(const void *quants, const void *scale, const void *mins, int64_t t0, int64_t t1,
+                                int64_t n_dim, int64_t k_dim, void *out, int fmt, int dtype) {
+    // Tiles of 8 rows of the dense weight split between threads (each element's value is the same
+    // whatever the split); out holds rows from t0 * 8 on.
+    const int64_t es = dtype == 1 ? 2 : 4;
+    at::parallel_for(t0, t1, 16, [&](int64_t a, int64_t b) {
+        ss_qdequant_tiles(quants, scale, mins, a, b, n_dim, k_dim, static_cast<char *>(out) + (a - t0) * 8 * k_dim * es,
+                          fmt, dtype);
     });
 }
 

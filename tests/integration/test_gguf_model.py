@@ -65,8 +65,8 @@ def test_greedy_equals_transformers_loading_the_same_gguf(gguf_file, converted, 
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                             dtype=torch.float32).eval()
     template = ChatTemplate.load(converted)
-    engine = LLMEngine(EngineConfig(model=converted, dtype="float32", num_threads=2, kernels="torch",
-                                    cache=CacheConfig(num_blocks=128)))
+    engine = LLMEngine(EngineConfig(model=converted, dtype="float32", quantization="none", num_threads=2,
+                                    kernels="torch", cache=CacheConfig(num_blocks=128)))   # transformers' weights
     for q in QUESTIONS:
         messages = [{"role": "user", "content": q}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
