@@ -151,7 +151,9 @@ def _engine_level(spec: dict, prompts: list, concurrency: int) -> list[dict]:
         raise ValueError("the engine backend runs one request at a time")
     if _ENGINE is None:
         threads = {} if spec.get("threads") is None else {"num_threads": spec["threads"]}
-        _ENGINE = LLMEngine.from_model_dir(spec["target"], dtype="bfloat16", **threads)   # the documented call
+        # The documented call, on the bf16 weights vLLM serves (a GGUF's converted directory would
+        # otherwise be served from its stored blocks: --quantization auto).
+        _ENGINE = LLMEngine.from_model_dir(spec["target"], dtype="bfloat16", quantization="none", **threads)
     sampling = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
     results = []
     t0 = time.perf_counter()

@@ -186,7 +186,7 @@ def start_splitserve(mode: str, model: Path, log: Path, threads: int | None, tra
     else:
         topology = ["--colocated"] if mode.startswith("colocated") else ["--prefill", "1", "--decode", "1"]
         cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", *topology, "--model", str(model), "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--transport", transport]
+               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--quantization", "none", "--transport", transport]
     if threads is not None:
         cmd += ["--num-threads", str(threads)]
     if http:
