@@ -38,7 +38,7 @@ async def level(target: str, prompts: list[list[int]], concurrency: int, method:
     outs: list[list[int]] = [[] for _ in prompts]
     todo = iter(enumerate(prompts))
     la = {"auto_lookahead": True} if lookahead == "auto" else {"num_speculative_tokens": int(lookahead)}
-    if method == "off":
+    if method == "off" or lookahead == "server":   # "server": no k named, as an OpenAI chat request
         la = {}
 
     async def stream():
@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per level (at least 2 per stream)")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--lookahead", default="auto", help="k, or auto")
+    ap.add_argument("--lookahead", default="auto", help="k, or auto (each request names it), or server: requests "
+                                                      "name none and get the server's default k (4)")
+    ap.add_argument("--colocated", action="store_true", help="a colocated cluster instead of 1P1D")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level; the median tokens/s is shown")
     ap.add_argument("--dtype", default="auto", help="the server's --dtype (auto: the model's own, float32 here)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `splitserve serve` arguments")
@@ -85,9 +87,10 @@ def main() -> None:
     pool = [chat_ids(tok, p.text)[:1024] for p in heldout_prompts(max(a.prompts, 2 * max(a.concurrency)) * a.rounds)]
     metrics_port = free_port()
     log = Path(tempfile.mkdtemp(prefix="spec-served-")) / "server.log"
-    extra = ["--dtype", a.dtype, "--speculative", a.server_method, "--num-speculative-tokens", a.lookahead,
+    server_k = "4" if a.lookahead == "server" else a.lookahead
+    extra = ["--dtype", a.dtype, "--speculative", a.server_method, "--num-speculative-tokens", server_k,
              "--metrics-port", str(metrics_port), *a.extra]
-    server = start_splitserve("pd", model, log, None, extra_args=extra)
+    server = start_splitserve("colocated" if a.colocated else "pd", model, log, None, extra_args=extra)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         asyncio.run(level(server.target, pool[:2], 2, "off", 16, a.lookahead))   # warm-up

@@ -64,6 +64,10 @@ class SpeculativeConfig:
     spec_tree_min_gain: float = setting(0.05, "a model drafter's tree row is verified only if it is expected to add "
                                               "at least this many tokens (the draft's chance of reaching it times "
                                               "the runner-up's)")
+    spec_fixed_k_policy: bool = setting(False, "greedy requests that name no k get, per batch size, the server's "
+                                               "--num-speculative-tokens or plain decoding, whichever measures "
+                                               "faster (off: always the server's k; 'auto' requests are measured "
+                                               "either way; docs/spec.md)")
     # Online adaptation (decode/spec/online/): the EAGLE head learns from served traffic, per tenant.
     spec_online: bool = setting(False, "online adaptation of the EAGLE head: decode workers keep a bounded buffer of "
                                        "opted-in tenants' served tokens and features, a low-priority trainer fine-tunes "

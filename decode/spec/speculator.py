@@ -114,7 +114,8 @@ class SpecDecoder:
         # measured, from 2 decodes a step on. Not in the deterministic mode: drafting follows the
         # configuration there, not timings (docs/determinism.md).
         k = config.num_speculative_tokens
-        self.fixed_policy = None if k == AUTO or engine_config.deterministic else StepLookahead(
+        measured = config.spec_fixed_k_policy and k != AUTO and not engine_config.deterministic
+        self.fixed_policy = None if not measured else StepLookahead(
             config.max_speculative_tokens, fixed=StepSetting(k, config.spec_tree_budget))
         self._step_extra = 0        # accepted draft tokens of the current step
         self._chain: dict[Sequence, int] = {}   # this step's chain length where a tree may grow past it

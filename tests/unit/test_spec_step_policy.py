@@ -64,9 +64,10 @@ def clock(monkeypatch):
     return c
 
 
-def _speculator(clock: Clock, draft_seconds: float, k="4", deterministic=False) -> tuple[SpecDecoder, FakeProposer]:
+def _speculator(clock: Clock, draft_seconds: float, k="4", deterministic=False,
+                policy=True) -> tuple[SpecDecoder, FakeProposer]:
     spec = SpecDecoder(SimpleNamespace(deterministic=deterministic, speculative=SpeculativeConfig(
-        method="ngram", num_speculative_tokens=k if k == "auto" else int(k))))
+        method="ngram", num_speculative_tokens=k if k == "auto" else int(k), spec_fixed_k_policy=policy)))
     proposer = FakeProposer(clock, draft_seconds)
     spec.proposers["ngram"] = proposer
     return spec, proposer
@@ -144,3 +145,11 @@ def test_auto_requests_are_capped_by_their_own_policy(clock):
     plan = SimpleNamespace(decodes=[SimpleNamespace(seq=Seq(0, SamplingParams()))], prefills=[])
     assert spec.lookaheads(plan) == [0]        # the climb starts at plain decoding
     assert spec.step_policy._open is not None  # and times the step
+
+
+def test_without_the_setting_the_server_k_drafts_as_configured(clock):
+    """--spec-fixed-k-policy is opt-in: off, a large batch still drafts the server's k every step."""
+    spec, proposer = _speculator(clock, draft_seconds=0.003, policy=False)
+    large = [Seq(i, SamplingParams()) for i in range(32)]
+    assert all(_step(spec, clock, large, base=0.0, per_row=0.004) for _ in range(30))
+    assert spec.fixed_policy is None and proposer.calls == 30
