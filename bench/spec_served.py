@@ -37,9 +37,10 @@ async def level(target: str, prompts: list[list[int]], concurrency: int, method:
     client = AsyncClient(target)
     outs: list[list[int]] = [[] for _ in prompts]
     todo = iter(enumerate(prompts))
-    la = {"auto_lookahead": True} if lookahead == "auto" else {"num_speculative_tokens": int(lookahead)}
     if method == "off" or lookahead == "server":   # "server": no k named, as an OpenAI chat request
         la = {}
+    else:
+        la = {"auto_lookahead": True} if lookahead == "auto" else {"num_speculative_tokens": int(lookahead)}
 
     async def stream():
         for i, prompt in todo:
