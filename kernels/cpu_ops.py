@@ -32,7 +32,8 @@ PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over
 QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
 DEQUANT_SOURCE = SOURCE.with_name("dequant.c")       # quantized weights to a dense matrix (prefill's GEMM)
 KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
-HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h"))   # included by the C files
+PREFILL_SOURCE = SOURCE.with_name("prefill_attn.c")  # causal prefill attention (AVX-512 only)
+HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "vexp.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -50,6 +51,7 @@ _SIGNATURES = {
     "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
     "ss_qdequant": (_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT, _INT),
     "ss_masked_argmax": (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT, _P, _P),
+    "ss_prefill_attention": (_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
@@ -123,7 +125,7 @@ def _build(folder: Path) -> Path | None:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
                          + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
-                         + DEQUANT_SOURCE.read_bytes()
+                         + DEQUANT_SOURCE.read_bytes() + PREFILL_SOURCE.read_bytes()
                          + b"".join(h.read_bytes() for h in HEADERS)
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
@@ -134,13 +136,14 @@ def _build(folder: Path) -> Path | None:
              extra={"phase": "building the CPU kernels (first start only)"})
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
-        kvq, deq = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o"
+        kvq, deq, pre = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o", Path(tmp) / "prefill_attn.o"
         built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(quant), str(QUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(deq), str(DEQUANT_SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(pre), str(PREFILL_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -148,12 +151,12 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(par),
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(par),
                       f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -276,6 +279,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _fns["ss_decode_attention"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                              tables.shape[1], lens.data_ptr(), _ptr(tails), tail_width, b, hq, hkv, d, block_size,
                              window or 0, scale, out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache, int4_view))
+    return out
+
+
+def has_prefill_attention() -> bool:
+    """The C prefill attention is built and vectorised (AVX-512); elsewhere SDPA is faster."""
+    return _lib is not None and bool(_lib.ss_prefill_attention_fast())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of q [q_len, Hq, D] (the last q_len positions) over k, v [ctx, Hkv, D]
+    (row-strided allowed, heads and dims contiguous; D a multiple of 16, at most 256): [q_len, Hq, D].
+    A row's result does not depend on q_len (chunking, a prefix-cache hit) or the thread count."""
+    q_len, hq, d = q.shape
+    ctx, hkv, _ = k.shape
+    out = torch.empty((q_len, hq, d), dtype=q.dtype)
+    _fns["ss_prefill_attention"](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                 q_len, ctx, hq, hkv, d, window or 0, scale, out.data_ptr(), _DTYPE_CODES[q.dtype])
     return out
 
 

@@ -105,6 +105,7 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         if config.deterministic:
             return invariant_plan(dtype, torch.device(config.device))
         plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
+        plan = c_prefill_plan(plan, config.kernels, config.device.split(":")[0], dtype)
     if plan.batch_invariant:
         return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
@@ -135,6 +136,17 @@ def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: t
         return plan
     log.info("%s: decode attention on the fused C kernel", why)
     return replace(plan, decode_attention=AttentionPath.FUSED_C)
+
+
+def c_prefill_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype) -> KernelPlan:
+    """Prefill attention on the C kernel wherever it is built vectorised (AVX-512): it beats SDPA
+    at every prompt length measured (bench/prefill_attention.py), so it is not measured per start.
+    `--kernels torch` keeps SDPA."""
+    if kernels == "torch" or device_type != "cpu" or plan.prefill_attention is AttentionPath.FUSED_C:
+        return plan
+    if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(dtype) or not cpu_ops.has_prefill_attention():
+        return plan
+    return replace(plan, prefill_attention=AttentionPath.FUSED_C)
 
 
 def plan_dtype(config) -> torch.dtype:

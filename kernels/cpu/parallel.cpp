@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "bf16.h"
 
@@ -31,6 +32,14 @@ void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_ca
                                int dtype, int kvq);
 void ss_store_kv_q(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                    int64_t rows, int64_t hkv, int64_t dim, void *k_cache, void *v_cache, int dtype, int kvq);
+int64_t ss_prefill_ctx_pad(int64_t ctx);
+int64_t ss_prefill_kv_items(int64_t ctx_pad, int64_t hkv);
+int64_t ss_prefill_items(int64_t q_len, int64_t hkv, int64_t group);
+void ss_prefill_kv_f32(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int64_t ctx,
+                       int64_t ctx_pad, int64_t dim, int64_t item0, int64_t item1, float *kt, float *vf, int dtype);
+void ss_prefill_attention_items(const void *q, int64_t q_stride, const float *kt, const float *vf, int64_t ctx,
+                                int64_t ctx_pad, int64_t q_len, int64_t hq, int64_t hkv, int64_t dim, int64_t window,
+                                float scale, void *out, int dtype, int64_t item0, int64_t item1);
 }
 
 namespace {
@@ -70,6 +79,24 @@ extern "C" void ss_decode_attention_par(const void *q, int64_t q_stride, const v
     at::parallel_for(0, batch * hkv, 1, [&](int64_t i0, int64_t i1) {
         ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, i0, i1,
                                   hq, hkv, dim, block_size, window, scale, out, dtype, kvq);
+    });
+}
+
+// Prefill attention (prefill_attn.c): the keys and values to fp32 once, then the query blocks; both
+// passes split between torch's threads (items of one pass cost about the same).
+extern "C" void ss_prefill_attention_par(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                                         const void *v, int64_t v_stride, int64_t q_len, int64_t ctx, int64_t hq,
+                                         int64_t hkv, int64_t dim, int64_t window, float scale, void *out,
+                                         int dtype) {
+    const int64_t ctx_pad = ss_prefill_ctx_pad(ctx);
+    const size_t n = static_cast<size_t>(hkv * ctx_pad * dim);
+    std::unique_ptr<float[]> kt(new float[n]), vf(new float[n]);   // every element written by the first pass
+    at::parallel_for(0, ss_prefill_kv_items(ctx_pad, hkv), 1, [&](int64_t i0, int64_t i1) {
+        ss_prefill_kv_f32(k, k_stride, v, v_stride, ctx, ctx_pad, dim, i0, i1, kt.get(), vf.get(), dtype);
+    });
+    at::parallel_for(0, ss_prefill_items(q_len, hkv, hq / hkv), 1, [&](int64_t i0, int64_t i1) {
+        ss_prefill_attention_items(q, q_stride, kt.get(), vf.get(), ctx, ctx_pad, q_len, hq, hkv, dim, window,
+                                   scale, out, dtype, i0, i1);
     });
 }
 
