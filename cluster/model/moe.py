@@ -12,11 +12,13 @@ tokens each expert received (`tokens`), which the worker exports as expert load.
 from __future__ import annotations
 
 import enum
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.kernel_plan import KernelPlan
 from cluster.model.moe_config import MoEConfig, Routing
 from kernels import cpu_moe, cpu_ops
 from kernels.moe_reference import fused_moe_reference
@@ -68,21 +70,19 @@ class MoEExperts(nn.Module):
         self.path = MoEPath.REFERENCE
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
-        if self.tokens is None or self.tokens.device != counts.device:
-            self.tokens = torch.zeros_like(counts)
-        self.tokens += counts
+        flat = topk_ids.reshape(-1)
+        if self.tokens is None or self.tokens.device != flat.device:
+            self.tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
+        # index_add_, not bincount: no host sync (bincount sizes its output from the data), so a
+        # CUDA graph can hold it.
+        self.tokens.index_add_(0, flat, torch.ones_like(flat))
         if hidden.shape[0] == 0:
             return torch.zeros_like(hidden)
         return moe_compute(self.path, hidden.device)(hidden, self.gate_up, self.down, topk_ids, topk_weights)
 
-    def take_token_counts(self) -> torch.Tensor:
-        """The per-expert counts since the last call (int64 on the CPU), and a reset."""
-        if self.tokens is None:
-            return torch.zeros(self.num_experts, dtype=torch.int64)
-        counts = self.tokens.cpu()
-        self.tokens.zero_()
-        return counts
+    def token_counts(self) -> list[int]:
+        """Tokens routed to each expert since the model was built (a counter: never reset)."""
+        return [0] * self.num_experts if self.tokens is None else self.tokens.tolist()
 
 
 def moe_compute(path: MoEPath, device: torch.device):
@@ -147,6 +147,21 @@ class SparseMoeBlock(nn.Module):
 
 def expert_modules(model: nn.Module) -> list[MoEExperts]:
     return [m for m in model.modules() if isinstance(m, MoEExperts)]
+
+
+def expert_token_counts(model: nn.Module) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(layer, tokens per expert) for each expert stack of the model; () for a dense model."""
+    return tuple((m.layer, tuple(m.token_counts())) for m in expert_modules(model))
+
+
+def moe_path_for(plan: KernelPlan, device_type: str) -> MoEPath:
+    """The expert compute that goes with a kernel plan: batch-invariant GEMMs in the deterministic
+    mode; Triton on CUDA where it is installed; the C kernel where the plan runs the C ops."""
+    if plan.batch_invariant:
+        return MoEPath.INVARIANT
+    if device_type == "cuda":
+        return MoEPath.TRITON if importlib.util.find_spec("triton") is not None else MoEPath.REFERENCE
+    return MoEPath.FUSED_C if plan.uses_c_ops() else MoEPath.REFERENCE
 
 
 def apply_moe_path(model: nn.Module, path: MoEPath) -> int:
