@@ -42,6 +42,7 @@ LAZY_IMPORTS = {
     "cluster/model/linear.py": "Triton is optional (the kernels extra): CUDA only",
     "cluster/model/ops.py": "Triton is optional (the kernels extra): CUDA only",
     "cluster/model/quant_linear.py": "Triton is optional (the kernels extra): CUDA only",
+    "cluster/model/moe.py": "Triton is optional (the kernels extra): CUDA only",
 }
 MAX_LAZY_IMPORTS = 21
 # What stays out of a module's import: the command line starts (parse, check, --help) without
