@@ -89,14 +89,11 @@ def moe_compute(path: MoEPath, device: torch.device):
     """The function of the fused-MoE signature (kernels/moe_reference.py) that `path` names."""
     if path is MoEPath.FUSED_C:
         return cpu_moe.fused_moe
-    if path is MoEPath.TRITON:
+    if path is MoEPath.INVARIANT and device.type == "cpu":
+        return _invariant_cpu
+    if path in (MoEPath.TRITON, MoEPath.INVARIANT):   # the Triton kernel is batch-invariant as it stands
         from kernels.fused_moe import fused_moe  # noqa: PLC0415 - Triton is optional: CUDA only
         return fused_moe
-    if path is MoEPath.INVARIANT:
-        if device.type == "cpu":
-            return _invariant_cpu
-        from kernels.fused_moe import fused_moe_invariant  # noqa: PLC0415 - Triton is optional: CUDA only
-        return fused_moe_invariant
     return fused_moe_reference
 
 
