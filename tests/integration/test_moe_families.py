@@ -77,6 +77,11 @@ def test_unbuilt_moe_features_are_refused_by_name(kind, changes, named, tiny_mod
         parse_model_config(raw, model_id=kind)
 
 
+def test_quantization_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"--quantization int8: quantized experts of a mixture-of-experts model"):
+        LLMEngine(EngineConfig(model=tiny_model_dir("mixtral"), dtype="float32", kernels="torch", quantization="int8"))
+
+
 def test_routers_follow_transformers():
     """Qwen's weights come back in the logits' dtype, Mixtral's stay float32; both renormalize."""
     logits = torch.randn(5, 8, dtype=torch.bfloat16)
