@@ -27,14 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_vs_transformers import bench_hf, time_ours   # noqa: E402
-from llama_cpp_compare import busy_s   # noqa: E402
+from engine_vs_transformers import bench_hf, time_ours  # noqa: E402
+from llama_cpp_compare import busy_s  # noqa: E402
 
-COMMON = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
-              head_dim=64, max_position_embeddings=2048, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-              rms_norm_eps=1e-6)
-MOE = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384, norm_topk_prob=True,
-           decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=3072)
+COMMON = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
+          "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 2048, "bos_token_id": 0,
+          "eos_token_id": 1, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+MOE = {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 384, "norm_topk_prob": True,
+       "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 3072}
 DENSE_INTERMEDIATE = 8 * 384
 
 
@@ -103,7 +103,8 @@ def try_vllm(model_dir: Path, args) -> str:
             f"llm.generate(p, S(max_tokens={args.new_tokens}, ignore_eos=True)); tn = time.perf_counter() - t; "
             f"print('VLLM', 8 * ({args.new_tokens} - 1) / (tn - t1))")
     try:
-        out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=args.vllm_timeout)
+        out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=args.vllm_timeout,
+                             check=False)
     except subprocess.TimeoutExpired:
         return f"vLLM: did not finish within {args.vllm_timeout} s"
     for line in out.stdout.splitlines():
@@ -136,8 +137,8 @@ def main() -> None:
         total, active = parameters(d)
         decode, prefill = ours(d, args)
         hf_decode, hf_prefill = (float("nan"),) * 2 if args.skip_hf else hf(d, args)
-        rows[kind] = dict(total_b=round(total, 3), active_b=round(active, 3), decode=decode, prefill=prefill,
-                          hf_decode=hf_decode, hf_prefill=hf_prefill)
+        rows[kind] = {"total_b": round(total, 3), "active_b": round(active, 3), "decode": decode,
+                      "prefill": prefill, "hf_decode": hf_decode, "hf_prefill": hf_prefill}
         print(f"{kind:>5}: {total:.2f} B total, {active:.2f} B active | decode@8 ours {decode:7.1f} tok/s, "
               f"transformers {hf_decode:7.1f} ({decode / hf_decode:.2f}x) | prefill 512 ours {prefill:7.0f} tok/s, "
               f"transformers {hf_prefill:7.0f} ({prefill / hf_prefill:.2f}x)", flush=True)
@@ -150,7 +151,7 @@ def main() -> None:
     busy = max(0.0, (busy_s() - busy0 - own) / ((time.monotonic() - wall0) * os.cpu_count()))
     print(f"CPU busy with other work during the rounds: {busy:.0%} of the machine"
           + ("  <- not a quiet machine: compare with care" if busy > 0.2 else ""))
-    print(json.dumps({"dtype": args.dtype, "threads": args.threads, **{k: v for k, v in rows.items()}}))
+    print(json.dumps({"dtype": args.dtype, "threads": args.threads, **rows}))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import triton.language as tl
 from kernels._common import dot_flags, interpreting
 from kernels.batch_invariant import _rne_bits, _round
 
-_CONFIG = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1) if interpreting()
-           else dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3))
+_CONFIG = ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1} if interpreting()
+           else {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})
 
 
 @triton.jit
@@ -138,7 +138,8 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
     act = torch.empty((slots.numel(), inter), dtype=hidden.dtype, device=hidden.device)
     per_pair = torch.empty((t * k, h), dtype=hidden.dtype, device=hidden.device)
     precision, upcast = dot_flags(hidden.dtype)
-    flags = dict(PRECISION=precision, UPCAST=upcast, RNE_BITS=_rne_bits(hidden.dtype), SUM_DOT=interpreting(), **cfg)
+    flags = {"PRECISION": precision, "UPCAST": upcast, "RNE_BITS": _rne_bits(hidden.dtype), "SUM_DOT": interpreting(),
+             **cfg}
     tiles = block_expert.numel()
     _gate_up_kernel[(tiles, triton.cdiv(inter, cfg["BLOCK_N"]))](
         hidden, gate_up, act, slots, block_expert, t * k, num_experts, h, inter,

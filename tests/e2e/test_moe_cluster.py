@@ -7,14 +7,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cluster_harness import ClusterThread
+from integration.test_model_families import family_prompts
+from tiny_moe_models import MOE_KINDS
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
 from cluster.launch.app import ClusterConfig
-from cluster_harness import ClusterThread
-from integration.test_model_families import family_prompts
 from router.client import Client
 from router.router import RouterConfig
-from tiny_moe_models import MOE_KINDS
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -9,15 +9,21 @@ import json
 
 import pytest
 import torch
+from integration.test_model_families import _fused_plan, check_family, family_prompts
+from tiny_moe_models import MOE_KINDS
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.engine.engine import LLMEngine
 from cluster.model.model_config import load_model_config, parse_model_config
-from cluster.model.moe import MoEExperts, MoEPath, expert_token_counts, mixtral_topk, softmax_topk
+from cluster.model.moe import (
+    MoEExperts,
+    MoEPath,
+    expert_token_counts,
+    mixtral_topk,
+    softmax_topk,
+)
 from cluster.model.moe_config import Routing
-from integration.test_model_families import _fused_plan, check_family, family_prompts
 from kernels import cpu_ops
-from tiny_moe_models import MOE_KINDS
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
