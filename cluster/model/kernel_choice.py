@@ -19,6 +19,7 @@ from cluster.model.kernel_measure import measure_kernel_plan
 from cluster.model.kernel_plan import PLAN_VERSION, AttentionPath, KernelPlan, LinearPath
 from cluster.model.linear import apply_linear_path
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
+from cluster.model.moe import apply_moe_path, moe_path_for
 from cluster.model.quant_linear import DENSE_MIN_ROWS, set_dense_rows
 from kernels import cpu_ops
 
@@ -78,6 +79,9 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
     # Quantized layers: prefill-sized passes on a dequantized GEMM, but for batch-invariant mode,
     # where a row must not depend on the row count (the GEMM's blocking does).
     set_dense_rows(model, None if plan.batch_invariant else DENSE_MIN_ROWS)
+    params = next(model.parameters(), None)
+    if params is not None and apply_moe_path(model, moe_path_for(plan, params.device.type)):
+        log.info("experts computed on the %s path", moe_path_for(plan, params.device.type).value)
     if hasattr(model, "kernel_plan"):
         model.kernel_plan = plan
 
