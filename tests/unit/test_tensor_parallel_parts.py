@@ -1,0 +1,86 @@
+"""The parts of tensor parallelism that decide (cluster/parallel/): each rank's head, MLP and vocab
+ranges (KV heads replicated below the rank count), the split of cores, the step message's round
+trip, the layout's TP fields and the settings TP refuses."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cluster.config import ConfigError, EngineConfig, SpeculativeConfig
+from cluster.model.attention import AttentionBatch, PrefillSpan
+from cluster.model.model_config import ModelConfig, RopeConfig
+from cluster.parallel import step_message
+from cluster.parallel.sharding import ShardingError, rank_shard
+from cluster.parallel.threads import rank_cores
+from cluster.types import KVLayout
+
+
+def _config(heads=4, kv_heads=2, intermediate=128, vocab=385) -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", "tiny", vocab, 64, intermediate, 2, heads, kv_heads, 16, 1e-6, 256,
+                       False, False, False, False, RopeConfig(), (None, None), torch.float32)
+
+
+def test_heads_mlp_and_vocab_split_evenly():
+    shards = [rank_shard(_config(), r, 2) for r in range(2)]
+    assert [(s.q_start, s.q_heads, s.kv_start, s.kv_heads) for s in shards] == [(0, 2, 0, 1), (2, 2, 1, 1)]
+    assert [(s.i_start, s.i_size) for s in shards] == [(0, 64), (64, 64)]
+    # 385 rows: 193 a rank, the last rank's share padded by one row
+    assert [(s.v_start, s.v_rows, s.v_per) for s in shards] == [(0, 193, 193), (193, 192, 193)]
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them_on_the_ranks_that_read_them():
+    shards = [rank_shard(_config(heads=4, kv_heads=1), r, 4) for r in range(4)]
+    assert [(s.q_start, s.kv_start, s.kv_heads) for s in shards] == [(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)]
+    shards = [rank_shard(_config(heads=8, kv_heads=2), r, 4) for r in range(4)]
+    # query heads 0-3 read KV head 0, 4-7 KV head 1
+    assert [(s.q_start, s.kv_start) for s in shards] == [(0, 0), (2, 0), (4, 1), (6, 1)]
+
+
+@pytest.mark.parametrize("shape,words", [(dict(heads=6, kv_heads=2), "6 attention heads"),
+                                         (dict(intermediate=130), "130 intermediate size"),
+                                         (dict(heads=12, kv_heads=3), "3 KV heads")])
+def test_shapes_that_do_not_split_are_refused_by_name(shape, words):
+    with pytest.raises(ShardingError, match=words):
+        rank_shard(_config(**shape), 0, 4)
+
+
+def test_cores_are_split_and_oversubscription_runs_unpinned():
+    assert rank_cores((0, 1, 2, 3), None, 1, 2).cpus == (2, 3)
+    assert rank_cores((0, 1, 2, 3), 4, 1, 2).threads == 2
+    over = rank_cores((0, 1), None, 2, 3)
+    assert over.cpus is None and over.threads == 1 and "unpinned" in over.note
+
+
+def test_step_message_round_trips_without_pickle():
+    slots = torch.tensor([5, 6, 7, 40], dtype=torch.long)
+    batch = AttentionBatch(1, (6,), ((0, 1),), (PrefillSpan(1, 3, 3, (2,), ()),), slots, 4,
+                           (PrefillSpan(4, 0, 0, (), (0, 0)),))
+    msg = step_message.StepMessage(torch.tensor([3, 4, 5, 6]), torch.tensor([5, 0, 1, 2]), batch, torch.tensor([0, 3]))
+    raw = step_message.encode(msg)
+    assert b"\x80" not in raw[:2]          # a msgpack map, not a pickle stream (protocol 2+ starts with 0x80)
+    back = step_message.decode(raw, torch.device("cpu"))
+    assert back.input_ids.tolist() == [3, 4, 5, 6] and back.logits_indices.tolist() == [0, 3]
+    assert back.batch.slot_mapping.tolist() == slots.tolist()
+    assert dataclasses.replace(back.batch, slot_mapping=None) == dataclasses.replace(batch, slot_mapping=None)
+    assert step_message.decode(step_message.encode(step_message.stop_message(torch.device("cpu"))),
+                               torch.device("cpu")).stop
+
+
+def test_layout_hash_of_one_rank_is_unchanged_and_ranks_differ():
+    base = KVLayout("m", 2, 2, 16, 16, "float32")
+    assert dataclasses.replace(base, tp_rank=0, tp_size=1).layout_hash() == base.layout_hash()
+    r0 = dataclasses.replace(base, num_kv_heads=1, tp_size=2, total_kv_heads=2)
+    assert r0.layout_hash() != base.layout_hash()
+    assert r0.layout_hash() != dataclasses.replace(r0, tp_rank=1, kv_head_start=1).layout_hash()
+
+
+def test_settings_tensor_parallelism_refuses(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(model=model, tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="--quantization none"):
+        EngineConfig(model=model, tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ConfigError, match="speculative"):
+        EngineConfig(model=model, tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram"))
