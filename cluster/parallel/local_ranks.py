@@ -41,6 +41,13 @@ class LocalRanks:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
 
+    def kill(self) -> None:
+        """Ends the followers at once (the group is broken: nothing to tell them)."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
     def close(self) -> None:
         """Stops the followers (a stop message; killed if they do not leave) and leaves the group."""
         try:

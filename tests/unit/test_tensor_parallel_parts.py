@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig, SpeculativeConfig
+from cluster.launch.cluster_config import ClusterConfig
 from cluster.model.attention import AttentionBatch, PrefillSpan
 from cluster.model.model_config import ModelConfig, RopeConfig
 from cluster.parallel import step_message
@@ -38,9 +39,9 @@ def test_fewer_kv_heads_than_ranks_replicates_them_on_the_ranks_that_read_them()
     assert [(s.q_start, s.kv_start) for s in shards] == [(0, 0), (2, 0), (4, 1), (6, 1)]
 
 
-@pytest.mark.parametrize("shape,words", [(dict(heads=6, kv_heads=2), "6 attention heads"),
-                                         (dict(intermediate=130), "130 intermediate size"),
-                                         (dict(heads=12, kv_heads=3), "3 KV heads")])
+@pytest.mark.parametrize("shape,words", [({"heads": 6, "kv_heads": 2}, "6 attention heads"),
+                                         ({"intermediate": 130}, "130 intermediate size"),
+                                         ({"heads": 12, "kv_heads": 3}, "3 KV heads")])
 def test_shapes_that_do_not_split_are_refused_by_name(shape, words):
     with pytest.raises(ShardingError, match=words):
         rank_shard(_config(**shape), 0, 4)
@@ -84,3 +85,27 @@ def test_settings_tensor_parallelism_refuses(tiny_model_dir):
         EngineConfig(model=model, tensor_parallel_size=2, quantization="int8")
     with pytest.raises(ConfigError, match="speculative"):
         EngineConfig(model=model, tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram"))
+
+
+@pytest.mark.parametrize("sizes", [{"prefill_tensor_parallel_size": 2}, {"decode_tensor_parallel_size": 2},
+                                   {"prefill_tensor_parallel_size": 2, "decode_tensor_parallel_size": 2}])
+def test_a_handoff_with_a_sharded_side_is_refused_at_start_naming_both(sizes, tiny_model_dir):
+    """Before any worker starts: the message names both sides' sizes and KV layouts."""
+    engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none")
+    with pytest.raises(ConfigError) as refused:
+        ClusterConfig(engine=engine, **sizes)
+    text = str(refused.value)
+    p, d = sizes.get("prefill_tensor_parallel_size", 1), sizes.get("decode_tensor_parallel_size", 1)
+    assert f"prefill workers of TP {p}" in text and f"decode workers of TP {d}" in text
+    assert "KV heads split over 2 ranks" in text
+    # colocated workers have no handoff: a sharded one is served
+    assert ClusterConfig(engine=engine, colocated=True, num_prefill=0, **sizes).tensor_parallel_size("decode") == d
+
+
+def test_role_sizes_override_the_engine_size(tiny_model_dir):
+    engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none", tensor_parallel_size=2)
+    cfg = ClusterConfig(engine=engine, colocated=True, num_prefill=0, decode_tensor_parallel_size=4)
+    assert (cfg.tensor_parallel_size("prefill"), cfg.tensor_parallel_size("decode")) == (2, 4)
+    with pytest.raises(ConfigError, match="--quantization none"):
+        ClusterConfig(engine=EngineConfig(model=tiny_model_dir("llama"), quantization="int8"), colocated=True,
+                      num_prefill=0, decode_tensor_parallel_size=2)

@@ -1,0 +1,61 @@
+"""A tensor-parallel worker in a cluster (real Ray, gRPC): a colocated worker of TP 2 (rank 0 the
+actor, placed in a placement group of two bundles; rank 1 its process) serves greedy tokens equal
+to transformers'; a killed rank makes the whole worker dead, Ray restarts it and the request in flight is retried
+on it (the client sees its tokens, as for any dead worker).
+One cluster for the module."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+from cluster_harness import ClusterThread
+from integration.test_model_families import family_prompts
+
+from cluster.config import CacheConfig, EngineConfig
+from cluster.launch.app import ClusterConfig
+from router.client import Client
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    engine = EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, kernels="torch",
+                          cache=CacheConfig(block_size=4, num_blocks=128), tp_collective_timeout_s=5.0)
+    c = ClusterThread(ClusterConfig(http_port=None, engine=engine, port=0, colocated=True, num_decode=1,
+                                    decode_tensor_parallel_size=2, max_tokens_limit=64))
+    yield c
+    c.stop()
+
+
+def _ranks() -> tuple[psutil.Process, list[psutil.Process]]:
+    """The colocated worker's actor process and its follower rank processes."""
+    actor = next(p for p in psutil.process_iter(["cmdline"])
+                 if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::DecodeWorker"))
+    return actor, [c for c in actor.children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _generate_all(client: Client, prompts) -> list:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(p, max_tokens=MAX_TOKENS), prompts))
+
+
+def test_tp2_worker_serves_exact_tokens_and_a_dead_rank_restarts_it(served, hf_reference):
+    client = Client(served.target)
+    prompts = family_prompts(lengths=(13, 30, 47))
+    for prompt, out in zip(prompts, _generate_all(client, prompts)):
+        assert list(out.token_ids) == hf_reference("llama", prompt, MAX_TOKENS)[0]
+    served.wait_idle()
+    actor, followers = _ranks()
+    assert len(followers) == 1
+    followers[0].kill()
+    # The next step's collective fails, the worker ends, Ray restarts it (a rank again beside it),
+    # and the router's retry of the request lands on the new incarnation: the client sees its tokens.
+    out = client.generate(prompts[0], max_tokens=MAX_TOKENS)
+    assert list(out.token_ids) == hf_reference("llama", prompts[0], MAX_TOKENS)[0]
+    restarted, followers = _ranks()
+    assert restarted.pid != actor.pid and len(followers) == 1
+    served.wait_idle()
