@@ -48,21 +48,36 @@ class RankShard:
     v_per: int
 
 
+def _split(n: int, rank: int, world: int) -> tuple[int, int]:
+    """(start, count) of rank's share of n units, the first n % world ranks one more."""
+    base, extra = divmod(n, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def rank_shard(mc: ModelConfig, rank: int, world: int) -> RankShard:
-    """Rank `rank`'s ranges, or a ShardingError naming the shape that does not split."""
+    """Rank `rank`'s ranges, or a ShardingError naming the shape that does not split.
+
+    With at least as many KV heads as ranks, whole KV groups (a KV head and the query heads that
+    read it) are split over the ranks, unevenly where they do not divide (SmolLM2's 3 over 2 ranks:
+    2 and 1; vLLM refuses these). With fewer, each KV head is replicated on the ranks that share
+    its query heads, which must then divide evenly."""
     h, k, i = mc.num_heads, mc.num_kv_heads, mc.intermediate_size
-    for name, n in (("attention heads", h), ("intermediate size", i)):
-        if n % world:
-            raise ShardingError(f"{mc.model_id}: {n} {name} do not split over {world} tensor-parallel ranks")
-    if (k >= world and k % world) or (k < world and world % k):
-        raise ShardingError(f"{mc.model_id}: {k} KV heads neither split over nor replicate evenly on "
-                            f"{world} tensor-parallel ranks")
-    q_heads = h // world
-    kv_heads = k // world if k >= world else 1
-    kv_start = rank * kv_heads if k >= world else rank // (world // k)
+    if i % world:
+        raise ShardingError(f"{mc.model_id}: {i} intermediate size do not split over {world} tensor-parallel ranks")
+    if k >= world:
+        group = h // k
+        kv_start, kv_heads = _split(k, rank, world)
+        q_start, q_heads = kv_start * group, kv_heads * group
+    else:
+        if h % world:
+            raise ShardingError(f"{mc.model_id}: {h} attention heads do not split over {world} tensor-parallel ranks")
+        if world % k:
+            raise ShardingError(f"{mc.model_id}: {k} KV heads do not replicate evenly on {world} tensor-parallel ranks")
+        q_heads, kv_heads = h // world, 1
+        q_start, kv_start = rank * q_heads, rank // (world // k)
     v_per = -(-mc.vocab_size // world)
     v_start = min(rank * v_per, mc.vocab_size)
-    return RankShard(rank, world, rank * q_heads, q_heads, kv_start, kv_heads, rank * (i // world), i // world,
+    return RankShard(rank, world, q_start, q_heads, kv_start, kv_heads, rank * (i // world), i // world,
                      v_start, min(v_per, mc.vocab_size - v_start), v_per)
 
 

@@ -39,9 +39,15 @@ def test_fewer_kv_heads_than_ranks_replicates_them_on_the_ranks_that_read_them()
     assert [(s.q_start, s.kv_start) for s in shards] == [(0, 0), (2, 0), (4, 1), (6, 1)]
 
 
-@pytest.mark.parametrize("shape,words", [({"heads": 6, "kv_heads": 2}, "6 attention heads"),
-                                         ({"intermediate": 130}, "130 intermediate size"),
-                                         ({"heads": 12, "kv_heads": 3}, "3 KV heads")])
+def test_kv_groups_that_do_not_divide_split_unevenly():
+    """SmolLM2-135M's shape: 9 query heads in 3 KV groups over 2 ranks: 2 groups and 1."""
+    shards = [rank_shard(_config(heads=9, kv_heads=3, intermediate=1536), r, 2) for r in range(2)]
+    assert [(s.q_start, s.q_heads, s.kv_start, s.kv_heads) for s in shards] == [(0, 6, 0, 2), (6, 3, 2, 1)]
+
+
+@pytest.mark.parametrize(("shape", "words"), [({"heads": 6, "kv_heads": 2}, "6 attention heads"),
+                                              ({"intermediate": 130}, "130 intermediate size"),
+                                              ({"heads": 12, "kv_heads": 3}, "3 KV heads")])
 def test_shapes_that_do_not_split_are_refused_by_name(shape, words):
     with pytest.raises(ShardingError, match=words):
         rank_shard(_config(**shape), 0, 4)
