@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import CacheConfig, EngineConfig
+from cluster.config import CacheConfig, EngineConfig, format_size
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.loaded_models import Models
 from cluster.engine.runner import ModelRunner
@@ -119,6 +119,9 @@ def plan_for(config: EngineConfig, models: Models, footprint: SpecFootprint, dev
                        footprint.extra_bytes)
     if group is not None:
         plan = dataclasses.replace(plan, num_blocks=group.all_min(plan.num_blocks))
+        ranks = group.all_gather_ints([plan.weight_bytes, plan.kv_bytes])
+        log.info("tensor parallel, per rank: %s", "; ".join(
+            f"rank {r}: weights {format_size(w)}, KV {format_size(kv)}" for r, (w, kv) in enumerate(ranks)))
     log.info("%s", plan.describe())
     return plan
 

@@ -53,6 +53,13 @@ class RankGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values`, in rank order."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t)
+        return [p.tolist() for p in parts]
+
     def wait_for_step(self, t: torch.Tensor) -> torch.Tensor:
         """A follower's receive of rank 0's next broadcast, however long the worker stays idle."""
         opts = dist.BroadcastOptions()
