@@ -387,6 +387,8 @@ class EngineConfig:
                 f"shards weights in --dtype: add --quantization none (got {self.quantization})")
         require(self.speculative.method == "off", "tensor_parallel_size",
                 f"does not run speculative decoding yet (got --speculative {self.speculative.method})")
+        require(not (self.cache.kv_host_bytes or self.cache.kv_disk_dir), "tensor_parallel_size",
+                "does not run KV tiers yet (they would copy rank 0's heads only): drop --kv-host-bytes/--kv-disk-dir")
 
 
 def parse_switch(value) -> bool:

@@ -82,7 +82,7 @@ class EngineWorker:
         if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
             options = {"host": config.kv_host or _node_address(), "sealer": self.sealer}
         self.transport = make_transport(config.transport, name, **options)
-        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
+        self.transport.register(self.engine.transfer_arena, self.engine.transfer_layout)
         self.mailbox = Mailbox(self.transport, sealer=self.sealer)
         self.peer_blocks: dict[str, int] = {}    # peer agent -> blocks in its arena (handles are checked)
         self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation

@@ -78,11 +78,12 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     model_id = mc.model_id + (f"+w:{quant.scheme.value}" if quant is not None else "")
     model_id += "+a:int8" if config.quantized_activations == "int8" else ""
     layout = _layout(mc, model_id, mc.num_layers, config, dtype)
+    shards = ()
     if group is not None:
-        shard = rank_shard(full, group.rank, group.world)
-        layout = dataclasses.replace(layout, tp_size=group.world, tp_rank=group.rank, kv_head_start=shard.kv_start,
-                                     total_kv_heads=full.num_kv_heads)
-    return Models(mc, model, dtype, plan, max_model_len, layout)
+        shards = tuple(rank_shard(full, r, group.world) for r in range(group.world))
+        layout = dataclasses.replace(layout, tp_size=group.world, tp_rank=group.rank,
+                                     kv_head_start=shards[group.rank].kv_start, total_kv_heads=full.num_kv_heads)
+    return Models(mc, model, dtype, plan, max_model_len, layout, shards)
 
 
 def load_speculation(config: EngineConfig, models: Models, speculator: Speculator,

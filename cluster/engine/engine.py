@@ -36,6 +36,7 @@ from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, Specul
                                         choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.kv_events import KVEventLog
+from cluster.parallel.kv_export import KVExport
 from cluster.parallel.local_ranks import LocalRanks
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
@@ -91,6 +92,9 @@ class LLMEngine:
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
+        # Tensor parallel: rank 0's full-head arena, what a P/D handoff moves (cluster/parallel/kv_export.py).
+        self.kv_export = KVExport(group, self.runner.step_sender, self.kv_cache, list(models.shards)) \
+            if group is not None else None
         self.requests = Requests(self.tokenizer, self.scheduler, on_finish=self.speculator.release)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
@@ -109,6 +113,16 @@ class LLMEngine:
         """Decode graphs of `model` over `arena` (also what a draft model's passes replay with)."""
         return builder.decode_graphs(self.config, self._models, self.graph_replay, model, arena, backend, pad_block,
                                      self.device, rows_per_seq)
+
+    @property
+    def transfer_arena(self) -> torch.Tensor:
+        """The arena a P/D handoff reads or writes: the KV cache's, or a TP worker's export arena."""
+        return self.kv_export.arena if self.kv_export is not None else self.kv_cache.arena
+
+    @property
+    def transfer_layout(self):
+        """The layout of `transfer_arena` (a TP worker's: every KV head, as a single rank's)."""
+        return self.kv_export.layout if self.kv_export is not None else self.layout
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks this engine started (none: nothing to do)."""

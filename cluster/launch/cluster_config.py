@@ -138,15 +138,7 @@ class ClusterConfig:
         if max(prefill, decode) > 1:
             require(self.engine.quantization == "none", "tensor_parallel_size",
                     f"shards weights in --dtype: add --quantization none (got {self.engine.quantization})")
-        # The handoff moves rank 0's arena only: a sharded side's other heads would not cross.
-        require(self.colocated or max(prefill, decode) == 1, "tensor_parallel_size",
-                f"prefill workers of TP {prefill} ({_layout_words(prefill)}) and decode workers of TP {decode} "
-                f"({_layout_words(decode)}): the KV handoff between tensor-parallel workers is not built yet; "
-                "serve sharded workers with --colocated, or both sizes 1 (docs/parallel.md)")
 
-
-def _layout_words(size: int) -> str:
-    return "every KV head in one rank" if size == 1 else f"KV heads split over {size} ranks"
 
 
 def gpus_per_worker(cfg: ClusterConfig) -> float:

@@ -16,6 +16,7 @@ from cluster.engine.speculation import SpecFootprint
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.parallel import step_message
 from cluster.parallel.group import RankGroup, join_group
+from cluster.parallel.kv_export import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class FollowerRank:
         self.plan = builder.plan_for(config, models, SpecFootprint(), self.device, group)
         self.backend = builder.attention_backend(config, models, self.device)
         self.kv_cache = PagedKVCache(models.layout, self.plan.num_blocks, self.device)
+        self.shards = list(models.shards)
+        arena = self.kv_cache.arena
+        self.full_shape = (*arena.shape[:4], models.layout.total_kv_heads, arena.shape[5])
         self.steps = 0
 
     def serve(self) -> None:
@@ -39,6 +43,13 @@ class FollowerRank:
             msg = step_message.receive(self.group)
             if msg.stop:
                 return
+            arena = self.kv_cache.arena
+            if msg.op == "gather":
+                gather_blocks(self.group, arena, self.shards, msg.blocks, None)
+                continue
+            if msg.op == "scatter":
+                scatter_blocks(self.group, arena, self.shards[self.group.rank], msg.blocks, None, self.full_shape)
+                continue
             self.model(msg.input_ids, msg.positions, self.kv_cache.arena, self.backend,
                        self.backend.prepare(msg.batch), msg.logits_indices)
             self.steps += 1

@@ -3,7 +3,8 @@ run the same pass over their shards: the flat token run, positions, the `Attenti
 rank prepares its own backend's metadata from it) and the rows whose logits are wanted.
 
 Encoded as one msgpack map (int64 tensors as raw bytes; never pickle), sent as its length then
-its bytes. A message with `stop` set ends the followers' loop.
+its bytes. Its `op` says what the followers do: `pass` (the forward pass), `gather` / `scatter`
+(blocks of KV to or from rank 0's full-head export arena, `kv_export.py`), `stop` (end the loop).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from cluster.model.attention import AttentionBatch, PrefillSpan
 from cluster.parallel.group import RankGroup
 
 VERSION = 1
+OPS = ("pass", "gather", "scatter", "stop")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,12 @@ class StepMessage:
     positions: torch.Tensor        # [T] long
     batch: AttentionBatch
     logits_indices: torch.Tensor   # [R] long
-    stop: bool = False
+    op: str = "pass"
+    blocks: tuple[int, ...] = ()   # gather / scatter: the block ids
+
+    @property
+    def stop(self) -> bool:
+        return self.op == "stop"
 
 
 def _ints(t: torch.Tensor) -> bytes:
@@ -48,7 +55,7 @@ def _unspan(v: list) -> PrefillSpan:
 def encode(msg: StepMessage) -> bytes:
     b = msg.batch
     return msgpack.packb({
-        "v": VERSION, "stop": msg.stop, "ids": _ints(msg.input_ids), "pos": _ints(msg.positions),
+        "v": VERSION, "op": msg.op, "blocks": list(msg.blocks), "ids": _ints(msg.input_ids), "pos": _ints(msg.positions),
         "rows": _ints(msg.logits_indices), "slots": _ints(b.slot_mapping), "block_size": b.block_size,
         "num_decode": b.num_decode, "decode_lens": list(b.decode_context_lens),
         "decode_tables": [list(t) for t in b.decode_block_tables],
@@ -57,20 +64,25 @@ def encode(msg: StepMessage) -> bytes:
 
 def decode(raw: bytes, device: torch.device) -> StepMessage:
     m = msgpack.unpackb(raw)
-    if m["v"] != VERSION:
-        raise ValueError(f"step message version {m['v']}, this rank reads {VERSION}")
+    if m["v"] != VERSION or m["op"] not in OPS:
+        raise ValueError(f"step message version {m['v']} op {m['op']!r}, this rank reads {VERSION} {OPS}")
     batch = AttentionBatch(num_decode=m["num_decode"], decode_context_lens=tuple(m["decode_lens"]),
                            decode_block_tables=tuple(tuple(t) for t in m["decode_tables"]),
                            prefills=tuple(_unspan(s) for s in m["prefills"]),
                            slot_mapping=_tensor(m["slots"], device), block_size=m["block_size"],
                            verifies=tuple(_unspan(s) for s in m["verifies"]))
     return StepMessage(_tensor(m["ids"], device), _tensor(m["pos"], device), batch, _tensor(m["rows"], device),
-                       m["stop"])
+                       m["op"], tuple(m["blocks"]))
+
+
+def control_message(device: torch.device, op: str, blocks: tuple[int, ...] = ()) -> StepMessage:
+    """A message without a pass: stop, or a gather or scatter of `blocks`."""
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return StepMessage(empty, empty, AttentionBatch(0, (), (), (), empty, 1), empty, op, tuple(blocks))
 
 
 def stop_message(device: torch.device) -> StepMessage:
-    empty = torch.empty(0, dtype=torch.long, device=device)
-    return StepMessage(empty, empty, AttentionBatch(0, (), (), (), empty, 1), empty, stop=True)
+    return control_message(device, "stop")
 
 
 class StepSender:

@@ -13,8 +13,15 @@ from cluster.launch.cluster_config import ClusterConfig
 from cluster.model.attention import AttentionBatch, PrefillSpan
 from cluster.model.model_config import ModelConfig, RopeConfig
 from cluster.parallel import step_message
+from cluster.parallel.kv_export import full_layout
 from cluster.parallel.sharding import ShardingError, rank_shard
 from cluster.parallel.threads import rank_cores
+from cluster.transfer.base import (
+    PROTOCOL_VERSION,
+    LayoutMismatch,
+    PeerMetadata,
+    check_compatible,
+)
 from cluster.types import KVLayout
 
 
@@ -93,19 +100,32 @@ def test_settings_tensor_parallelism_refuses(tiny_model_dir):
         EngineConfig(model=model, tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram"))
 
 
-@pytest.mark.parametrize("sizes", [{"prefill_tensor_parallel_size": 2}, {"decode_tensor_parallel_size": 2},
-                                   {"prefill_tensor_parallel_size": 2, "decode_tensor_parallel_size": 2}])
-def test_a_handoff_with_a_sharded_side_is_refused_at_start_naming_both(sizes, tiny_model_dir):
-    """Before any worker starts: the message names both sides' sizes and KV layouts."""
-    engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none")
-    with pytest.raises(ConfigError) as refused:
-        ClusterConfig(engine=engine, **sizes)
-    text = str(refused.value)
-    p, d = sizes.get("prefill_tensor_parallel_size", 1), sizes.get("decode_tensor_parallel_size", 1)
-    assert f"prefill workers of TP {p}" in text and f"decode workers of TP {d}" in text
-    assert "KV heads split over 2 ranks" in text
-    # colocated workers have no handoff: a sharded one is served
-    assert ClusterConfig(engine=engine, colocated=True, num_prefill=0, **sizes).tensor_parallel_size("decode") == d
+def _rank_layout(**kw) -> KVLayout:
+    """Rank 1 of a TP 2 worker of a model with 4 KV heads."""
+    base = {"model_id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "block_size": 16,
+            "dtype": "float32", "tp_size": 2, "tp_rank": 1, "kv_head_start": 2, "total_kv_heads": 4}
+    return KVLayout(**{**base, **kw})
+
+
+def test_a_tp_workers_handoff_layout_is_a_single_ranks():
+    """What a TP worker's transport shows a peer: every head, the single-rank hash (TP 2 and TP 1
+    workers of one model pair up)."""
+    single = KVLayout("m", 2, 4, 16, 16, "float32")
+    assert full_layout(_rank_layout()) == single
+    assert full_layout(_rank_layout()).layout_hash() == single.layout_hash()
+
+
+@pytest.mark.parametrize("differs", [{"block_size": 32}, {"dtype": "bfloat16"}, {"model_id": "other"}])
+def test_a_pair_that_cannot_be_resharded_is_refused_naming_both_layouts(differs):
+    """Different block sizes, dtypes or models: refused at the handshake (before any request), one
+    error naming the differing field with both workers' values."""
+    decode_tp1 = KVLayout("m", 2, 4, 16, 16, "float32")
+    prefill_tp2 = full_layout(_rank_layout(**differs))
+    peer = PeerMetadata("prefill-0", "tcp", PROTOCOL_VERSION, prefill_tp2, 8, 0, b"")
+    with pytest.raises(LayoutMismatch) as refused:
+        check_compatible(decode_tp1, "tcp", peer)
+    (field, value), = differs.items()
+    assert f"{field}: local {getattr(decode_tp1, field)!r}, peer {value!r}" in str(refused.value)
 
 
 def test_role_sizes_override_the_engine_size(tiny_model_dir):
