@@ -34,6 +34,7 @@ from cluster.model.loader import load_generation_defaults, load_model, load_toke
 from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
 from cluster.parallel.group import RankGroup
+from cluster.parallel.kv_export import full_layout
 from cluster.parallel.sharding import rank_shard, shard_model
 from cluster.parallel.step_message import StepSender
 from cluster.parallel.threads import rank_cores
@@ -115,8 +116,10 @@ def plan_for(config: EngineConfig, models: Models, footprint: SpecFootprint, dev
              group: RankGroup | None = None) -> MemoryPlan:
     """The memory plan of the target, its KV and what speculation takes beside them (with `group`:
     every rank the same number of blocks, the smallest any rank's memory allows)."""
+    # A TP worker's rank 0 keeps a full-head export arena beside its own (cluster/parallel/kv_export.py).
+    export = full_layout(models.layout).bytes_per_block() if group is not None and group.is_leader else 0
     plan = plan_memory(models.config, models.layout, config.cache, config.scheduler, models.dtype,
-                       resident_bytes(models.model), models.max_model_len, device, footprint.bytes_per_block,
+                       resident_bytes(models.model), models.max_model_len, device, footprint.bytes_per_block + export,
                        footprint.extra_bytes)
     if group is not None:
         plan = dataclasses.replace(plan, num_blocks=group.all_min(plan.num_blocks))
