@@ -138,6 +138,10 @@ class ClusterConfig:
         if max(prefill, decode) > 1:
             require(self.engine.quantization == "none", "tensor_parallel_size",
                     f"shards weights in --dtype: add --quantization none (got {self.engine.quantization})")
+            # Ray shows an actor its own bundle's GPU only: the ranks' GPUs need rank actors (not built).
+            require(not self.engine.device.startswith("cuda"), "tensor_parallel_size",
+                    "above 1 in a cluster runs on CPU for now (a CUDA worker's ranks would not see their GPUs); "
+                    "generate -tp N runs on N GPUs of one machine")
 
 
 

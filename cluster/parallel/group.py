@@ -73,8 +73,11 @@ class RankGroup:
 
 
 def join_group(rank: int, world: int, address: str, device: torch.device, timeout_s: float) -> RankGroup:
-    """Joins the group rendezvousing at `address` (tcp://host:port, rank 0's store)."""
+    """Joins the group rendezvousing at `address` (tcp://host:port, rank 0's store). On CUDA
+    without an index, rank r takes the r-th visible GPU (NCCL wants one rank a GPU)."""
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method=address, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
