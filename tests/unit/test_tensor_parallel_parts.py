@@ -135,3 +135,9 @@ def test_role_sizes_override_the_engine_size(tiny_model_dir):
     with pytest.raises(ConfigError, match="--quantization none"):
         ClusterConfig(engine=EngineConfig(model=tiny_model_dir("llama"), quantization="int8"), colocated=True,
                       num_prefill=0, decode_tensor_parallel_size=2)
+
+
+def test_a_tp_cluster_on_cuda_is_refused_until_ranks_are_actors(tiny_model_dir):
+    engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none", device="cuda")
+    with pytest.raises(ConfigError, match="runs on CPU for now"):
+        ClusterConfig(engine=engine, colocated=True, num_prefill=0, decode_tensor_parallel_size=2)
