@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cluster.config import ConfigError, EngineConfig, SpeculativeConfig
+from cluster.launch.banner import tensor_parallel_line
 from cluster.launch.cluster_config import ClusterConfig
 from cluster.model.attention import AttentionBatch, PrefillSpan
 from cluster.model.model_config import ModelConfig, RopeConfig
@@ -141,3 +142,12 @@ def test_a_tp_cluster_on_cuda_is_refused_until_ranks_are_actors(tiny_model_dir):
     engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none", device="cuda")
     with pytest.raises(ConfigError, match="runs on CPU for now"):
         ClusterConfig(engine=engine, colocated=True, num_prefill=0, decode_tensor_parallel_size=2)
+
+
+def test_the_banner_says_each_roles_size_when_one_is_sharded(tiny_model_dir):
+    engine = EngineConfig(model=tiny_model_dir("llama"), quantization="none")
+    assert tensor_parallel_line(ClusterConfig(engine=engine)) is None
+    assert tensor_parallel_line(ClusterConfig(engine=engine, prefill_tensor_parallel_size=2)).startswith(
+        "prefill TP 2, decode TP 1")
+    assert tensor_parallel_line(ClusterConfig(engine=engine, colocated=True, num_prefill=0,
+                                              decode_tensor_parallel_size=2)).startswith("colocated TP 2 (")
