@@ -345,6 +345,9 @@ class EngineConfig:
     tp_collective_timeout_s: float = setting(60.0, "a tensor-parallel collective that waits longer fails: a rank that "
                                                    "hangs makes the worker dead, not stuck")
     tp_rank: int = derived(0, "this process's tensor-parallel rank (0: the one that schedules)")
+    enable_expert_parallel: bool = setting(False, "with --tensor-parallel-size above 1, a mixture of experts' "
+                                                  "experts placed whole on the ranks instead of each sliced over "
+                                                  "them (docs/parallel.md)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

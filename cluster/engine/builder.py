@@ -64,7 +64,7 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     mc, model = load_model(config.model, dtype=plan_dtype(config), device=device, max_positions=config.max_model_len)
     full = mc
     if group is not None:
-        mc = shard_model(model, mc, group)
+        mc = shard_model(model, mc, group, config.enable_expert_parallel)
     dtype = model.embed_tokens.weight.dtype
     quant = quantize_model(model, mc, Quantization(config.quantization), config.model,
                            act_int8=config.quantized_activations == "int8")

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.model.model_config import ModelConfig
+from cluster.model.moe import SparseMoeBlock
 from cluster.parallel.group import RankGroup
+from cluster.parallel.moe_sharding import shard_sparse_block
 
 
 class ShardingError(ValueError):
@@ -168,13 +170,17 @@ def _vocab_rows(weight: torch.Tensor, s: RankShard) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows.clone()   # not a view: frees the rest
 
 
-def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup) -> ModelConfig:
-    """Keeps this rank's share of `model`'s weights (the rest freed) and returns its local config."""
+def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_parallel: bool = False) -> ModelConfig:
+    """Keeps this rank's share of `model`'s weights (the rest freed) and returns its local config.
+    A sparse layer's experts are sliced, or with `expert_parallel` placed whole (moe_sharding.py)."""
     s = rank_shard(mc, group.rank, group.world)
     local = local_config(mc, s)
     for layer in model.layers:
         _shard_attention(layer.self_attn, mc, s, group, local)
-        _shard_mlp(layer.mlp, mc, s, group)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = shard_sparse_block(layer.mlp, group, expert_parallel)
+        else:
+            _shard_mlp(layer.mlp, mc, s, group)
     tied = mc.tie_word_embeddings
     embed = _vocab_rows(model.embed_tokens.weight.data, s)
     model.embed_tokens = VocabParallelEmbedding(embed, s, group)

@@ -2,7 +2,9 @@
 engine token for token on Llama (GQA 4/2), Qwen2 (one KV head, replicated on both ranks; tied
 head) and Qwen3 (q/k norms); 4 ranks on this 2-core machine run unpinned and still equal it; each
 rank holds its share of the weights and KV; a dead follower or one that hangs in a collective
-makes the engine fail within the collective deadline instead of waiting forever."""
+makes the engine fail within the collective deadline instead of waiting forever. Mixtures of
+experts (tests/tiny_moe_models.py) equal it too, their experts sliced (TP) or placed whole on the
+ranks (`enable_expert_parallel`), Qwen2-MoE's shared expert sliced."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +16,7 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.model.moe import MoEExperts
 from cluster.types import SamplingParams
 from tests.integration.test_model_families import family_prompts
 
@@ -48,6 +51,23 @@ def test_tp2_equals_the_single_engine(kind, tiny_model_dir, single_engine):
         assert engine.model.lm_head.inner.out_features == -(-single.model_config.vocab_size // 2)
         assert engine.layout.num_kv_heads == max(1, single.layout.num_kv_heads // 2)
         assert engine.layout.tp_size == 2 and engine.runner.step_sender.messages > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("kind", "expert_parallel"), [("qwen3moe", False), ("qwen2moe", True), ("mixtral", True)])
+def test_mixtures_of_experts_equal_the_single_engine(kind, expert_parallel, tiny_model_dir, single_engine):
+    model = tiny_model_dir(kind)
+    single = single_engine(_config(model))
+    engine = LLMEngine(_config(model, tensor_parallel_size=2, enable_expert_parallel=expert_parallel))
+    try:
+        _assert_equal(engine, single, family_prompts(lengths=(13, 30)))
+        ours = next(m for m in engine.model.modules() if isinstance(m, MoEExperts))
+        full = next(m for m in single.model.modules() if isinstance(m, MoEExperts))
+        if expert_parallel:   # whole experts, half of them here; the load counters see every expert
+            assert ours.gate_up.shape[0] * 2 == full.gate_up.shape[0] == len(ours.token_counts())
+        else:                 # every expert, half of its intermediate rows
+            assert ours.down.shape == (*full.down.shape[:2], full.down.shape[2] // 2)
     finally:
         engine.close()
 
