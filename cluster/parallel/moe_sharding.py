@@ -6,8 +6,7 @@ The block's output is then one all-reduce of the ranks' partial sums, as a dense
 
 With EP every rank sees every token (the attention's all-reduce left the hidden states the same
 on all ranks): each computes its experts' share of each token (the routing weight of an expert
-it does not hold is 0) and the all-reduce adds them. Tokens do not move (no all-to-all); a pair
-routed to another rank's expert still costs a weighted-zero row on a local expert here.
+it does not hold is left out) and the all-reduce adds them. Tokens do not move (no all-to-all).
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ class ReducedBlock(nn.Module):
 
 
 class LocalExperts(MoEExperts):
-    """Experts [start, start + count) of `total`: routing ids stay global (the load counters count
-    every expert); pairs routed elsewhere weigh 0 here."""
+    """Experts [start, start + count) of the layer's: routing ids stay global (the load counters
+    count every expert); pairs routed to other ranks' experts do not run here."""
 
     def __init__(self, experts: MoEExperts, start: int, count: int):
         hidden = experts.gate_up.shape[2]
@@ -44,12 +43,20 @@ class LocalExperts(MoEExperts):
         self.start, self.count, self.path = start, count, experts.path
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        local = topk_ids - self.start
-        elsewhere = (local < 0) | (local >= self.count)
+        """Only the (token, expert) pairs routed here run: one row each (k = 1), token by token in
+        ascending expert order, added into their tokens' rows."""
         self._count_tokens(topk_ids)
-        if hidden.shape[0] == 0:
-            return torch.zeros_like(hidden)
-        return self._compute(hidden, local.masked_fill(elsewhere, 0), topk_weights.masked_fill(elsewhere, 0))
+        k, flat_ids = topk_ids.shape[1], topk_ids.reshape(-1)
+        pairs = ((flat_ids >= self.start) & (flat_ids < self.start + self.count)).nonzero().squeeze(1)
+        pairs = pairs[torch.argsort((pairs // k) * self.num_experts + flat_ids[pairs], stable=True)]
+        out = torch.zeros_like(hidden)
+        if pairs.numel() == 0:
+            return out
+        rows = pairs // k
+        part = moe_compute(self.path, hidden.device)(
+            hidden.index_select(0, rows), self.gate_up, self.down, (flat_ids[pairs] - self.start)[:, None],
+            topk_weights.reshape(-1)[pairs][:, None])
+        return out.index_add_(0, rows, part)
 
     def _count_tokens(self, topk_ids: torch.Tensor) -> None:
         flat = topk_ids.reshape(-1)
@@ -57,8 +64,6 @@ class LocalExperts(MoEExperts):
             self.tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         self.tokens.index_add_(0, flat, torch.ones_like(flat))
 
-    def _compute(self, hidden, ids, weights) -> torch.Tensor:
-        return moe_compute(self.path, hidden.device)(hidden, self.gate_up, self.down, ids, weights)
 
 
 def _split(n: int, rank: int, world: int) -> tuple[int, int]:
