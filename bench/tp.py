@@ -4,6 +4,10 @@ weights): decode steps at batch 1 and 8, a 512-token prefill, and what one all-r
 hidden states costs (two per layer) between two gloo processes pinned to their own cores.
 
     PYTHONPATH=. python bench/tp.py [--rounds 3] [--dtype auto]
+    PYTHONPATH=. python bench/tp.py --moe [--rounds 2]   # experts sliced (TP) against placed whole (EP)
+
+--moe: bench/moe.py's Qwen3-30B-A3B shape cut to 4 layers (64 experts of 384, top-8, hidden 1024;
+random weights, built once in /tmp), both at TP 2: decode at batch 8 and a 512-token prefill.
 
 A benchmark, not a test: the figures depend on what else runs (the share of the machine busy with
 other work is printed beside them). On 2 cores TP mostly shows the collectives' cost.
@@ -26,6 +30,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))
+sys.path.append(str(REPO / "tests"))
 
 from llama_cpp_compare import busy_s
 
@@ -115,11 +120,55 @@ def measure(engine: LLMEngine, rounds: int) -> dict[str, list[float]]:
     return figures
 
 
+def moe_checkpoint(dtype: torch.dtype) -> Path:
+    import transformers
+    from moe import COMMON, MOE
+    from tiny_models import make_tokenizer
+    out = Path(f"/tmp/splitserve-bench-tp-moe-{str(dtype).removeprefix('torch.')}")
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4}, **MOE)
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(dtype)
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(out)
+        make_tokenizer(out, bos=True)
+    return out
+
+
+def moe_main(args) -> None:
+    model = moe_checkpoint(torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32)
+    busy0, own0, wall0 = busy_s(), tree_cpu_s(), time.monotonic()
+    results = {}
+    for name, ep in (("TP (experts sliced)", False), ("EP (experts whole)", True)):
+        engine = LLMEngine(EngineConfig(model=model, quantization="none", dtype=args.dtype, num_threads=2,
+                                        tensor_parallel_size=2, enable_expert_parallel=ep,
+                                        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024)))
+        decode_ms(engine, 8, 0)
+        results[name] = ([decode_ms(engine, 8, 20 + r) for r in range(args.rounds)],
+                         [prefill_ms(engine, 30 + r) for r in range(args.rounds)])
+        own0 -= tree_cpu_s()
+        engine.close()
+        own0 += tree_cpu_s()
+        dtype = str(engine.dtype).removeprefix("torch.")
+    other = max(0.0, (busy_s() - busy0 - (tree_cpu_s() - own0)) / ((time.monotonic() - wall0) * os.cpu_count()))
+    print(f"Qwen3-MoE shape, 4 layers, 64 experts top-8, {dtype}; TP 2 (1 core a rank); {args.rounds} rounds, medians")
+    print(f"CPU busy with other work during the rounds: {other:.0%} of the machine"
+          + ("  <- not a quiet machine: compare with care" if other > 0.2 else ""))
+    print("| experts | decode b8 ms a step | prefill 512 ms |")
+    print("|---|---:|---:|")
+    for name, (dec, pre) in results.items():
+        print(f"| {name} | {statistics.median(dec):.1f} | {statistics.median(pre):.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--moe", action="store_true", help="experts sliced against placed whole, at TP 2")
     args = parser.parse_args()
+    if args.moe:
+        moe_main(args)
+        return
     base = EngineConfig(quantization="none", dtype=args.dtype, scheduler=SchedulerConfig(max_num_seqs=16))
     busy0, own0, wall0 = busy_s(), tree_cpu_s(), time.monotonic()
     results = {}
