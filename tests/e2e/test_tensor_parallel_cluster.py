@@ -37,10 +37,9 @@ def served(tiny_model_dir):
     c.stop()
 
 
-def _ranks() -> tuple[psutil.Process, list[psutil.Process]]:
-    """The colocated worker's actor process and its follower rank processes."""
-    actor = next(p for p in psutil.process_iter(["cmdline"])
-                 if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::DecodeWorker"))
+def _ranks(served) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The colocated worker's actor process (its stats say its pid) and its follower ranks."""
+    actor = psutil.Process(next(s.pid for s in served.stats()))
     return actor, [c for c in actor.children() if "spawn_main" in " ".join(c.cmdline())]
 
 
@@ -55,14 +54,14 @@ def test_tp2_worker_serves_exact_tokens_and_a_dead_rank_restarts_it(served, hf_r
     for prompt, out in zip(prompts, _generate_all(client, prompts)):
         assert list(out.token_ids) == hf_reference("llama", prompt, MAX_TOKENS)[0]
     served.wait_idle()
-    actor, followers = _ranks()
+    actor, followers = _ranks(served)
     assert len(followers) == 1
     followers[0].kill()
     # The next step's collective fails, the worker ends, Ray restarts it (a rank again beside it),
     # and the router's retry of the request lands on the new incarnation: the client sees its tokens.
     out = client.generate(prompts[0], max_tokens=MAX_TOKENS)
     assert list(out.token_ids) == hf_reference("llama", prompts[0], MAX_TOKENS)[0]
-    restarted, followers = _ranks()
+    restarted, followers = _ranks(served)
     assert restarted.pid != actor.pid and len(followers) == 1
     served.wait_idle()
 
