@@ -189,6 +189,9 @@ class Completion:
     prompt_logprobs: tuple[TokenLogprob, ...] = field(default=())   # with SamplingParams.prompt_logprobs
 
 
+_TP_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What two KV caches must agree on to exchange blocks. Its hash is checked at handshake
@@ -202,10 +205,18 @@ class KVLayout:
     dtype: str
     version: int = 1
     kv_dtype: str = "auto"   # cluster/kv/kv_quant.py's KVCacheDType: int8/fp8_e4m3 rows of D bytes + an fp16 scale
+    # A tensor-parallel rank's share (cluster/parallel/): `num_kv_heads` heads from `kv_head_start`
+    # of the model's `total_kv_heads`, on rank `tp_rank` of `tp_size`.
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int = 0   # 0: num_kv_heads (a single-rank layout)
 
     def layout_hash(self) -> str:
-        # kv_dtype joined the layout later: left out when "auto", so unquantized layouts hash as before.
-        fields = {k: v for k, v in self.__dict__.items() if not (k == "kv_dtype" and v == "auto")}
+        # kv_dtype and the TP fields joined the layout later: left out at their single-rank values,
+        # so those layouts hash as before.
+        fields = {k: v for k, v in self.__dict__.items()
+                  if not (k == "kv_dtype" and v == "auto") and not (k in _TP_FIELDS and self.tp_size == 1)}
         text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
