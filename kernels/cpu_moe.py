@@ -48,7 +48,9 @@ def fused_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
               topk_weights: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """`invariant`: every expert through the C linear (batch-invariant: the deterministic mode);
     else an expert of more than C_MAX_ROWS tokens through BLAS first, the rest in the C call."""
-    if not cpu_ops.has_moe_experts() or hidden.dtype not in (torch.float32, torch.bfloat16):
+    if hidden.dtype not in (torch.float32, torch.bfloat16):   # the C ops' dtypes
+        return fused_moe_reference(hidden, gate_up, down, topk_ids, topk_weights)
+    if not cpu_ops.has_moe_experts():
         return grouped_moe(hidden, gate_up, down, topk_ids, topk_weights)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
