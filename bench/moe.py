@@ -129,7 +129,8 @@ def try_vllm(model_dir: Path, args) -> str:
     if not py.is_file():
         return f"vLLM: no interpreter at {py}"
     code = (f"import time; from vllm import LLM, SamplingParams as S; "
-            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True); "
+            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True, "
+            f"gpu_memory_utilization={args.vllm_memory}); "
             f"p = [[3 + (i * 7 + j) % 30000 for j in range({args.decode_prompt})] for i in range(8)]; "
             f"llm.generate(p, S(max_tokens=2, ignore_eos=True)); t = time.perf_counter(); "
             f"llm.generate(p, S(max_tokens=1, ignore_eos=True)); t1 = time.perf_counter() - t; t = time.perf_counter(); "
@@ -143,8 +144,9 @@ def try_vllm(model_dir: Path, args) -> str:
     for line in out.stdout.splitlines():
         if line.startswith("VLLM "):
             return f"vLLM CPU decode at batch 8: {float(line.split()[1]):.1f} tok/s"
-    tail = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()][-3:]
-    return "vLLM did not load it: " + " | ".join(tail)
+    lines = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if "Error:" in ln] or lines[-3:]   # the root cause, not the wrapper's last line
+    return "vLLM did not load it: " + " | ".join(causes[:2])
 
 
 def main() -> None:
@@ -159,6 +161,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also try vLLM's CPU build on the MoE checkpoint")
     ap.add_argument("--vllm-venv", default="/work/vllm-venv")
     ap.add_argument("--vllm-timeout", type=int, default=600)
+    ap.add_argument("--vllm-memory", type=float, default=0.3,
+                    help="vLLM's --gpu-memory-utilization: on CPU the share of host memory it reserves")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
