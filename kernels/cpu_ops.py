@@ -33,6 +33,7 @@ QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (
 DEQUANT_SOURCE = SOURCE.with_name("dequant.c")       # quantized weights to a dense matrix (prefill's GEMM)
 KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
 PREFILL_SOURCE = SOURCE.with_name("prefill_attn.c")  # causal prefill attention (AVX-512 only)
+QUANT_DOT_SOURCE = SOURCE.with_name("quant_dot.c")   # quantized linear for bf16 batches (AVX512_BF16 only)
 HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "vexp.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
@@ -126,7 +127,7 @@ def _build(folder: Path) -> Path | None:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
                          + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
-                         + DEQUANT_SOURCE.read_bytes() + PREFILL_SOURCE.read_bytes()
+                         + DEQUANT_SOURCE.read_bytes() + PREFILL_SOURCE.read_bytes() + QUANT_DOT_SOURCE.read_bytes()
                          + b"".join(h.read_bytes() for h in HEADERS)
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
@@ -138,6 +139,7 @@ def _build(folder: Path) -> Path | None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
         kvq, deq, pre = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o", Path(tmp) / "prefill_attn.o"
+        qdot = Path(tmp) / "quant_dot.o"
         built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
@@ -145,6 +147,7 @@ def _build(folder: Path) -> Path | None:
             _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(deq), str(DEQUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(pre), str(PREFILL_SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(qdot), str(QUANT_DOT_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -152,12 +155,12 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(par),
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(qdot), str(par),
                       f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(qdot), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -281,6 +284,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                              tables.shape[1], lens.data_ptr(), _ptr(tails), tail_width, b, hq, hkv, d, block_size,
                              window or 0, scale, out.data_ptr(), _DTYPE_CODES[q.dtype], kv_code(k_cache, int4_view))
     return out
+
+
+def has_bf16_dot() -> bool:
+    """quant.c's Q_DOT path is built (AVX512_BF16): bf16 batches on quantized weights."""
+    return _lib is not None and bool(_lib.ss_qdot_available())
 
 
 def has_prefill_attention() -> bool:

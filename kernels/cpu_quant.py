@@ -34,6 +34,7 @@ class QuantFormat(enum.Enum):
 
 
 ACT_INT8 = 4   # quant.c's Q_ACT8: or-ed into the format code for int8 activations
+BF16_DOT = 8   # quant.c's Q_DOT: bf16 batches of 4+ rows may run quant_dot.c (not the deterministic mode)
 _KERNEL_FORMAT = {QuantFormat.INT8: 0, QuantFormat.Q8_0: 1, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 2}
 _GGML_TYPES = {8: QuantFormat.Q8_0, 2: QuantFormat.Q4_0, 3: QuantFormat.Q4_1}   # GGMLQuantizationType values
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -129,14 +130,16 @@ class QuantizedWeight:
 
 
 def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor | None = None, *,
-                 act_int8: bool = False) -> torch.Tensor:
+                 act_int8: bool = False, bf16_dot: bool = False) -> torch.Tensor:
     """x @ w.T (+ bias) for x [..., K] float32 or bfloat16; the output has x's dtype. A decode
     step makes ~120 of these calls, so the common case (2-D x, fp32 bias or none) does little
     Python: the weight's pointers are computed once, at construction.
 
     act_int8 (4-bit formats only): activations quantized to int8 per row and block of 32 inside
     the kernel (dx = max|x| / 127), integer dot products per block: faster at small batch, but the
-    result carries the activations' rounding (not the default; still batch-invariant)."""
+    result carries the activations' rounding (not the default; still batch-invariant).
+    bf16_dot: bf16 passes of 4 rows or more on AVX512_BF16 dot products over the weight rounded to
+    bf16 per tile (kernels/cpu/quant_dot.c; a row's result then depends on its pass's row count)."""
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if dtype_code is None:
         raise TypeError(f"quant_linear takes float32 or bfloat16 activations, not {x.dtype}")
@@ -159,6 +162,8 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     quants, scales, mins, fmt = qweight._kernel_args
     if act_int8:
         fmt |= ACT_INT8
+    elif bf16_dot:
+        fmt |= BF16_DOT
     cpu_ops.op("ss_qlinear")(x2.data_ptr(), x2.stride(0), quants, scales, mins,
                               None if bias is None else bias.data_ptr(), n, k, rows, out.data_ptr(), n, fmt, dtype_code)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

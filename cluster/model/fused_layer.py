@@ -20,7 +20,7 @@ import torch
 from cluster.model.kernel_plan import ActPath, NormPath
 from cluster.model.quant_linear import QuantLinear
 from kernels import cpu_ops
-from kernels.cpu_quant import ACT_INT8
+from kernels.cpu_quant import ACT_INT8, BF16_DOT
 
 ENABLED = True   # tests compare against the layer-by-layer path by turning it off
 
@@ -30,7 +30,7 @@ def _qweight(linear: torch.nn.Module) -> cpu_ops.SsQWeight:
     quants, scales, mins, fmt = qw._kernel_args
     bias = linear.bias
     return cpu_ops.SsQWeight(quants, scales, mins, None if bias is None else bias.data_ptr(), qw.n,
-                             fmt | (ACT_INT8 if linear.act_int8 else 0))
+                             fmt | (ACT_INT8 if linear.act_int8 else BF16_DOT if linear.bf16_dot else 0))
 
 
 def layer_args(layer, rotary, local_rotary) -> cpu_ops.SsLayer | None:

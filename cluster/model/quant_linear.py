@@ -18,12 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_quant
+from kernels import cpu_ops, cpu_quant
 from kernels.cpu_quant import QuantFormat, QuantizedWeight, quant_linear
 
 # Rows from which a pass dequantizes and runs the GEMM: measured with bench/quant_kernels.py
 # (docs/quantization.md, "Prefill on stored blocks").
 DENSE_MIN_ROWS = 32
+# With bf16 dot products (kernels/cpu/quant_dot.c) the quantized kernel stays ahead of the
+# dequantized GEMM up to about this many rows (1 thread, default model: 170 vs 178 ms a step at 64
+# rows; TTFT of 512 tokens 798 vs 689 ms: docs/quantization.md).
+DOT_DENSE_MIN_ROWS = 128
 # Weight rows dequantized per GEMM (a multiple of the 8-row tile): a larger matrix (the LM head)
 # goes in chunks of this many, so the scratch stays a layer's size (a whole 49152x576 head would
 # be 56 MB of bf16).
@@ -54,6 +58,7 @@ class QuantLinear(nn.Module):
         self.qweight = qweight
         self.act_int8 = False     # CPU, 4-bit weights: int8 activations per block (--quantized-activations)
         self.dense_rows: int | None = None   # CPU passes of this many rows on: dequantized GEMM (set by the plan)
+        self.bf16_dot = False     # CPU bf16 passes of 4+ rows on bf16 dot products (set with dense_rows)
         self._scratch = scratch
         self.in_features = qweight.k
         self.out_features = qweight.n
@@ -74,9 +79,14 @@ class QuantLinear(nn.Module):
             from kernels.quant_gemm import triton_quant_linear  # noqa: PLC0415 - Triton is optional: CUDA only
             return triton_quant_linear(x, qweight, self.bias)
         if (self.dense_rows is not None and not self.act_int8 and x.dtype in DENSE_DTYPES
-                and x.numel() >= self.dense_rows * self.in_features):
+                and x.numel() >= self._dense_min_rows(x.dtype) * self.in_features):
             return self._dense(x, qweight)
-        return quant_linear(x, qweight, self.bias, act_int8=self.act_int8)
+        return quant_linear(x, qweight, self.bias, act_int8=self.act_int8, bf16_dot=self.bf16_dot)
+
+    def _dense_min_rows(self, dtype: torch.dtype) -> int:
+        if self.bf16_dot and dtype == torch.bfloat16 and cpu_ops.has_bf16_dot():
+            return max(self.dense_rows, DOT_DENSE_MIN_ROWS)
+        return self.dense_rows
 
     def _dense(self, x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
         """x @ w.T through torch's GEMM on the weight dequantized into the scratch (in x's dtype;
@@ -112,4 +122,5 @@ def set_dense_rows(model: nn.Module, rows: int | None) -> int:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for m in layers:
         m.dense_rows = rows
+        m.bf16_dot = rows is not None   # the same switch: both change a row's arithmetic with the row count
     return len(layers)

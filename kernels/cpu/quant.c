@@ -32,7 +32,16 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2, Q_ACT8 = 4 };
+enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2, Q_ACT8 = 4, Q_DOT = 8 };
+/* Q_DOT: bf16 passes of Q_DOT_MIN_ROWS rows or more may take quant_dot.c's bf16 dot products
+ * (the weight rounded to bf16 per tile, as the dense path's GEMM: not this file's arithmetic, so
+ * the engine sets it only outside the deterministic mode). */
+#define Q_DOT_MIN_ROWS 4
+/* Weak: quant.c also builds alone (tests/unit/test_quant_kernels.py), without quant_dot.c. */
+int ss_qdot_available(void) __attribute__((weak));
+void ss_qdot_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,
+                   const float *bias, int64_t t0, int64_t t1, int64_t n_dim, int64_t k_dim, int64_t rows, void *out,
+                   int64_t out_stride, int fmt) __attribute__((weak));
 #define QT 8          /* output columns per tile of the layout */
 #define QB 32         /* weights per block */
 #define Q_ROWS 8      /* activation rows converted to fp32 at a time */
@@ -431,8 +440,13 @@ void ss_qlinear_tiles(const void *x, int64_t x_stride, const void *quants, const
                       void *out, int64_t out_stride, int fmt, int dtype) {
 #define Q_CALL(F, B, A) qlinear_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, \
                                       out_stride, F, B, A)
-    const int act8 = (fmt & Q_ACT8) && (fmt & ~Q_ACT8) == QF_Q4;   /* int8 activations: 4-bit weights only */
-    fmt &= ~Q_ACT8;
+    if ((fmt & Q_DOT) && !(fmt & Q_ACT8) && dtype == 1 && rows >= Q_DOT_MIN_ROWS && ss_qdot_available && ss_qdot_available()) {
+        ss_qdot_tiles(x, x_stride, quants, scale, mins, bias, t0, t1, n_dim, k_dim, rows, out, out_stride,
+                      fmt & ~Q_DOT);
+        return;
+    }
+    const int act8 = (fmt & Q_ACT8) && (fmt & ~(Q_ACT8 | Q_DOT)) == QF_Q4;   /* int8 activations: 4-bit weights only */
+    fmt &= ~(Q_ACT8 | Q_DOT);
     if (dtype == 1) {
         if (act8) Q_CALL(QF_Q4, 1, 1);
         else if (fmt == QF_Q4) Q_CALL(QF_Q4, 1, 0); else if (fmt == QF_Q8) Q_CALL(QF_Q8, 1, 0); else Q_CALL(QF_INT8, 1, 0);

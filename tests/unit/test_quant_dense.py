@@ -87,9 +87,32 @@ def test_dense_pass_equals_the_float_reference(fmt, dtype, monkeypatch):
 def test_kernel_plan_keeps_the_row_independent_kernel_in_batch_invariant_mode():
     model = nn.Sequential(QuantLinear(_weight(QuantFormat.Q4_1, 64, 64)), QuantLinear(_weight(QuantFormat.Q8_0, 64, 64)))
     apply_kernel_plan(model, KernelPlan.reference(torch.float32))
-    assert [m.dense_rows for m in model] == [DENSE_MIN_ROWS] * 2
+    assert [(m.dense_rows, m.bf16_dot) for m in model] == [(DENSE_MIN_ROWS, True)] * 2
     apply_kernel_plan(model, KernelPlan.invariant(torch.float32))
-    assert [m.dense_rows for m in model] == [None, None]
+    assert [(m.dense_rows, m.bf16_dot) for m in model] == [(None, False)] * 2
     x = torch.randn(DENSE_MIN_ROWS * 2, 64)
     rows = model(x)                                             # every row as it is alone
     assert all(torch.equal(rows[i:i + 1], model(x[i:i + 1])) for i in range(0, len(x), 9))
+
+
+@pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="quant_dot.c is built only with AVX512_BF16")
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_bf16_dot_pass_is_the_bf16_weight_product(fmt):
+    """bf16 passes of 4+ rows on kernels/cpu/quant_dot.c: the weight rounded to bf16 once (the dense
+    path's values), exact products summed in fp32, one rounding of the output; fewer rows stay on
+    the row-independent kernel."""
+    qw = _weight(fmt, 45, 96)
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(5))
+    layer = QuantLinear(qw, bias)
+    layer.dense_rows, layer.bf16_dot = DENSE_MIN_ROWS, True
+    for rows in (4, 7, 37):                                    # 4-row tiles, a tail of 3, and above DENSE_MIN_ROWS
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        ref = nn.functional.linear(x.float(), qw.dequantize().bfloat16().float(), bias)
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - ref).abs().max().item() <= 0.005 * ref.abs().max().item()
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    layer.bf16_dot = False
+    kernel = layer(x)
+    layer.bf16_dot = True
+    assert torch.equal(layer(x), kernel)                       # 3 rows: the row-independent kernel either way
