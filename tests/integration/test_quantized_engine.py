@@ -97,8 +97,10 @@ def test_gguf_quantization_of_a_checkpoint_that_is_not_gguf_names_the_fix(tiny_m
 def test_int8_activations_track_the_float_activations(smollm2):
     """`--quantized-activations int8`: the 4-bit layers round activations to int8 per block of 32
     (the kernel against its reference: tests/unit/test_quant_kernels.py). Lossy: greedy may part on
-    one of the three prompts; before any parting, chosen-token logprobs within 0.3 (measured on a
-    Zen 3: equal on two of three, over 24 tokens)."""
+    one of the three prompts; before any parting, chosen-token logprobs within 0.6. Measured: 0.24 on
+    a Zen 3 and on a Zen 4 with SDPA prefill attention; 0.54 on the Zen 4 with the C prefill
+    attention, whose outputs differ from SDPA's by ~1e-6: rounding activations to int8 is
+    discontinuous, so such a change upstream flips roundings and moves a logprob by tenths."""
     quant, ref = _engine(smollm2, "gguf", quantized_activations="int8"), _engine(smollm2, "gguf")
     layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
     assert {m.act_int8 for m in layers if m.qweight.format.value == "q4_1"} == {True}
@@ -111,7 +113,7 @@ def test_int8_activations_track_the_float_activations(smollm2):
     for g, w in zip(got, want):
         same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
         worst = max((abs(a.logprob - b.logprob) for a, b in list(zip(g.logprobs, w.logprobs))[:same]), default=0.0)
-        assert worst <= 0.3, f"chosen-token logprobs differ by {worst:.3f}"
+        assert worst <= 0.6, f"chosen-token logprobs differ by {worst:.3f}"
     assert quant.layout.layout_hash() != ref.layout.layout_hash()
 
 
