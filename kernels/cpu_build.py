@@ -5,6 +5,8 @@ it instead of compiling a second time. Imports neither torch nor the ops: the co
 without torch."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,8 @@ def build_in_background(folder: Path) -> subprocess.Popen | None:
     an upgrade the command builds them at first use, as before). The child's output is dropped: a
     build that fails fails again, logged, where the command loads the ops."""
     if any((Path(folder) / "cpu_ops").glob("ops-*.so")):
+        return None
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):   # cpu_ops' compilers: none here
         return None
     return subprocess.Popen([sys.executable, "-m", "kernels.cpu_ops", str(folder)], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
