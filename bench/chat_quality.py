@@ -9,9 +9,16 @@ message), through the engine in-process (the same sampler as a cluster's workers
 samples the same tokens whatever shares its batch). `greedy` is what `chat` did before (and what
 `--temperature 0` does now); `chat` is what it does now (cluster/launch/chat_sampling.py
 `model_sampling`: for SmolLM2-135M-Instruct its model card's temperature 0.2, top-p 0.9 and a
-repetition penalty of 1.15). The others are the variations tried; the penalty was first set to 1.1
-(ollama's) and raised to 1.15 after 1.1 left one of these 20 looping, so they are no longer strictly
-held out (`--tuning` runs the issue's questions). docs/first_run.md has the figures.
+repetition penalty of 1.15 over the answer's tokens). The others are the variations tried; the penalty
+was first set to 1.1 (ollama's) and raised to 1.15 after 1.1 left one of these 20 looping, so they are
+no longer strictly held out (`--tuning` runs the issue's questions). `chat-prompt-penalty` is the
+penalty over the prompt's tokens too (transformers' rule, what `chat` did before).
+
+    PYTHONPATH=. python bench/chat_quality.py --paris 9 [--configs chat,chat-prompt-penalty]
+
+asks "What is the capital of France?" with seeds 0..8 instead and prints each first sentence
+(over the prompt's tokens the penalty made the model avoid the question's own words: "L'Étoile de la
+Cité"). docs/first_run.md has the figures.
 """
 from __future__ import annotations
 
@@ -72,6 +79,7 @@ def loops(text: str) -> bool:
 def configs(model_dir) -> dict:
     chat = model_sampling(model_dir)
     return {"greedy": GREEDY, "chat": chat,
+            "chat-prompt-penalty": replace(chat, penalize_prompt=True, source="penalty over the prompt too"),
             "chat-penalty-1.1": replace(chat, repetition_penalty=1.1, source="penalty 1.1"),
             "chat-no-penalty": replace(chat, repetition_penalty=1.0, source="chat defaults without the penalty"),
             "chat-penalty-1.05": replace(chat, repetition_penalty=1.05, source="penalty 1.05"),
@@ -88,10 +96,14 @@ def main() -> None:
     ap.add_argument("--configs", default="greedy,chat", help="comma-separated, of: " + ", ".join(configs(None)))
     ap.add_argument("--tuning", action="store_true", help="the tuning questions instead of the held-out ones")
     ap.add_argument("--show", action="store_true", help="print every answer")
+    ap.add_argument("--paris", type=int, default=0, metavar="N",
+                    help="ask 'What is the capital of France?' with N seeds instead; print the first sentences")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig())
     model_dir = engine.config.model
     builder = PromptBuilder(model_dir)
+    if args.paris:
+        return capital_of_france(engine, builder.prompt(TUNING[2]), configs(model_dir), args)
     questions = TUNING if args.tuning else QUESTIONS
     prompts = [builder.prompt(q) for q in questions]
     table = configs(model_dir)
@@ -113,6 +125,18 @@ def main() -> None:
         if args.show:
             for q, c in zip(questions, done):
                 print(f"--- {q}\n{c.text}\n")
+
+
+def capital_of_france(engine, prompt, table: dict, args) -> None:
+    """The one-line factual question over seeds: how many first sentences name Paris as the capital."""
+    for name in args.configs.split(","):
+        params = [SamplingParams(max_tokens=48, seed=args.seed + i, **table[name].request()) for i in range(args.paris)]
+        firsts = [re.split(r"(?<=[.!?])\s|\n", c.text.strip(), maxsplit=1)[0]
+                  for c in engine.generate([prompt] * args.paris, params)]
+        plain = sum("Paris" in f and "toile" not in f for f in firsts)
+        print(f"{name:20s} {table[name].describe()}\n{'':20s} first sentence names Paris plainly: {plain}/{args.paris}")
+        for seed, first in enumerate(firsts, args.seed):
+            print(f"{'':22s}seed {seed}: {first[:100]}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ command's start to its first answer byte and to its exit, with the longest silen
 
 Cold runs use a fresh SPLITSERVE_CACHE_DIR (everything splitserve caches); warm ones reuse it.
 With --phases it also runs one warm start with -v and prints where its time went (our log lines'
-timestamps, relative to the start). docs/first_run.md has the figures.
+timestamps, relative to the start); --cold-phases runs the cold start itself with -v and prints its
+phases. Each line ends with the load average before and after the run: on a shared machine a
+figure taken under load is an upper bound. docs/first_run.md has the figures.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ QUESTION = "What is the capital of France?"
 def run_once(env: dict, extra: list[str], verbose: bool = False) -> dict:
     cmd = [sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--http-port", "0",
            "--request", QUESTION, *(["-v"] if verbose else []), *extra]
+    load_before = os.getloadavg()[0]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     err_times, err_lines, first = [start], [], {}
@@ -47,7 +50,7 @@ def run_once(env: dict, extra: list[str], verbose: bool = False) -> dict:
     gaps = [b - a for a, b in zip(err_times, [*err_times[1:], first.get("answer", end)])]
     return {"rc": proc.returncode, "first_byte_s": first.get("answer", end) - start, "total_s": end - start,
             "longest_silence_s": max(gaps), "answer": out.decode(errors="replace").strip(), "stderr": err_lines,
-            "started_at": time.time() - (end - start)}
+            "started_at": time.time() - (end - start), "load": (load_before, os.getloadavg()[0])}
 
 
 def phases(result: dict) -> None:
@@ -62,7 +65,8 @@ def phases(result: dict) -> None:
 
 def report(label: str, r: dict) -> None:
     print(f"{label:6s} rc {r['rc']}  first answer byte {r['first_byte_s']:5.1f} s  exit {r['total_s']:5.1f} s  "
-          f"longest stderr silence {r['longest_silence_s']:4.1f} s  answer: {r['answer'][:60]!r}")
+          f"longest stderr silence {r['longest_silence_s']:4.1f} s  load average {r['load'][0]:.1f} -> "
+          f"{r['load'][1]:.1f}  answer: {r['answer'][:60]!r}")
 
 
 def main() -> None:
@@ -70,14 +74,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="warm runs after the cold one")
     ap.add_argument("--warm-only", action="store_true", help="use the existing cache (no cold run)")
     ap.add_argument("--phases", action="store_true", help="also one warm run with -v: where the time went")
+    ap.add_argument("--cold-phases", action="store_true", help="the cold run with -v, and where its time went")
     ap.add_argument("extra", nargs="*", help="more serve flags (after --)")
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
     with tempfile.TemporaryDirectory(prefix="splitserve-cold-") as cache:
         if not args.warm_only:
             env["SPLITSERVE_CACHE_DIR"] = cache
-            cold = run_once(env, args.extra)
-            report("cold", cold)
+            cold = run_once(env, args.extra, verbose=args.cold_phases)
+            report("cold -v" if args.cold_phases else "cold", cold)
+            if args.cold_phases:
+                phases(cold)
             if cold["rc"]:
                 print("\n".join(line for _, line in cold["stderr"][-20:]))
         for _ in range(args.runs):

@@ -56,6 +56,10 @@ class SamplingParams:
     top_k: int = 0              # 0 (or -1) disables top-k
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # The penalty counts the prompt's tokens too (transformers' and vLLM's rule); False: the output's
+    # only, as OpenAI's presence and frequency penalties count (what `chat` asks: a short question's
+    # own words stay usable in its answer).
+    penalize_prompt: bool = True
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()

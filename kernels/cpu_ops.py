@@ -12,7 +12,9 @@ row strides explicitly.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import inspect
 import logging
@@ -20,6 +22,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -180,7 +183,9 @@ def load(folder: Path | None = None) -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    target = _build(folder or Path.home() / ".cache" / "splitserve")
+    folder = folder or Path.home() / ".cache" / "splitserve"
+    with _build_lock(folder):
+        target = _build(folder)
     if target is None:
         return None
     lib = ctypes.CDLL(str(target))
@@ -199,6 +204,27 @@ def load(folder: Path | None = None) -> ctypes.CDLL | None:
                 _fns[name] = fn
     _lib = lib
     return lib
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One build at a time per cache folder (a command's background build, its workers): a second
+    process waits for the first's library instead of compiling its own. Best effort: a folder
+    where no lock file can be made builds without one (the rename into place stays atomic)."""
+    try:
+        (folder / "cpu_ops").mkdir(parents=True, exist_ok=True)
+        lock = open(folder / "cpu_ops" / ".build.lock", "a")   # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for the fused CPU ops another process is building in %s", folder / "cpu_ops",
+                     extra={"phase": "building the CPU kernels (first start only)"})
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield                                                   # closing the file releases the lock
 
 
 def op(name: str) -> ctypes._CFuncPtr:
@@ -377,3 +403,7 @@ def decode_layer(layer: SsLayer, step: SsDecodePass, x: int, k_cache: int, v_cac
     """One decoder layer of a pure-decode pass on quantized weights (parallel.cpp's
     ss_decode_layer), x's rows updated in place; pointers as ints (cluster/model/fused_layer.py)."""
     _fns["ss_decode_layer"](ctypes.byref(layer), ctypes.byref(step), x, k_cache, v_cache)
+
+
+if __name__ == "__main__":   # kernels/cpu_build.py's child: build the library under the folder given
+    load(Path(sys.argv[1]))

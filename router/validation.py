@@ -91,6 +91,7 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
             max_tokens=max_tokens, temperature=msg.temperature, top_p=msg.top_p if has("top_p") else 1.0,
             top_k=msg.top_k, min_p=msg.min_p,
             repetition_penalty=msg.repetition_penalty if has("repetition_penalty") else 1.0,
+            penalize_prompt=msg.penalize_prompt if has("penalize_prompt") else True,
             seed=msg.seed if has("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             stop=tuple(msg.stop), ignore_eos=msg.ignore_eos,
             logprobs=msg.logprobs if has("logprobs") else None,

@@ -83,7 +83,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         sp = seq.sampling
         row = logits[i]
         if sp.repetition_penalty != 1.0:
-            row = apply_repetition_penalty(row, seq.token_ids, sp.repetition_penalty)
+            seen = seq.token_ids if sp.penalize_prompt else seq.output_token_ids
+            row = apply_repetition_penalty(row, seen, sp.repetition_penalty)
         picks.append(torch.argmax(row) if sp.greedy else draw(warp_probs(row, sp), seq.generator))
     tokens = torch.stack(picks).tolist()
     for i, (seq, token) in enumerate(zip(seqs, tokens)):

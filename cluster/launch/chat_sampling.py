@@ -24,6 +24,10 @@ class ChatSampling:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # Ours count the answer's tokens only: over the prompt's too (transformers' rule, which a model's
+    # own generation_config.json means) the 135M model avoided a short question's own words
+    # ("L'Étoile de la Cité" for the capital of France, docs/first_run.md).
+    penalize_prompt: bool = True
     source: str = ""
 
     def describe(self) -> str:
@@ -32,21 +36,25 @@ class ChatSampling:
         parts = [f"temperature {self.temperature:g}", f"top-p {self.top_p:g}"]
         parts += [f"top-k {self.top_k}"] if self.top_k else []
         parts += [f"min-p {self.min_p:g}"] if self.min_p else []
-        parts += [f"repetition penalty {self.repetition_penalty:g}"] if self.repetition_penalty != 1.0 else []
+        over = "" if self.penalize_prompt else " on the answer's tokens"
+        parts += [f"repetition penalty {self.repetition_penalty:g}{over}"] if self.repetition_penalty != 1.0 else []
         return f"{', '.join(parts)} ({self.source})"
 
     def request(self) -> dict:
         """The request's sampling fields (for `SamplingParams`, the gRPC client, the HTTP body)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        return {**{name: getattr(self, name) for name in SAMPLING_FIELDS},
+                **({} if self.penalize_prompt or self.repetition_penalty == 1.0 else {"penalize_prompt": False})}
 
 
 # A repetition penalty of 1.1 is ollama's default and the one transformers' docs suggest.
-CHAT_DEFAULTS = ChatSampling(temperature=0.7, top_p=0.9, repetition_penalty=1.1, source="splitserve's chat defaults")
+CHAT_DEFAULTS = ChatSampling(temperature=0.7, top_p=0.9, repetition_penalty=1.1, penalize_prompt=False,
+                             source="splitserve's chat defaults")
 GREEDY = ChatSampling(temperature=0.0, source="--temperature 0")
 # The default model states none in its files; its model card samples at temperature 0.2, top-p 0.9.
 # The penalty is ours: on bench/chat_quality.py's 20 questions 1.1 left one answer looping, 1.15
 # none, 1.2 none but 8 of 20 ran to the 512-token bound (docs/first_run.md).
 SHIPPED = {"SmolLM2-135M-Instruct": ChatSampling(temperature=0.2, top_p=0.9, repetition_penalty=1.15,
+                                                 penalize_prompt=False,
                                                  source="SmolLM2-135M-Instruct's model card, our penalty")}
 
 
@@ -59,6 +67,8 @@ def model_sampling(model_dir: Path | None) -> ChatSampling:
     stated = _generation_config(model_dir / "generation_config.json")
     if not stated:
         return base
+    if "repetition_penalty" in stated:      # the model's own penalty means transformers' rule
+        stated["penalize_prompt"] = True
     return replace(base, **stated, source=f"{model_dir.name}'s generation_config.json")
 
 

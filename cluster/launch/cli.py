@@ -19,8 +19,9 @@ from cluster.launch.console import Console, PhaseHandler, log_file
 # Imported from here too (tests, scripts): what a command is, how it fails and prints.
 from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  # noqa: F401
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
-from cluster.launch.settings import SettingError, Values, build, from_args, yaml_values
+from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
 from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
+from kernels.cpu_build import build_in_background
 
 # With --server the server's engine answers: of the engine's settings only these mean something
 # (the chat template's model, and the speculation a request may ask for).
@@ -181,7 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     console = _console(args)
     with console:
         _setup_logging(args, console)
+        _start_first_build(args)
         return _load_and_run(argv, console)
+
+
+def _start_first_build(args) -> None:
+    """A command that runs the engine here on CPU builds the C ops on its first start: begun now, in a
+    child process, beside the GGUF conversion and Ray's start (kernels/cpu_build.py)."""
+    device = getattr(args, "device", UNSET)
+    on_cpu = device is UNSET or str(device).startswith("cpu")
+    runs_here = args.command in ("generate", "serve", "chat") and not getattr(args, "server", None)
+    if runs_here and on_cpu and getattr(args, "kernels", UNSET) != "torch":
+        build_in_background(cache_dir())
 
 
 def _load_and_run(argv: list[str] | None, console: Console) -> int:

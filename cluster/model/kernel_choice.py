@@ -28,36 +28,54 @@ log = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "torch")   # auto: measured on CPU, torch ops on other devices; torch: torch ops only
 
 
-def plan_key(mc: ModelConfig, dtype: torch.dtype, threads: int) -> str:
+# Methods whose proposer loads dense linears beside a quantized target (a draft model, an EAGLE
+# head, a block drafter): the plan's linear layout applies to them.
+_DENSE_PROPOSERS = ("draft", "eagle", "block")
+
+
+def plan_key(mc: ModelConfig, dtype: torch.dtype, threads: int, dense_linears: bool = True) -> str:
     shape = (mc.hidden_size, mc.intermediate_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
              mc.num_layers, mc.q_size, mc.kv_size)
     parts = [PLAN_VERSION, shape, str(dtype), threads, cpu_ops.cpu_signature(),
              torch.__version__, hashlib.sha256(cpu_ops.SOURCE.read_bytes()).hexdigest()]
+    if not dense_linears:   # a plan without the linear layout's timing: a key of its own
+        parts.append("linears quantized")
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def has_dense_linears(config) -> bool:
+    """Whether an EngineConfig's engine runs any dense linear layer, whose layout the kernel plan
+    chooses: not when every linear of the target is quantized and no proposer loads dense ones."""
+    return config.quantization not in ("int8", "int4", "gguf") or config.speculative.method in _DENSE_PROPOSERS
+
+
 def resolve_kernel_plan(mc: ModelConfig, dtype: torch.dtype, device: torch.device, mode: str,
-                        threads: int | None = None) -> KernelPlan:
+                        threads: int | None = None, dense_linears: bool = True) -> KernelPlan:
     """The plan for this model on this machine with `threads` torch threads (default: the
-    current setting, which the measurement then runs with)."""
+    current setting, which the measurement then runs with). `dense_linears=False`: the model's
+    linears are all quantized, so a plan without the linear layout's timing serves (a full plan
+    cached before serves too)."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
     if mode == "torch" or device.type != "cpu":
         return KernelPlan.reference(dtype, device)
     previous = torch.get_num_threads()
     threads = threads or previous
-    path = cache_dir() / "kernel_plans" / f"{plan_key(mc, dtype, threads)}.json"
-    try:
-        plan = KernelPlan.from_json(path.read_text())
-        log.info("kernel plan from %s: %s", path, plan.describe())
-        return replace(plan, origin="cached")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    folder = cache_dir() / "kernel_plans"
+    keys = [plan_key(mc, dtype, threads)] + ([] if dense_linears else [plan_key(mc, dtype, threads, False)])
+    for key in keys:
+        try:
+            plan = KernelPlan.from_json((folder / f"{key}.json").read_text())
+            log.info("kernel plan from %s: %s", folder / f"{key}.json", plan.describe())
+            return replace(plan, origin="cached")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    path = folder / f"{keys[-1]}.json"
     log.info("measuring this CPU's kernels for the model's shapes (once; cached in %s)", path,
              extra={"phase": "measuring this CPU's kernels (first start only)"})
     torch.set_num_threads(threads)
     try:
-        plan = measure_kernel_plan(mc, dtype)
+        plan = measure_kernel_plan(mc, dtype, dense_linears=dense_linears)
     finally:
         torch.set_num_threads(previous)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +126,8 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         dtype = plan_dtype(config)
         if config.deterministic:
             return invariant_plan(dtype, torch.device(config.device))
-        plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
+        plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads,
+                                   has_dense_linears(config))
         plan = c_prefill_plan(plan, config.kernels, config.device.split(":")[0], dtype)
     if plan.batch_invariant:
         return plan

@@ -6,7 +6,8 @@ names of the errors are OpenAI's. `n` samples of a prompt become one group (the 
 the prompt once, `Router.generate(req, forks)`); with a `seed`, sample j gets seed + j, so the
 samples differ and the whole response is reproducible. Extensions beside OpenAI's fields, as
 vLLM's: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, return_token_ids,
-cache_salt, speculative and num_speculative_tokens (an integer or "auto"); for a chat,
+cache_salt, speculative and num_speculative_tokens (an integer or "auto"), and ours,
+penalize_prompt (false: repetition_penalty counts the output's tokens only); for a chat,
 add_generation_prompt, continue_final_message and chat_template_kwargs (`render_chat`, which
 /tokenize shares).
 """
@@ -155,6 +156,8 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, 
         sp.top_p = top_p
     if (rp := _number(body, "repetition_penalty")) is not None:
         sp.repetition_penalty = rp
+    if (penalize_prompt := _field(body, "penalize_prompt", bool)) is not None:
+        sp.penalize_prompt = penalize_prompt
     max_tokens = _field(body, "max_completion_tokens", int)
     max_tokens = _field(body, "max_tokens", int, max_tokens_default) if max_tokens is None else max_tokens
     if max_tokens is not None:

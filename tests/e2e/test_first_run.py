@@ -84,7 +84,7 @@ def test_the_start_is_one_status_line_and_then_only_the_conversation(session):
     assert log, start
     assert "\r\x1b[Ksplitserve: " in start and " s" in start        # the status line, repainted with its elapsed time
     assert re.search(r"splitserve: chatting with SmolLM2-135M-Instruct\S*; temperature 0\.2, top-p 0\.9, repetition "
-                     r"penalty 1\.15 \(SmolLM2-135M-Instruct's model card, our penalty\); seed 1", start), start
+                     r"penalty 1\.15 on the answer's tokens \(SmolLM2-135M-Instruct's model card, our penalty\); seed 1", start), start
     for noise in (" INFO ", " WARNING ", "Started a local Ray instance", "(raylet)"):
         assert noise not in session["screen"], session["screen"]
     kept = Path(log.group(1)).read_text()

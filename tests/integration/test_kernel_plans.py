@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from cluster.config import CacheConfig, EngineConfig
+from cluster.spec_config import SpeculativeConfig
 from cluster.engine.engine import LLMEngine
-from cluster.model.kernel_choice import resolve_kernel_plan
+from cluster.model.kernel_choice import has_dense_linears, plan_key, resolve_kernel_plan
 from cluster.model.kernel_plan import C_ROWS_ALL, ActPath, AttentionPath, BatchBuckets, KernelPlan, LinearPath, NormPath, RopePath
 from cluster.model.linear import packing_available
 from cluster.model.model_config import load_model_config
@@ -58,6 +59,27 @@ def test_plan_is_measured_once_then_read_from_the_cache(tiny_model_dir, tmp_path
     assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 2
     assert torch.get_num_threads() == threads_before    # measured with its own threads, then restored
     assert resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "torch").origin == "reference"
+
+
+def test_a_quantized_model_skips_timing_linears_it_never_runs(tiny_model_dir, tmp_path, monkeypatch):
+    """Every linear quantized (and no dense proposer beside it): the layout never applies, so the
+    plan is measured without timing it, under a key of its own; a full plan cached before serves too."""
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
+    model_dir = tiny_model_dir("llama")
+    mc = load_model_config(model_dir)
+    assert not has_dense_linears(EngineConfig(model=model_dir, quantization="int4"))
+    assert has_dense_linears(EngineConfig(model=model_dir, quantization="none"))
+    assert has_dense_linears(EngineConfig(model=model_dir, quantization="int4",
+                                          speculative=SpeculativeConfig(method="draft", draft_model=model_dir)))
+    plans = tmp_path / "kernel_plans"
+    quantized = resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "auto", threads=1, dense_linears=False)
+    assert quantized.origin == "measured, linears quantized"
+    assert quantized.linear is KernelPlan.reference(torch.float32).linear and quantized.linear_c_rows == 0
+    assert [f.stem for f in plans.glob("*.json")] == [plan_key(mc, torch.float32, 1, dense_linears=False)]
+    full = replace(fused_plan(LinearPath.PLAIN), linear_c_rows=8, origin="measured")   # as a dense model's start left it
+    (plans / f"{plan_key(mc, torch.float32, 1)}.json").write_text(full.to_json())
+    again = resolve_kernel_plan(mc, torch.float32, torch.device("cpu"), "auto", threads=1, dense_linears=False)
+    assert replace(again, origin="measured") == full
 
 
 @pytest.fixture(scope="module")

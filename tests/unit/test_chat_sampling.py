@@ -25,6 +25,12 @@ def test_the_model_states_its_defaults_and_the_flags_win(tmp_path):
     smol.mkdir()
     (smol / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     assert model_sampling(smol) == SHIPPED["SmolLM2-135M-Instruct"]
+    # Our penalties count the answer's tokens only; a model's own counts the prompt's too (transformers').
+    assert SHIPPED["SmolLM2-135M-Instruct"].request()["penalize_prompt"] is False
+    assert "repetition penalty 1.15 on the answer's tokens" in model_sampling(smol).describe()
+    (smol / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.3}))
+    assert model_sampling(smol).penalize_prompt is True and "penalize_prompt" not in model_sampling(smol).request()
+    (smol / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     (plain / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
     stated = model_sampling(plain)
     assert (stated.temperature, stated.top_p, stated.top_k) == (0.6, 0.95, 20)

@@ -30,6 +30,22 @@ def nothing_starts(monkeypatch):
         raise AssertionError("an engine was built")
     monkeypatch.setattr(app, "start_cluster", no_cluster)
     monkeypatch.setattr("cluster.engine.engine.LLMEngine", no_engine)
+    monkeypatch.setattr(cli, "build_in_background", lambda folder: None)   # a first start's C build: not here
+
+
+def test_a_first_start_builds_the_c_ops_beside_it_only_where_they_will_run(monkeypatch):
+    """serve, chat and generate running here on CPU start the C ops' build at once (in a child
+    process, kernels/cpu_build.py); against a server, on another device or with torch ops, none."""
+    asked = []
+    monkeypatch.setattr(cli, "build_in_background", asked.append)
+    parse = build_parser().parse_args
+    for argv in (["serve", "--request", "hi"], ["chat"], ["generate", "hi"], ["serve", "--device", "cpu"]):
+        cli._start_first_build(parse(argv))
+    assert len(asked) == 4 and asked[0] == cli.cache_dir()
+    for argv in (["chat", "--server", "http://x:1"], ["generate", "hi", "--server", "x:1"], ["serve", "--device", "cuda"],
+                 ["serve", "--kernels", "torch"], ["export-hf", "a.gguf", "out"]):
+        cli._start_first_build(parse(argv))
+    assert len(asked) == 4
 
 
 def _refused(capsys, *argv) -> str:

@@ -190,3 +190,28 @@ def test_masked_argmax_equals_torch_argmax_of_the_masked_row(vocab, width):
         if t >= 0:
             assert int(logits[r, :vocab].argmax()) == t
     assert torch.equal(logits[1], before[1])                          # rows not named are untouched
+
+
+def test_a_second_process_waits_for_the_build_under_way_instead_of_compiling(tmp_path):
+    """A command's first start builds the ops in a child process (kernels/cpu_build.py) beside its
+    other work; a process that needs them meanwhile waits on the build lock, then loads that build."""
+    import fcntl
+    import shutil
+    import subprocess
+    import sys
+
+    from kernels.cpu_build import build_in_background
+    built = cpu_ops._build(cpu_ops.Path.home() / ".cache" / "splitserve")   # this process's library (built above)
+    folder = tmp_path / "cache"
+    (folder / "cpu_ops").mkdir(parents=True)
+    with open(folder / "cpu_ops" / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                                       # a build under way
+        script = ("import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO); "
+                  "from kernels import cpu_ops; sys.exit(cpu_ops.load(Path(sys.argv[1])) is None)")
+        loader = subprocess.Popen([sys.executable, "-c", script, str(folder)], stderr=subprocess.PIPE, text=True)
+        said = iter(loader.stderr.readline, "")
+        assert any("waiting for the fused CPU ops another process is building" in line for line in said)
+        shutil.copy(built, folder / "cpu_ops" / built.name)                   # ... which finishes
+    assert loader.wait(60) == 0
+    assert "building the fused CPU ops" not in loader.stderr.read()
+    assert build_in_background(folder) is None                                # built: no second build started

@@ -64,7 +64,9 @@ def test_extensions_reach_the_sampling_params():
                 stop="zz", speculative="ngram", num_speculative_tokens="auto").groups[0].requests[0].sampling
     assert (sp.top_k, sp.min_p, sp.ignore_eos, sp.stop_token_ids, sp.stop, sp.speculative,
             sp.num_speculative_tokens) == (5, pytest.approx(0.1), True, (3,), ("zz",), "ngram", "auto")
-    assert sp.repetition_penalty == pytest.approx(1.2)
+    assert sp.repetition_penalty == pytest.approx(1.2) and sp.penalize_prompt is True
+    assert _parse(prompt="a", repetition_penalty=1.2, penalize_prompt=False).groups[0].requests[0].sampling \
+        .penalize_prompt is False
 
 
 @pytest.mark.parametrize("body, status, param", [

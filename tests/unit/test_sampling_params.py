@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from cluster.engine.sampler import apply_repetition_penalty, warp_probs
+from cluster.engine.sampler import apply_repetition_penalty, sample, warp_probs
+from cluster.engine.sequence import Sequence
 from cluster.types import SamplingParams
 
 
@@ -44,3 +45,13 @@ def test_repetition_penalty_follows_transformers_rule():
     row = torch.tensor([2.0, -2.0, 1.0])
     out = apply_repetition_penalty(row, [0, 1, 1], 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_the_penalty_counts_the_prompt_unless_asked_for_the_output_only():
+    """transformers' and vLLM's rule counts the prompt's tokens; `penalize_prompt=False` (what
+    `chat` sends) counts only the output's, so a question's own words stay as likely as before."""
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.5]] * 2)
+    everything = Sequence("a", (0,), SamplingParams(repetition_penalty=2.0), token_ids=[0, 2])
+    answer_only = Sequence("b", (0,), SamplingParams(repetition_penalty=2.0, penalize_prompt=False), token_ids=[0, 2])
+    assert sample(logits, [everything, answer_only]) == [1, 0]   # token 0 is the prompt's, token 2 the output's
+    assert SamplingParams().penalize_prompt is True

@@ -21,6 +21,9 @@ def test_valid_text_and_ids():
     r = validate(_req(request_id="abc", token_ids=pb.TokenIds(ids=[1, 2]),
                       sampling={"top_p": 0.5, "seed": 4, "max_tokens": 64}), LIMITS, _tok)
     assert r.request_id == "abc" and r.sampling.top_p == 0.5 and r.sampling.seed == 4
+    assert r.sampling.penalize_prompt is True      # unset: the penalty counts the prompt (transformers' rule)
+    r = validate(_req(text="hi", sampling={"repetition_penalty": 1.1, "penalize_prompt": False}), LIMITS, _tok)
+    assert r.sampling.penalize_prompt is False
 
 
 @pytest.mark.parametrize("kwargs, field, text", [
