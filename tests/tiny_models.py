@@ -36,9 +36,35 @@ def make_tokenizer(out_dir: Path, bos: bool) -> None:
 KINDS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")
 
 
-def _family_config(kind: str, common: dict):
-    """The three later families: (config, model class)."""
+# DeepSeek's latent attention: 4 heads of 16 + 8 (RoPE) query/key dims and 16 value dims over a 40-wide
+# latent (32 compressed + 8 RoPE): a quarter of the same model's per-head K/V (4 x (24 + 16)).
+# Dense layers only (first_k_dense_replace = layers) unless the kind says moe.
+_MLA = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 2}
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2")
+
+
+def _deepseek_config(kind: str, common: dict):
     import transformers
+    if kind == "deepseek_v3":   # low-rank queries, yarn RoPE (mscale on cos/sin and on the softmax scale)
+        return transformers.DeepseekV3Config(q_lora_rank=24, n_group=2, topk_group=1, rope_parameters=_YARN,
+                                             **_MLA, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v3_noq":   # one q_proj, plain RoPE over halves (rope_interleave off)
+        return transformers.DeepseekV3Config(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
+                                             **_MLA, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v2":   # complex-number RoPE (interleaved pairs), low-rank queries
+        return transformers.DeepseekV2Config(q_lora_rank=24, n_shared_experts=1, **_MLA,
+                                             **common), transformers.DeepseekV2ForCausalLM
+    raise ValueError(kind)
+
+
+def _family_config(kind: str, common: dict):
+    """The later families: (config, model class)."""
+    import transformers
+    if kind in MLA_KINDS:
+        return _deepseek_config(kind, common)
     if kind == "qwen3":   # per-head q/k norms; head_dim 32 with 4 heads: q is wider than hidden
         return transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                         tie_word_embeddings=True, **common), transformers.Qwen3ForCausalLM
@@ -68,7 +94,7 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
                   initializer_range=0.2)
-    if kind in ("qwen3", "gemma3", "phi3"):
+    if kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS):
         cfg, cls = _family_config(kind, common)
     elif kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,

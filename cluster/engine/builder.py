@@ -30,6 +30,7 @@ from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan, plan_dtype
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
+from cluster.model.mla_engine import latent_layout, make_mla_backend
 from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
 from cluster.placement import pin_process, usable_cpus
@@ -80,6 +81,8 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
 
 
 def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
+    if mc.mla is not None:
+        return latent_layout(mc, model_id, num_layers, config.cache, str(dtype).removeprefix("torch."))
     return KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                     block_size=config.cache.block_size, dtype=str(dtype).removeprefix("torch."),
                     kv_dtype=config.cache.kv_cache_dtype)
@@ -115,8 +118,11 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     `admit_gate`: the engine's check that the KV tiers were asked first, used when tiers are built;
     `kv_events`: where the pool and tiers report what they gain and lose (a worker's log)."""
     mc, cc = models.config, config.cache
-    backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
-                                     models.kernel_plan, models.dtype, scale=mc.attention_scale)
+    if mc.mla is not None:
+        backend = make_mla_backend(config.attention_backend, mc.mla.latent_dim, device, models.kernel_plan)
+    else:
+        backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                         device, models.kernel_plan, models.dtype, scale=mc.attention_scale)
     replay = replay_factory(device, config.cuda_graphs)
     if replay is not None and config.cuda_graphs == "auto" and not backend.static_decode_ready():
         log.info("decode graphs off: the %s attention backend cannot replay static decode steps here", backend.name)

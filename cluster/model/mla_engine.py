@@ -1,0 +1,43 @@
+"""What the engine builds differently for a latent-attention (MLA) model: its KV layout and its
+attention backend, with the decode kernel the device runs. Refusals name what the latent layout
+does not do."""
+from __future__ import annotations
+
+import torch
+
+from cluster.config import CacheConfig
+from cluster.model.kernel_plan import KernelPlan
+from cluster.model.mla import MLABackend
+from cluster.model.model_config import ModelConfig
+from cluster.types import KVLayout
+from kernels import cpu_ops, mla_decode
+
+
+def latent_layout(mc: ModelConfig, model_id: str, num_layers: int, cache: CacheConfig, dtype: str) -> KVLayout:
+    if cache.kv_cache_dtype != "auto":
+        raise ValueError(f"a quantized KV cache (--kv-cache-dtype {cache.kv_cache_dtype}) is not supported with "
+                         "latent attention (MLA, DeepSeek): its cache is already one latent vector per token")
+    return KVLayout.latent(model_id, num_layers, mc.mla.latent_dim, cache.block_size, dtype)
+
+
+def mha_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """What the same model would cache per token with per-head K and V of its widths (the
+    comparison the banner prints)."""
+    mla = mc.mla
+    item = torch.empty((), dtype=dtype).element_size()
+    return mc.num_layers * mc.num_heads * (mla.qk_head_dim + mla.v_head_dim) * item
+
+
+def make_mla_backend(name: str, latent_dim: int, device: torch.device, plan: KernelPlan | None) -> MLABackend:
+    """`name`: --attention-backend. The absorbed decode runs the C op on CPU where the plan uses
+    the fused C ops, Triton on CUDA (auto or triton), else the torch reference."""
+    if plan is not None and plan.batch_invariant:
+        raise ValueError("deterministic mode (--deterministic) is not supported with latent attention (MLA)")
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    kernel = mla_decode.mla_decode_reference
+    if device.type == "cuda" and name in ("auto", "triton"):
+        kernel = mla_decode.mla_decode_triton
+    elif device.type == "cpu" and plan is not None and plan.uses_c_ops() and cpu_ops.has_mla_decode():
+        kernel = cpu_ops.mla_decode
+    return MLABackend(latent_dim, device, kernel)
