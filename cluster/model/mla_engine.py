@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from cluster.config import CacheConfig
+from cluster.model.attention import triton_mla_decode
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.mla import MLABackend
 from cluster.model.model_config import ModelConfig
@@ -37,7 +38,7 @@ def make_mla_backend(name: str, latent_dim: int, device: torch.device, plan: Ker
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
     kernel = mla_decode.mla_decode_reference
     if device.type == "cuda" and name in ("auto", "triton"):
-        kernel = mla_decode.mla_decode_triton
+        kernel = triton_mla_decode()
     elif device.type == "cpu" and plan is not None and plan.uses_c_ops() and cpu_ops.has_mla_decode():
         kernel = cpu_ops.mla_decode
     return MLABackend(latent_dim, device, kernel)
