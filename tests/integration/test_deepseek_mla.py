@@ -15,7 +15,11 @@ from cluster.engine.engine import LLMEngine
 from cluster.model.mla_engine import mha_bytes_per_token
 from cluster.model.model_config import load_model_config
 from kernels import cpu_ops
-from tests.integration.test_model_families import _fused_plan, check_family, family_prompts
+from tests.integration.test_model_families import (
+    _fused_plan,
+    check_family,
+    family_prompts,
+)
 
 KINDS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"]
 
