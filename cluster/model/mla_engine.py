@@ -29,6 +29,17 @@ def mha_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
     return mc.num_layers * mc.num_heads * (mla.qk_head_dim + mla.v_head_dim) * item
 
 
+def latent_kv_line(mc: ModelConfig, dtype: torch.dtype, block_size: int) -> str | None:
+    """The banner's line for a latent-attention model: KV bytes a token, against per-head K/V."""
+    if mc.mla is None:
+        return None
+    per_token = KVLayout.latent(mc.model_id, mc.num_layers, mc.mla.latent_dim, block_size,
+                                str(dtype).removeprefix("torch.")).bytes_per_token()
+    mha = mha_bytes_per_token(mc, dtype)
+    return (f"  KV layout: latent attention (MLA), one {mc.mla.latent_dim}-wide vector a token and layer: "
+            f"{per_token:,} B a token, {per_token / mha:.1%} of per-head K and V ({mha:,} B)")
+
+
 def make_mla_backend(name: str, latent_dim: int, device: torch.device, plan: KernelPlan | None) -> MLABackend:
     """`name`: --attention-backend. The absorbed decode runs the C op on CPU where the plan uses
     the fused C ops, Triton on CUDA (auto or triton), else the torch reference."""
