@@ -7,14 +7,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cluster_harness import ClusterThread
+from integration.test_model_families import family_prompts
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
 from cluster.launch.app import ClusterConfig
 from cluster.model.mla_engine import mha_bytes_per_token
 from cluster.model.model_config import load_model_config
 from cluster.types import SamplingParams
-from cluster_harness import ClusterThread
-from integration.test_model_families import family_prompts
 from router.client import Client
 from router.router import RouterConfig
 
