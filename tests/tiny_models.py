@@ -18,7 +18,14 @@ VOCAB = 384
 
 
 def make_tokenizer(out_dir: Path, bos: bool) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -43,12 +50,12 @@ _MLA = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "q
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 2}
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
-MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2")
+MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_mtp")
 
 
 def _deepseek_config(kind: str, common: dict):
     import transformers
-    if kind == "deepseek_v3":   # low-rank queries, yarn RoPE (mscale on cos/sin and on the softmax scale)
+    if kind in ("deepseek_v3", "deepseek_v3_mtp"):   # low-rank queries, yarn RoPE (mscale on cos/sin and on the softmax scale)
         return transformers.DeepseekV3Config(q_lora_rank=24, n_group=2, topk_group=1, rope_parameters=_YARN,
                                              **_MLA, **common), transformers.DeepseekV3ForCausalLM
     if kind == "deepseek_v3_noq":   # one q_proj, plain RoPE over halves (rope_interleave off)
@@ -127,8 +134,38 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
     model.generation_config.eos_token_id = 1
     model.generation_config.bos_token_id = 0
     model.save_pretrained(out_dir)
+    if kind == "deepseek_v3_mtp":
+        add_mtp_layer(out_dir, cfg, seed)
     make_tokenizer(out_dir, bos=kind not in ("qwen2", "qwen3"))
     return out_dir
+
+
+def add_mtp_layer(out_dir: Path, cfg, seed: int) -> None:
+    """DeepSeek-V3's MTP layer after the last decoder layer, as the original checkpoints store it
+    (transformers saves none): a decoder layer of its own, enorm, hnorm, eh_proj, shared_head.
+    Built to propose the pending token again (eh_proj passes the token's embedding, the layer's
+    outputs are scaled small, the head is the embedding matrix): drafts that verification accepts
+    in the tiny model's repetitive stretches and refuses elsewhere."""
+    import dataclasses
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+    path = Path(out_dir) / "model.safetensors"
+    tensors = load_file(path)
+    torch.manual_seed(seed + 1)
+    one = transformers.DeepseekV3ForCausalLM(dataclasses.replace(cfg, num_hidden_layers=1))
+    at = f"model.layers.{cfg.num_hidden_layers}."
+    for name, t in one.state_dict().items():
+        if name.startswith("model.layers.0."):
+            small = name.endswith(("o_proj.weight", "down_proj.weight"))
+            tensors[at + name.removeprefix("model.layers.0.")] = (t * 0.01 if small else t).contiguous()
+    h = cfg.hidden_size
+    tensors[at + "enorm.weight"] = torch.ones(h)
+    tensors[at + "hnorm.weight"] = 1 + 0.1 * torch.randn(h)
+    tensors[at + "eh_proj.weight"] = torch.cat((torch.eye(h), 0.01 * torch.randn(h, h)), dim=1)
+    tensors[at + "shared_head.norm.weight"] = torch.ones(h)
+    tensors[at + "shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 # ChatML, as Qwen writes it: `<|im_start|>role\ncontent<|im_end|>\n` per turn. Content given as a list of

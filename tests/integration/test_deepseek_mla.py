@@ -2,7 +2,8 @@
 and log-probabilities equal transformers' on tiny random checkpoints (tests/tiny_models.py: low-rank
 and plain queries, yarn RoPE, interleaved and half-split RoPE), on torch ops and on the C kernels
 with chunked prefill over cached prefixes; the latent cache holds a quarter of the same model's
-per-head K/V; what the latent layout does not do is refused by name."""
+per-head K/V; what the latent layout does not do is refused by name. DeepSeek-V3's MTP layer
+speculates (`--speculative mtp`) with output equal to plain decoding."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,12 @@ import shutil
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
 from cluster.model.mla_engine import mha_bytes_per_token
 from cluster.model.model_config import load_model_config
+from cluster.types import SamplingParams
+from decode.spec.speculator import make_speculator
 from kernels import cpu_ops
 from tests.integration.test_model_families import (
     _fused_plan,
@@ -74,3 +77,33 @@ def test_what_the_latent_model_lacks_is_refused_by_name(tiny_model_dir, tmp_path
     model = _copy_with(tiny_model_dir, tmp_path, "deepseek_v3", **changes)
     with pytest.raises(ValueError, match=named):
         LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch", **settings))
+
+
+def test_mtp_speculation_equals_plain_decoding(tiny_model_dir, single_engine):
+    """`--speculative mtp` drafts with the checkpoint's MTP layer (tests/tiny_models.py builds one
+    that repeats the pending token): accepted in repetitive stretches, output as plain decoding's."""
+    model = tiny_model_dir("deepseek_v3_mtp")
+    prompts = family_prompts()
+    plain = single_engine(EngineConfig(model=model, dtype="float32", kernels="torch"))
+    expected = [list(o.token_ids) for o in plain.generate(prompts, SamplingParams(max_tokens=16))]
+    spec = LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch",
+                                  speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3)),
+                     speculator_factory=make_speculator)
+    assert [list(o.token_ids) for o in spec.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    counts = spec.speculator.counts["mtp"]
+    assert counts["drafted"] > 0 and counts["accepted"] > 0, counts
+    assert spec.layout.num_layers == 3 and spec.layout.model_id.endswith("+mtp")
+    spec.pool.check_idle()
+
+
+def test_mtp_without_its_weights_is_refused_by_name(tiny_model_dir):
+    """transformers saves no MTP layer: the config names one (num_nextn_predict_layers 1), the
+    checkpoint serves without it (the tests above), and `--speculative mtp` is refused."""
+    model = tiny_model_dir("deepseek_v3")
+    assert load_model_config(model).mla.num_mtp_layers == 1
+    with pytest.raises(ValueError, match=r"--speculative mtp: .*lacks their weights .*model\.layers\.2\.enorm"):
+        LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch",
+                               speculative=SpeculativeConfig(method="mtp")), speculator_factory=make_speculator)
+    with pytest.raises(ValueError, match=r"--speculative mtp needs a DeepSeek-V3 checkpoint"):
+        LLMEngine(EngineConfig(model=tiny_model_dir("deepseek_v2"), dtype="float32", kernels="torch",
+                               speculative=SpeculativeConfig(method="mtp")), speculator_factory=make_speculator)
