@@ -65,6 +65,10 @@ class MLABackend:
     def static_decode_ready(self) -> bool:
         return False   # decode graphs replay the MHA backends' static metadata only
 
+    def static_decode_meta(self, *args) -> None:
+        raise ValueError("decode graphs (--cuda-graphs on) are not supported with latent attention (MLA, DeepSeek); "
+                         "use --cuda-graphs auto or off")
+
     def prepare(self, batch: AttentionBatch) -> MLAMeta:
         if any(s.tree for s in batch.verifies):
             raise ValueError("token-tree verification is not supported with latent attention (MLA)")

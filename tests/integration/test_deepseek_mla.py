@@ -72,11 +72,14 @@ def _copy_with(tiny_model_dir, tmp_path, kind: str, **changes):
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}}, {}, r"RoPE scaling 'llama3'"),
     ({"hidden_act": "gelu"}, {}, r"hidden activation 'gelu'"),
     ({"first_k_dense_replace": 1, "topk_method": "group_limited_greedy"}, {}, r"topk_method='group_limited_greedy'"),
+    ({}, {"cuda_graphs": "on"}, r"decode graphs \(--cuda-graphs on\) are not supported with latent attention"),
+    ({}, {"speculative": SpeculativeConfig(method="eagle")}, r"--speculative eagle is not supported with latent"),
 ])
 def test_what_the_latent_model_lacks_is_refused_by_name(tiny_model_dir, tmp_path, changes, settings, named):
     model = _copy_with(tiny_model_dir, tmp_path, "deepseek_v3", **changes)
     with pytest.raises(ValueError, match=named):
-        LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch", **settings))
+        LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch", **settings),
+                  speculator_factory=make_speculator)
 
 
 def test_mtp_speculation_equals_plain_decoding(tiny_model_dir, single_engine):
@@ -107,3 +110,19 @@ def test_mtp_without_its_weights_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match=r"--speculative mtp needs a DeepSeek-V3 checkpoint"):
         LLMEngine(EngineConfig(model=tiny_model_dir("deepseek_v2"), dtype="float32", kernels="torch",
                                speculative=SpeculativeConfig(method="mtp")), speculator_factory=make_speculator)
+
+
+def test_latent_blocks_go_through_the_host_tier(tiny_model_dir, single_engine):
+    """A host tier keeps latent blocks evicted from a small pool: a prompt seen before loads its
+    prefix from it, and the output is the one computed from scratch."""
+    model = tiny_model_dir("deepseek_v3")
+    prompts = family_prompts(lengths=(30, 30, 30))
+    expected = [list(o.token_ids) for o in single_engine(EngineConfig(model=model, dtype="float32", kernels="torch"))
+                .generate(prompts, SamplingParams(max_tokens=4))]
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", kernels="torch",
+                                    cache=CacheConfig(block_size=4, num_blocks=12, kv_host_bytes=1 << 20)))
+    for prompt, out in zip(prompts, expected):   # each evicts the one before from the 12-block pool
+        assert list(engine.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids) == out
+    again = engine.generate([prompts[0]], SamplingParams(max_tokens=4))[0]
+    assert list(again.token_ids) == expected[0] and again.num_cached_tokens == 28
+    assert engine.tiers.stats().loaded_host == 7
