@@ -119,7 +119,8 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     `kv_events`: where the pool and tiers report what they gain and lose (a worker's log)."""
     mc, cc = models.config, config.cache
     if mc.mla is not None:
-        backend = make_mla_backend(config.attention_backend, mc.mla.latent_dim, device, models.kernel_plan)
+        backend = make_mla_backend(config.attention_backend, mc.mla.latent_dim, mc.num_heads, device,
+                                   models.kernel_plan)
     else:
         backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                                          device, models.kernel_plan, models.dtype, scale=mc.attention_scale)

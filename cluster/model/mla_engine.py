@@ -40,9 +40,17 @@ def latent_kv_line(mc: ModelConfig, dtype: torch.dtype, block_size: int) -> str 
             f"{per_token:,} B a token, {per_token / mha:.1%} of per-head K and V ({mha:,} B)")
 
 
-def make_mla_backend(name: str, latent_dim: int, device: torch.device, plan: KernelPlan | None) -> MLABackend:
+# The C op's register tiles beat torch's batched GEMMs up to this many heads (bench/deepseek_mla.py,
+# one thread: 0.2-0.8x torch's time at 16 heads); at DeepSeek-V3's 128 heads torch's GEMMs are
+# 1.5-2.6x faster, so the reference runs there.
+C_DECODE_MAX_HEADS = 32
+
+
+def make_mla_backend(name: str, latent_dim: int, num_heads: int, device: torch.device,
+                     plan: KernelPlan | None) -> MLABackend:
     """`name`: --attention-backend. The absorbed decode runs the C op on CPU where the plan uses
-    the fused C ops, Triton on CUDA (auto or triton), else the torch reference."""
+    the fused C ops and the heads are few enough, Triton on CUDA (auto or triton), else the torch
+    reference."""
     if plan is not None and plan.batch_invariant:
         raise ValueError("deterministic mode (--deterministic) is not supported with latent attention (MLA)")
     if name not in ("auto", "torch", "triton"):
@@ -50,6 +58,7 @@ def make_mla_backend(name: str, latent_dim: int, device: torch.device, plan: Ker
     kernel = mla_decode.mla_decode_reference
     if device.type == "cuda" and name in ("auto", "triton"):
         kernel = triton_mla_decode()
-    elif device.type == "cpu" and plan is not None and plan.uses_c_ops() and cpu_ops.has_mla_decode():
+    elif (device.type == "cpu" and plan is not None and plan.uses_c_ops() and cpu_ops.has_mla_decode()
+          and num_heads <= C_DECODE_MAX_HEADS):
         kernel = cpu_ops.mla_decode
     return MLABackend(latent_dim, device, kernel)
