@@ -165,6 +165,9 @@ class _WorkerCollector:
                                       "a promoted head (--spec-online)", labels=["worker", "tenant", "model_name"]),
                   "rollbacks")]
         tiers = _tier_families()
+        experts = CounterMetricFamily(PREFIX + "expert_tokens", "tokens routed to each expert of a mixture-of-"
+                                      "experts layer (a token counts once per chosen expert), by worker and role",
+                                      labels=["worker", "role", "layer", "expert", "model_name"])
         reports = CounterMetricFamily(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
                                       "and source (poll: a Ray call; push: over the token stream while the "
                                       "worker steps)", labels=["model_name", "worker", "source"])
@@ -183,6 +186,9 @@ class _WorkerCollector:
                     family.add_metric([s.name, transport, model], getattr(s.handoff, field))
             if s.tiers is not None:
                 _add_tiers(tiers, s, model)
+            for layer, counts in s.expert_tokens:
+                for expert, count in enumerate(counts):
+                    experts.add_metric([s.name, s.role, str(layer), str(expert), model], count)
             for head in s.spec_heads:
                 for family, field in heads:
                     family.add_metric([s.name, tenant_label(head.tenant), model], getattr(head, field))
@@ -196,6 +202,7 @@ class _WorkerCollector:
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
         yield from tiers.values()
+        yield experts
         yield reports
 
 

@@ -23,6 +23,7 @@ from cluster.engine.engine import HoldFactory, LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
+from cluster.model.moe import expert_token_counts
 from cluster.kv.kv_events import KVEventBatch, KVEventLog
 from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
@@ -145,6 +146,7 @@ class EngineWorker:
             preemptions=sched.num_preemptions, spec=tuple(SpecStats(m, **c) for m, c in spec.items()),
             spec_heads=heads.versions() if heads is not None else (),
             tiers=self.engine.tiers.stats() if self.engine.tiers is not None else None,
+            expert_tokens=expert_token_counts(self.engine.model),
             taken_at=time.monotonic(),
             **self._role_stats())
 

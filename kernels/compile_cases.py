@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import batch_invariant, mla_triton, quant_gemm
+from kernels import batch_invariant, fused_moe, mla_triton, quant_gemm
 from kernels.backend import TritonAttentionBackend
 from kernels.cpu_quant import BLOCK, TILE, QuantFormat, QuantizedWeight
 from kernels.launch_record import Launch, record_launches, unique
@@ -144,6 +144,20 @@ def record_batch_invariant(dtype: torch.dtype, hidden: int = 576, out_features: 
     return unique(sink)
 
 
+def record_fused_moe(dtype: torch.dtype, hidden: int = 2048, inter: int = 768, experts: int = 128,
+                     top_k: int = 8, rows: tuple[int, ...] = (8, 512)) -> list[Launch]:
+    """The fused MoE kernels (Qwen3-30B-A3B's expert shape by default) at a decode batch and a
+    prefill chunk, the routing weights in the model's dtype (Qwen) and in float32 (Mixtral)."""
+    meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")   # noqa: E731
+    with record_launches() as sink:
+        for m in rows:
+            for weight_dtype in (dtype, torch.float32):
+                fused_moe.fused_moe(meta(m, hidden), meta(experts, 2 * inter, hidden), meta(experts, hidden, inter),
+                                    torch.empty(m, top_k, dtype=torch.int64, device="meta"),
+                                    meta(m, top_k, dt=weight_dtype))
+    return unique(sink)
+
+
 def _meta_weight(fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
     """A QuantizedWeight of cpu_quant's layout on the meta device."""
     tiles, blocks = -(-n // TILE), k // BLOCK
@@ -187,6 +201,8 @@ def all_launches() -> list[Launch]:
         for hidden, features in ((576, 1536), (4096, 14336), (8192, 1024)):
             out += record_batch_invariant(dtype, hidden, features)
             out += record_quant_gemm(dtype, hidden, features)
+        out += record_fused_moe(dtype)
+        out += record_fused_moe(dtype, hidden=4096, inter=14336, experts=8, top_k=2)   # Mixtral-8x7B
     return unique(out)
 
 
@@ -205,6 +221,9 @@ def suite_launches() -> list[Launch]:
     out += record_quant_gemm(torch.bfloat16, rows=(7,), formats=(QuantFormat.Q4_1,), bias=(True,))
     out += record_quant_gemm(torch.float32, rows=(7, 300), bias=(False,))
     out += record_quant_gemm(torch.float16, rows=(300,), formats=(QuantFormat.Q4_1,), bias=(False,))
+    # The fused MoE in bf16 and fp32 (IEEE dots); one decode batch (the tile config is fixed).
+    out += record_fused_moe(torch.bfloat16, rows=(8,))
+    out += record_fused_moe(torch.float32, rows=(8,))
     return unique(out)
 
 

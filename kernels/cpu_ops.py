@@ -33,7 +33,8 @@ QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (
 DEQUANT_SOURCE = SOURCE.with_name("dequant.c")       # quantized weights to a dense matrix (prefill's GEMM)
 KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
 MLA_SOURCE = SOURCE.with_name("mla.c")               # absorbed latent-attention decode (kernels/mla_decode.py)
-HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h"))   # included by the C files
+PREFILL_SOURCE = SOURCE.with_name("prefill_attn.c")  # causal prefill attention (AVX-512 only)
+HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "vexp.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -52,6 +53,7 @@ _SIGNATURES = {
     "ss_qdequant": (_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT, _INT),
     "ss_masked_argmax": (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT, _P, _P),
     "ss_mla_decode": (_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
+    "ss_prefill_attention": (_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
 # Entry points that exist only with parallel.cpp (the engine falls back to the separate ops).
@@ -59,6 +61,7 @@ _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                         _P, _INT, _INT),
     "ss_decode_layer": (_P, _P, _P, _P, _P),
+    "ss_moe_experts": (_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT),
 }
 
 
@@ -125,7 +128,7 @@ def _build(folder: Path) -> Path | None:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
                          + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
-                         + DEQUANT_SOURCE.read_bytes() + MLA_SOURCE.read_bytes()
+                         + DEQUANT_SOURCE.read_bytes() + PREFILL_SOURCE.read_bytes() + MLA_SOURCE.read_bytes()
                          + b"".join(h.read_bytes() for h in HEADERS)
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
@@ -136,7 +139,8 @@ def _build(folder: Path) -> Path | None:
              extra={"phase": "building the CPU kernels (first start only)"})
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
-        kvq, deq, mla = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o", Path(tmp) / "mla.o"
+        kvq, deq, pre = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o", Path(tmp) / "prefill_attn.o"
+        mla = Path(tmp) / "mla.o"
         built = Path(tmp) / target.name
         try:
             _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
@@ -144,6 +148,7 @@ def _build(folder: Path) -> Path | None:
             _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(deq), str(DEQUANT_SOURCE)])
             _run([cc, *FLAGS, "-c", "-o", str(mla), str(MLA_SOURCE)])
+            _run([cc, *FLAGS, "-c", "-o", str(pre), str(PREFILL_SOURCE)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -151,12 +156,12 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(mla), str(par),
+                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(mla), str(par),
                       f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(mla), "-lm"])
+                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(mla), "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -282,6 +287,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def has_prefill_attention() -> bool:
+    """The C prefill attention is built and vectorised (AVX-512); elsewhere SDPA is faster."""
+    return _lib is not None and bool(_lib.ss_prefill_attention_fast())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of q [q_len, Hq, D] (the last q_len positions) over k, v [ctx, Hkv, D]
+    (row-strided allowed, heads and dims contiguous; D a multiple of 16, at most 256): [q_len, Hq, D].
+    A row's result does not depend on q_len (chunking, a prefix-cache hit) or the thread count."""
+    q_len, hq, d = q.shape
+    ctx, hkv, _ = k.shape
+    out = torch.empty((q_len, hq, d), dtype=q.dtype)
+    _fns["ss_prefill_attention"](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                 q_len, ctx, hq, hkv, d, window or 0, scale, out.data_ptr(), _DTYPE_CODES[q.dtype])
+    return out
+
+
 def kv_code(cache: torch.Tensor, int4_view: bool = False) -> int:
     """kv_quant.h's code of a cache tensor: 0 in the activation dtype, 1 int8 rows, 2 E4M3 rows;
     3 int8 rows read through their int4 view (cluster/kv/kv_quant.py's int4_values)."""
@@ -335,6 +358,23 @@ def decode_block(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                             tables.shape[1], lens.data_ptr(), b, heads, kv_heads, head_dim, k_cache.shape[1],
                             window or 0, scale, out.data_ptr(), _DTYPE_CODES[qkv.dtype], kv_code(k_cache, int4_view))
     return out
+
+
+def has_moe_experts() -> bool:
+    return "ss_moe_experts" in _fns
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                starts: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """parallel.cpp's ss_moe_experts: out [T, H] (zeros) += the experts' weighted outputs of the
+    pairs sorted by expert (rows [P] int64 their tokens, starts [E + 1] int64 each expert's first
+    pair, weights [P] fp32). x's last dim contiguous; the stacked weights contiguous."""
+    pairs, (num_experts, hidden, inter) = rows.shape[0], down.shape
+    new = lambda width: torch.empty((pairs, width), dtype=x.dtype)   # noqa: E731
+    xg, gu, act, y = new(hidden), new(2 * inter), new(inter), new(hidden)
+    _fns["ss_moe_experts"](x.data_ptr(), x.stride(0), gate_up.data_ptr(), down.data_ptr(), rows.data_ptr(),
+                           starts.data_ptr(), weights.data_ptr(), num_experts, pairs, hidden, inter, xg.data_ptr(),
+                           gu.data_ptr(), act.data_ptr(), y.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype])
 
 
 def has_decode_layer() -> bool:

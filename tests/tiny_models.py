@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+from tiny_moe_models import MOE_KINDS, moe_family_config
 
 _CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -40,7 +41,7 @@ def make_tokenizer(out_dir: Path, bos: bool) -> None:
         "pad_token": "<pad>", "add_bos_token": bos}))
 
 
-KINDS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3")
+KINDS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", *MOE_KINDS)
 
 
 # DeepSeek's latent attention: 4 heads of 16 + 8 (RoPE) query/key dims and 16 value dims over a 40-wide
@@ -94,14 +95,17 @@ def _family_config(kind: str, common: dict):
 
 def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """kind: llama (GQA 4/2, untied), qwen2 (q/k/v bias, tied, MQA), mistral (sliding window 8, GQA),
-    qwen3 (q/k norms, head_dim 32, tied), gemma3 (see _family_config), phi3 (fused projections, window 12)."""
+    qwen3 (q/k norms, head_dim 32, tied), gemma3 (see _family_config), phi3 (fused projections, window 12),
+    and the mixtures of experts of tiny_moe_models.py."""
     import transformers
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
                   initializer_range=0.2)
-    if kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS):
+    if kind in MOE_KINDS:
+        cfg, cls = moe_family_config(kind, common)
+    elif kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS):
         cfg, cls = _family_config(kind, common)
     elif kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,

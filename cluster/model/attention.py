@@ -165,6 +165,14 @@ class TorchAttentionBackend:
                                     dm.block_table.view(b, -1), dm.lens, self.num_heads, self.num_kv_heads,
                                     self.head_dim, window, self.scale, self.int4_view)
 
+    def _c_prefill(self, q, k, v) -> bool:
+        """The plan's C prefill kernel, for the layouts it reads: heads and dims contiguous in
+        each row, a head dim of whole vectors."""
+        if self.plan is None or self.plan.prefill_attention is not AttentionPath.FUSED_C:
+            return False
+        return (self.head_dim % 16 == 0 and self.head_dim <= 256 and cpu_ops.supports(q.dtype)
+                and all(t.stride(2) == 1 and t.stride(1) == self.head_dim for t in (q, k, v)))
+
     def _fused(self) -> bool:
         return self.plan is not None and self.plan.decode_attention is AttentionPath.FUSED_C
 
@@ -356,6 +364,8 @@ class TorchAttentionBackend:
         if gather is not None:
             k = self._rows(k_flat, gather, q.dtype)
             v = self._rows(v_flat, gather, q.dtype)
+        if self._c_prefill(q, k, v):
+            return cpu_ops.prefill_attention(q, k, v, window, self.scale)
         qh = q.transpose(0, 1)[None]        # [1, Hq, q, D]
         kh = k.transpose(0, 1)[None]        # [1, Hkv, ctx, D]
         vh = v.transpose(0, 1)[None]

@@ -36,6 +36,8 @@ def _qweight(linear: torch.nn.Module) -> cpu_ops.SsQWeight:
 def layer_args(layer, rotary, local_rotary) -> cpu_ops.SsLayer | None:
     """The layer's weights as ss_decode_layer reads them; None where the layer does not qualify."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):   # a mixture of experts (moe.py) runs layer by layer
+        return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if layer.sandwich or attn.cfg.qk_norm or mlp.geglu or not all(isinstance(m, QuantLinear) for m in linears):
         return None

@@ -19,6 +19,7 @@ from cluster.model.kernel_measure import measure_kernel_plan
 from cluster.model.kernel_plan import PLAN_VERSION, AttentionPath, KernelPlan, LinearPath
 from cluster.model.linear import apply_linear_path
 from cluster.model.model_config import TORCH_DTYPES, ModelConfig, load_model_config
+from cluster.model.moe import apply_moe_path, moe_path_for
 from cluster.model.quant_linear import DENSE_MIN_ROWS, set_dense_rows
 from kernels import cpu_ops
 
@@ -78,6 +79,9 @@ def apply_kernel_plan(model: torch.nn.Module, plan: KernelPlan) -> None:
     # Quantized layers: prefill-sized passes on a dequantized GEMM, but for batch-invariant mode,
     # where a row must not depend on the row count (the GEMM's blocking does).
     set_dense_rows(model, None if plan.batch_invariant else DENSE_MIN_ROWS)
+    params = next(model.parameters(), None)
+    if params is not None and apply_moe_path(model, moe_path_for(plan, params.device.type)):
+        log.info("experts computed on the %s path", moe_path_for(plan, params.device.type).value)
     if hasattr(model, "kernel_plan"):
         model.kernel_plan = plan
 
@@ -105,6 +109,7 @@ def engine_config_plan(config, threads: int | None = None) -> KernelPlan:
         if config.deterministic:
             return invariant_plan(dtype, torch.device(config.device))
         plan = resolve_kernel_plan(mc, dtype, torch.device(config.device), config.kernels, threads)
+        plan = c_prefill_plan(plan, config.kernels, config.device.split(":")[0], dtype)
     if plan.batch_invariant:
         return plan
     if not config.pack_weights and plan.linear is not LinearPath.PLAIN:
@@ -135,6 +140,17 @@ def fused_decode_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: t
         return plan
     log.info("%s: decode attention on the fused C kernel", why)
     return replace(plan, decode_attention=AttentionPath.FUSED_C)
+
+
+def c_prefill_plan(plan: KernelPlan, kernels: str, device_type: str, dtype: torch.dtype) -> KernelPlan:
+    """Prefill attention on the C kernel wherever it is built vectorised (AVX-512): it beats SDPA
+    at every prompt length measured (bench/prefill_attention.py), so it is not measured per start.
+    `--kernels torch` keeps SDPA."""
+    if kernels == "torch" or device_type != "cpu" or plan.prefill_attention is AttentionPath.FUSED_C:
+        return plan
+    if cpu_ops.load(cache_dir()) is None or not cpu_ops.supports(dtype) or not cpu_ops.has_prefill_attention():
+        return plan
+    return replace(plan, prefill_attention=AttentionPath.FUSED_C)
 
 
 def plan_dtype(config) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""One decoder-only model for Llama, Qwen2, Mistral, Qwen3, Gemma 3 (text) and Phi-3 checkpoints.
+"""One decoder-only model for Llama, Qwen2, Mistral, Qwen3, Gemma 3 (text) and Phi-3 checkpoints,
+and the mixtures of experts among them (Qwen2-MoE, Qwen3-MoE, Mixtral: their sparse MLPs in moe.py).
 
 The families differ by ModelConfig's feature fields, each a branch here: per-head q/k norms on
 the fused qkv output before RoPE (Qwen3, Gemma 3); Gemma's sandwich norms, GeGLU, scaled
@@ -22,6 +23,7 @@ from cluster.model import fused_layer
 from cluster.model.attention import AttentionBackend
 from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import ModelConfig, RopeConfig
+from cluster.model.moe import SparseMoeBlock
 from cluster.model.ops import ForwardPass
 
 
@@ -112,14 +114,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None, local: bool = False):
+    def __init__(self, cfg: ModelConfig, window: int | None, local: bool = False, index: int = 0):
         super().__init__()
         self.window = window
         self.local = local   # RoPE from the local table (Gemma 3's sliding layers)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(index)   # the experts replace the MLP (moe.py)
+        self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, index) if sparse else MLP(cfg)
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -149,7 +152,7 @@ class CausalLM(nn.Module):
         # torch._dynamo, 1.5-2 s of every worker's start.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i), i)
                                     for i, w in enumerate(cfg.layer_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -13,6 +13,7 @@ from cluster.model.deepseek import DeepseekForCausalLM
 from cluster.model.deepseek_weights import deepseek_layer_state_dict
 from cluster.model.llama import CausalLM
 from cluster.model.model_config import ModelConfig, load_model_config
+from cluster.model.moe_loader import moe_layer_state_dict
 from cluster.model.tokenizer import load_tokenizer  # noqa: F401 (re-exported: the engine's callers find it here)
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,12 @@ def _fused(take, prefix: str, fused: str, parts: tuple[str, ...], stored_fused: 
     return torch.cat([take(f"{prefix}{p}.{kind}") for p in parts])
 
 
-def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) -> dict[str, torch.Tensor]:
+def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str,
+                     layer: int | None = None) -> dict[str, torch.Tensor]:
     """One decoder layer: transformers' names under `hf_prefix` onto ours under `our_prefix`,
     q, k and v fused into one projection, gate and up into another (taken as they are where the
-    checkpoint stores them fused: Phi-3). `take(name)` fetches a tensor (and records a miss)."""
+    checkpoint stores them fused: Phi-3). `take(name)` fetches a tensor (and records a miss).
+    `layer`: its index, where the model's sparse layers (MoE) differ from its dense ones."""
     a, m = hf_prefix + "self_attn.", hf_prefix + "mlp."
     stored_fused = cfg.architecture in _FUSED_CHECKPOINTS
     qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -112,8 +115,11 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str) ->
     out[our_prefix + "self_attn.o_proj.weight"] = take(a + "o_proj.weight")
     if cfg.o_bias:
         out[our_prefix + "self_attn.o_proj.bias"] = take(a + "o_proj.bias")
-    out[f"{our_prefix}mlp.gate_up_proj.weight"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused)
-    out[f"{our_prefix}mlp.down_proj.weight"] = take(m + "down_proj.weight")
+    if cfg.moe is not None and layer is not None and cfg.moe.is_sparse(layer):
+        out.update(moe_layer_state_dict(cfg, take, hf_prefix, our_prefix))
+    else:
+        out[f"{our_prefix}mlp.gate_up_proj.weight"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused)
+        out[f"{our_prefix}mlp.down_proj.weight"] = take(m + "down_proj.weight")
     if cfg.mlp_bias:
         out[f"{our_prefix}mlp.gate_up_proj.bias"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused, "bias")
         out[f"{our_prefix}mlp.down_proj.bias"] = take(m + "down_proj.bias")
@@ -142,7 +148,7 @@ def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tenso
         if cfg.mla is not None:
             out.update(deepseek_layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))
         else:
-            out.update(layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}."))
+            out.update(layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing tensors: {shown}")

@@ -2,7 +2,8 @@
 
 Families: Llama, Qwen2, Mistral, Qwen3 (per-head q/k RMSNorm), Gemma 3 text (norms with (1 + w),
 GeGLU, scaled embeddings, sandwich norms, sliding and global layers with their own RoPE, logit
-soft-capping, `query_pre_attn_scalar`) and Phi-3 (fused qkv and gate/up in the checkpoint). What a
+soft-capping, `query_pre_attn_scalar`), Phi-3 (fused qkv and gate/up in the checkpoint) and the
+mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (their experts: moe_config.py). What a
 checkpoint needs beyond that is refused here, with an error that names the feature."""
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ from pathlib import Path
 import torch
 
 from cluster.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_fields
+from cluster.model.moe_config import (
+    MOE_ARCHITECTURES,
+    REFUSED_MOE_ARCHITECTURES,
+    MoEConfig,
+    parse_moe_config,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", *MLA_ARCHITECTURES)
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", *MOE_ARCHITECTURES,
+                           *MLA_ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gated MLP's: SwiGLU, GeGLU (tanh approximation)
 ROPE_KINDS = ("default", "linear", "llama3")
 
@@ -26,6 +34,7 @@ _GEMMA3 = "Gemma3ForCausalLM"
 _REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, "
                                       "vision tower) are not supported; the text model Gemma3ForCausalLM is",
+    **REFUSED_MOE_ARCHITECTURES,
 }
 
 
@@ -69,6 +78,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None   # logits = cap * tanh(logits / cap)
     local_rope: RopeConfig | None = None       # RoPE of the layers in `local_layers` (Gemma 3's sliding layers)
     local_layers: tuple[bool, ...] = ()        # per layer: True where local_rope applies (empty: none)
+    moe: MoEConfig | None = None               # the experts of a mixture-of-experts model (moe_config.py)
     mla: MLAConfig | None = None               # DeepSeek's latent attention, experts and MTP (mla_config.py)
 
     @property
@@ -90,9 +100,10 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         norms = 2 * h + (2 * h if self.sandwich_norm else 0) + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + norms
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + norms
+        mlps = self.num_layers * 3 * h * i if self.moe is None else self.moe.mlp_parameters(h, i)
         lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + lm_head
+        return v * h + self.num_layers * per_layer + mlps + h + lm_head
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
@@ -117,7 +128,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     n_layers = raw["num_hidden_layers"]
-    is_qwen2 = arch == "Qwen2ForCausalLM"
+    is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
         architecture=arch,
@@ -137,6 +148,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_windows=_layer_windows(raw, arch, n_layers),
         dtype=_dtype(raw),
+        moe=parse_moe_config(raw, arch, n_layers),
         **_family_fields(raw, arch, n_layers),
     )
 
@@ -186,7 +198,7 @@ def _family_fields(raw: dict, arch: str, n_layers: int) -> dict:
     """The ModelConfig fields beyond Llama's: per-head norms, Gemma's norms, scales and RoPE."""
     rope, local_rope = _parse_ropes(raw, arch)
     fields = dict(rope=rope, hidden_act=_activation(raw, arch),
-                  qk_norm=arch in ("Qwen3ForCausalLM", _GEMMA3))
+                  qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _GEMMA3))
     cap = raw.get("final_logit_softcapping")
     if cap is not None:
         fields["final_logit_softcap"] = float(cap)
@@ -248,7 +260,7 @@ def _layer_types(raw: dict, arch: str, n_layers: int) -> tuple[str, ...] | None:
 
 def _layer_windows(raw: dict, arch: str, n_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
     # Qwen's configs keep a window that only `use_sliding_window` turns on (transformers drops it otherwise).
     if arch == "LlamaForCausalLM" or not window or (qwen and not raw.get("use_sliding_window", False)):
         return (None,) * n_layers

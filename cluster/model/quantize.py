@@ -85,6 +85,9 @@ def quantize_model(model: nn.Module, cfg: ModelConfig, scheme: Quantization, mod
     if scheme is Quantization.NONE:
         return None
     check_quantization(scheme, next(model.parameters()).device.type, model_dir)
+    if cfg.moe is not None:   # the experts are stacked tensors (cluster/model/moe.py), not linear layers
+        raise ValueError(f"--quantization {scheme.value}: quantized experts of a mixture-of-experts model "
+                         f"({cfg.architecture}) are not supported; serve it with --quantization none")
     if scheme is Quantization.GGUF:
         weights = _gguf_weights(cfg, gguf_source(model_dir))
     else:

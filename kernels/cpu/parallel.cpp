@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "bf16.h"
 
@@ -35,6 +37,14 @@ void ss_mla_decode_items(const void *q_lat, const void *q_pe, const void *kv, in
                          int64_t max_blocks, const int64_t *lens, int64_t item0, int64_t item1, int64_t heads,
                          int64_t c_dim, int64_t p_dim, int64_t half, int64_t block_size, float scale, void *out,
                          int dtype);
+int64_t ss_prefill_ctx_pad(int64_t ctx);
+int64_t ss_prefill_kv_items(int64_t ctx_pad, int64_t hkv);
+int64_t ss_prefill_items(int64_t q_len, int64_t hkv, int64_t group);
+void ss_prefill_kv_f32(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int64_t ctx,
+                       int64_t ctx_pad, int64_t dim, int64_t item0, int64_t item1, float *kt, float *vf, int dtype);
+void ss_prefill_attention_items(const void *q, int64_t q_stride, const float *kt, const float *vf, int64_t ctx,
+                                int64_t ctx_pad, int64_t q_len, int64_t hq, int64_t hkv, int64_t dim, int64_t window,
+                                float scale, void *out, int dtype, int64_t item0, int64_t item1);
 }
 
 namespace {
@@ -86,6 +96,24 @@ extern "C" void ss_mla_decode_par(const void *q_lat, const void *q_pe, const voi
     at::parallel_for(0, rows * chunks, 1, [&](int64_t i0, int64_t i1) {
         ss_mla_decode_items(q_lat, q_pe, kv, plane, tables, max_blocks, lens, i0, i1, heads, c_dim, p_dim, half,
                             block_size, scale, out, dtype);
+    });
+}
+
+// Prefill attention (prefill_attn.c): the keys and values to fp32 once, then the query blocks; both
+// passes split between torch's threads (items of one pass cost about the same).
+extern "C" void ss_prefill_attention_par(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                                         const void *v, int64_t v_stride, int64_t q_len, int64_t ctx, int64_t hq,
+                                         int64_t hkv, int64_t dim, int64_t window, float scale, void *out,
+                                         int dtype) {
+    const int64_t ctx_pad = ss_prefill_ctx_pad(ctx);
+    const size_t n = static_cast<size_t>(hkv * ctx_pad * dim);
+    std::unique_ptr<float[]> kt(new float[n]), vf(new float[n]);   // every element written by the first pass
+    at::parallel_for(0, ss_prefill_kv_items(ctx_pad, hkv), 1, [&](int64_t i0, int64_t i1) {
+        ss_prefill_kv_f32(k, k_stride, v, v_stride, ctx, ctx_pad, dim, i0, i1, kt.get(), vf.get(), dtype);
+    });
+    at::parallel_for(0, ss_prefill_items(q_len, hkv, hq / hkv), 1, [&](int64_t i0, int64_t i1) {
+        ss_prefill_attention_items(q, q_stride, kt.get(), vf.get(), ctx, ctx_pad, q_len, hq, hkv, dim, window,
+                                   scale, out, dtype, i0, i1);
     });
 }
 
@@ -203,4 +231,67 @@ extern "C" void ss_decode_layer(const SsLayer *L, const SsDecodePass *P, void *x
     ss_silu_mul_par(P->gate_up, P->act, b, P->inter, dt);
     qlinear(L->down, P->act, P->inter, b, P->y, dt);
     add_rows(x, P->y, b * hid, dt);
+}
+
+// One mixture-of-experts layer in one call (kernels/cpu_moe.py): the (token, slot) pairs arrive
+// sorted by expert (`starts[e]` .. `starts[e + 1]` are expert e's, `rows[p]` pair p's token,
+// `weights[p]` its routing weight in fp32). Gather each pair's token row, then every active
+// expert's gate_up over its rows, SiLU-times-up, down, and the weighted rows added into their
+// tokens' outputs in ascending expert order, each step rounded where the torch reference rounds
+// (kernels/moe_reference.py). The GEMMs are ss_linear_cols: a row's arithmetic is the same
+// whatever rows share the call, so the result is batch-invariant. Work items are (active expert,
+// column chunk) pairs, so one expert of many rows (prefill) and many experts of one row (decode)
+// both spread over the threads, and the thread team wakes four times per layer, not per expert.
+extern "C" void ss_moe_experts(const void *x, int64_t x_stride, const void *gate_up, const void *down,
+                               const int64_t *rows, const int64_t *starts, const float *weights,
+                               int64_t num_experts, int64_t pairs, int64_t hidden, int64_t inter, void *xg, void *gu,
+                               void *act, void *y, void *out, int dtype) {
+    const int64_t es = dtype == 1 ? 2 : 4;
+    char *xg_c = static_cast<char *>(xg), *gu_c = static_cast<char *>(gu), *act_c = static_cast<char *>(act);
+    char *y_c = static_cast<char *>(y);
+    const char *gate_up_c = static_cast<const char *>(gate_up), *down_c = static_cast<const char *>(down);
+    std::vector<int64_t> active;   // the experts with tokens
+    for (int64_t e = 0; e < num_experts; ++e)
+        if (starts[e + 1] > starts[e]) active.push_back(e);
+    const int64_t n_active = static_cast<int64_t>(active.size());
+    at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+            std::memcpy(xg_c + p * hidden * es, at_row(x, rows[p], x_stride, dtype), hidden * es);
+    });
+    constexpr int64_t kChunk = 64;   // output columns per work item
+    const int64_t gu_chunks = (2 * inter + kChunk - 1) / kChunk;
+    at::parallel_for(0, n_active * gu_chunks, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t e = active[i / gu_chunks], c0 = (i % gu_chunks) * kChunk;
+            const int64_t c1 = c0 + kChunk < 2 * inter ? c0 + kChunk : 2 * inter;
+            ss_linear_cols(xg_c + starts[e] * hidden * es, hidden, gate_up_c + e * 2 * inter * hidden * es, nullptr,
+                           c0, c1, hidden, starts[e + 1] - starts[e], gu_c + starts[e] * 2 * inter * es, 2 * inter,
+                           dtype);
+        }
+    });
+    at::parallel_for(0, pairs, 4, [&](int64_t p0, int64_t p1) { ss_silu_mul_rows(gu, act, p0, p1, inter, dtype); });
+    const int64_t down_chunks = (hidden + kChunk - 1) / kChunk;
+    at::parallel_for(0, n_active * down_chunks, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t e = active[i / down_chunks], c0 = (i % down_chunks) * kChunk;
+            const int64_t c1 = c0 + kChunk < hidden ? c0 + kChunk : hidden;
+            ss_linear_cols(act_c + starts[e] * inter * es, inter, down_c + e * hidden * inter * es, nullptr, c0, c1,
+                           inter, starts[e + 1] - starts[e], y_c + starts[e] * hidden * es, hidden, dtype);
+        }
+    });
+    // out[token] += round(y * weight), pairs in sorted (ascending expert) order; threads split columns.
+    at::parallel_for(0, hidden, 256, [&](int64_t c0, int64_t c1) {
+        for (int64_t p = 0; p < pairs; ++p) {
+            const float w = weights[p];
+            if (dtype == 1) {
+                const uint16_t *src = reinterpret_cast<const uint16_t *>(y_c) + p * hidden;
+                uint16_t *dst = static_cast<uint16_t *>(out) + rows[p] * hidden;
+                for (int64_t c = c0; c < c1; ++c) dst[c] = f2bf(bf2f(dst[c]) + bf2f(f2bf(bf2f(src[c]) * w)));
+            } else {
+                const float *src = reinterpret_cast<const float *>(y_c) + p * hidden;
+                float *dst = static_cast<float *>(out) + rows[p] * hidden;
+                for (int64_t c = c0; c < c1; ++c) dst[c] = dst[c] + src[c] * w;
+            }
+        }
+    });
 }

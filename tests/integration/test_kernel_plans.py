@@ -20,8 +20,10 @@ N = len(BatchBuckets().sizes)
 
 
 def fused_plan(linear: LinearPath) -> KernelPlan:
+    """Every op on the C kernels (prefill attention too, where it is built: AVX-512)."""
+    prefill = AttentionPath.FUSED_C if cpu_ops.load() is not None and cpu_ops.has_prefill_attention() else AttentionPath.SDPA
     return KernelPlan(linear, (NormPath.FUSED_C,) * N, (RopePath.FUSED_C,) * N, (ActPath.FUSED_C,) * N,
-                      AttentionPath.FUSED_C)
+                      AttentionPath.FUSED_C, prefill_attention=prefill)
 
 
 def _prompts() -> list[list[int]]:

@@ -42,8 +42,9 @@ LAZY_IMPORTS = {
     "cluster/model/linear.py": "Triton is optional (the kernels extra): CUDA only",
     "cluster/model/ops.py": "Triton is optional (the kernels extra): CUDA only",
     "cluster/model/quant_linear.py": "Triton is optional (the kernels extra): CUDA only",
+    "cluster/model/moe.py": "Triton is optional (the kernels extra): CUDA only",
 }
-MAX_LAZY_IMPORTS = 21
+MAX_LAZY_IMPORTS = 22
 # What stays out of a module's import: the command line starts (parse, check, --help) without
 # torch, Ray or gRPC; the frontend without torch or Ray; and the driver, which imports every role,
 # imports Ray only once ray_environment has set its settings (Ray reads them at import).
