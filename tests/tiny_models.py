@@ -51,7 +51,7 @@ _MLA = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "q
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 2}
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
-MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_mtp")
+MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_mtp", "deepseek_v3_moe", "deepseek_v2_moe")
 
 
 def _deepseek_config(kind: str, common: dict):
@@ -65,6 +65,14 @@ def _deepseek_config(kind: str, common: dict):
     if kind == "deepseek_v2":   # complex-number RoPE (interleaved pairs), low-rank queries
         return transformers.DeepseekV2Config(q_lora_rank=24, n_shared_experts=1, **_MLA,
                                              **common), transformers.DeepseekV2ForCausalLM
+    # Layer 1 of 2 sparse: 8 experts in 4 groups, 2 kept, top 2, one shared expert.
+    moe = {**_MLA, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "n_shared_experts": 1}
+    if kind == "deepseek_v3_moe":   # sigmoid scores, correction bias (made non-zero below), grouped top-k
+        return transformers.DeepseekV3Config(q_lora_rank=24, routed_scaling_factor=2.5, rope_parameters=_YARN,
+                                             **moe, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v2_moe":   # softmax scores, group-limited greedy
+        return transformers.DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
+                                             routed_scaling_factor=1.5, **moe, **common), transformers.DeepseekV2ForCausalLM
     raise ValueError(kind)
 
 
@@ -130,6 +138,9 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():   # V3's routing correction: a buffer, zero at init
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
         if kind == "gemma3":   # the embeddings, scaled by sqrt(64) = 8, would drown the layers out (the
             # tied head would repeat the last token whatever the layers compute): smaller embeddings, and
             # a final norm of about 8 for logits large enough that the soft-cap bends them

@@ -6,12 +6,12 @@ it for the embedding, the logits and the pass set-up, and builds its own layers 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 from torch import nn
 
+from cluster.model.deepseek_moe import DeepseekMoE
 from cluster.model.llama import MLP, CausalLM, RMSNorm
 from cluster.model.mla import LATENT_NORM_EPS, MLABackend, MLAMeta
 from cluster.model.mla_config import MLAConfig, YarnRope
@@ -118,24 +118,13 @@ class MLAAttention(nn.Module):
         return self.o_proj.forward(out.view(t, -1))
 
 
-def _shared_mlp_config(cfg: ModelConfig) -> ModelConfig:
-    moe = cfg.mla.moe
-    return dataclasses.replace(cfg, intermediate_size=moe.moe_intermediate_size * moe.num_shared_experts)
-
-
 class DeepseekLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, moe_factory=None):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.mla.layer_is_moe(index):
-            if moe_factory is None:
-                raise ValueError("DeepSeek mixture-of-experts layers (first_k_dense_replace < num_hidden_layers) "
-                                 "are not supported in this build")
-            self.mlp = moe_factory(cfg)
-        else:
-            self.mlp = MLP(cfg)
+        self.mlp = DeepseekMoE(cfg, index) if cfg.mla.layer_is_moe(index) else MLP(cfg)
 
     def forward(self, x, fp: ForwardPass, kv, rotary, cos_sin):
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
@@ -148,14 +137,12 @@ class DeepseekForCausalLM(CausalLM):
     """`CausalLM`'s interface over DeepSeek layers. kv_cache: the latent arena
     [layers, 2, blocks, block_size, 1, half] (`KVLayout.latent`)."""
 
-    moe_factory = None   # set where the routed experts are built (deepseek_moe.py)
-
     def __init__(self, cfg: ModelConfig, max_positions: int):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DeepseekLayer(cfg, i, self.moe_factory) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

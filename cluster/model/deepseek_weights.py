@@ -1,6 +1,6 @@
 """DeepSeek checkpoints' tensor names onto `deepseek.py`'s: gate and up fused (dense MLP, shared
 experts), kv_b_proj kept whole (prefill) and split per head (the absorbed decode's W_UK, W_UV),
-routed experts stacked as MoEExperts holds them."""
+routed experts stacked as `MoEExperts` holds them (gate_up [E, 2I, H], down [E, H, I])."""
 from __future__ import annotations
 
 import torch
@@ -48,10 +48,12 @@ def _experts(take, hf: str, ours: str, num_experts: int) -> dict[str, torch.Tens
     """Stacked [E, 2I, H] and [E, H, I]: as transformers 5 saves them, or per expert as the
     original checkpoints do."""
     if hf + "gate_up_proj" in take.hf:
-        return {ours + "gate_up_proj": take(hf + "gate_up_proj"), ours + "down_proj": take(hf + "down_proj")}
+        return {ours + "gate_up": take(hf + "gate_up_proj"), ours + "down": take(hf + "down_proj")}
     gate_up = [_gate_up(take, f"{hf}{e}.") for e in range(num_experts)]
     down = [take(f"{hf}{e}.down_proj.weight") for e in range(num_experts)]
-    return {ours + "gate_up_proj": torch.stack(gate_up), ours + "down_proj": torch.stack(down)}
+    if any(not t.numel() for t in (*gate_up, *down)):   # the misses are recorded: one error names them
+        return {}
+    return {ours + "gate_up": torch.stack(gate_up), ours + "down": torch.stack(down)}
 
 
 def deepseek_layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str,

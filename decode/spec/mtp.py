@@ -58,7 +58,7 @@ class MTPHead(nn.Module):
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DeepseekLayer(cfg, cfg.num_layers, target.moe_factory)
+        self.layer = DeepseekLayer(cfg, cfg.num_layers)
         self.head_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = nn.Linear(h, cfg.vocab_size, bias=False)
         self.target = [target]   # not a submodule: the embedding and RoPE are the target's

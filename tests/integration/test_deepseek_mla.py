@@ -1,7 +1,8 @@
 """DeepSeek-V3 and V2 (multi-head latent attention) through the engine in float32: greedy tokens
 and log-probabilities equal transformers' on tiny random checkpoints (tests/tiny_models.py: low-rank
-and plain queries, yarn RoPE, interleaved and half-split RoPE), on torch ops and on the C kernels
-with chunked prefill over cached prefixes; the latent cache holds a quarter of the same model's
+and plain queries, yarn RoPE, interleaved and half-split RoPE, and expert layers: V3's grouped
+sigmoid routing with its correction bias, V2's group-limited greedy softmax, shared experts), on
+torch ops and on the C kernels with chunked prefill over cached prefixes; the latent cache holds a quarter of the same model's
 per-head K/V; what the latent layout does not do is refused by name. DeepSeek-V3's MTP layer
 speculates (`--speculative mtp`) with output equal to plain decoding."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.integration.test_model_families import (
     family_prompts,
 )
 
-KINDS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"]
+KINDS = ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_moe", "deepseek_v2_moe"]
 
 
 def test_torch_ops_whole_prompts(tiny_model_dir, hf_reference):
@@ -45,6 +46,9 @@ def test_c_kernels_chunked_with_prefix_hits(kind, tiny_model_dir, hf_reference):
     check_family(engine, kind, prompts[:1], hf_reference)
     outs = check_family(engine, kind, prompts[1:], hf_reference)
     assert all(o.num_cached_tokens >= 12 for o in outs), [o.num_cached_tokens for o in outs]
+    if kind.endswith("_moe"):   # the sparse layer's experts counted the tokens routed to them (top 2)
+        counts = engine.model.layers[1].mlp.experts.token_counts()
+        assert sum(counts) % 2 == 0 and sum(counts) > 0, counts
 
 
 def test_latent_layout_is_a_quarter_of_mha(tiny_model_dir):
