@@ -7,8 +7,8 @@ the absorbed decode's C op against its torch reference at DeepSeek-V3's own atte
 
 DeepSeek-V3 is 61 layers of hidden 7168, 128 heads (q_lora 1536, kv_lora 512, RoPE 64, nope 128,
 v 128), 256 routed experts of 2048 (top 8 of 8 groups, 4 kept) + 1 shared, the first 3 layers
-dense. Scaled here: 12 layers of hidden 1024, 16 heads (q_lora 384, kv_lora 256, RoPE 32, nope
-64, v 64), 64 experts of 384 (top 8 of 8 groups, 4 kept) + 1 shared, the first layer dense (2816),
+dense. Scaled here: 12 layers of hidden 1024, 16 heads (q_lora 384, kv_lora 256, RoPE 64, nope
+64, v 64: a latent of 320, one of the widths vLLM's MLA backends take), 64 experts of 384 (top 8 of 8 groups, 4 kept) + 1 shared, the first layer dense (2816),
 vocab 32k: ~1.0 B parameters, ~0.2 B active. `--dense-only` makes every layer dense (an MLA model
 without experts, ~0.2 B). Decode tok/s = 8 * (n - 1) / (t(n) - t(1)) at batch 8; prefill tok/s
 = 512 / t(1 token) of one 512-token prompt; greedy, eos ignored. Figures on a shared machine are
@@ -17,6 +17,7 @@ noisy: the run prints how busy the CPU was with other work.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
@@ -33,11 +34,13 @@ from engine_vs_transformers import bench_hf, time_ours
 from llama_cpp_compare import busy_s
 
 SHAPE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
-         "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+         "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
          "intermediate_size": 2816, "n_routed_experts": 64, "moe_intermediate_size": 384, "num_experts_per_tok": 8,
          "n_group": 8, "topk_group": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "max_position_embeddings": 2048, "bos_token_id": 0, "eos_token_id": 1,
          "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 0}
+# What DeepSeek-V3's own config.json says and transformers' config leaves out (vLLM reads them).
+V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def make_checkpoint(out: Path, dtype: torch.dtype, dense_only: bool) -> Path:
@@ -54,22 +57,30 @@ def make_checkpoint(out: Path, dtype: torch.dtype, dense_only: bool) -> Path:
                 p.copy_(torch.randn_like(p) * 0.01)
     model.generation_config.eos_token_id = 1
     model.save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, **V3_ROUTING}, indent=2))
     make_tokenizer(out, bos=True)
     return out
 
 
-def parameters(model) -> tuple[float, float]:
-    """(total, active per token) in billions, counted on the loaded model."""
+def parameters(model_dir: Path) -> tuple[float, float]:
+    """(total, active per token) in billions, counted on the checkpoint's tensors: of the routed
+    experts, top_k of num_experts are active."""
+    from safetensors import safe_open
+
+    from cluster.model.model_config import load_model_config
+    moe = load_model_config(model_dir).mla.moe
     total = active = 0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        if ".experts." in name:
-            mla = model.cfg.mla
-            active += p.numel() * mla.moe.top_k // mla.moe.num_experts
-        elif not name.endswith(("w_uk", "w_uv")):   # kv_b_proj's halves, kept beside it for decode
-            active += p.numel()
-        else:
-            total -= p.numel()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():   # noqa: SIM118 - safe_open is not a dict
+                n = st.get_slice(name).get_shape()
+                count = 1
+                for d in n:
+                    count *= d
+                total += count
+                routed = ".mlp.experts." in name
+                active += count * moe.top_k // moe.num_experts if routed and moe else count
     return total / 1e9, active / 1e9
 
 
@@ -82,7 +93,7 @@ def ours(model_dir: Path, args):
                                     scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
     mc = engine.model_config
     kv = (engine.layout.bytes_per_token(), mha_bytes_per_token(mc, engine.dtype))
-    params = parameters(engine.model)
+    params = parameters(model_dir)
     kernel = getattr(engine.runner.backend.decode_kernel, "__name__", "?")
     t1, tn = time_ours(engine, 8, args.decode_prompt, args.new_tokens, args.repeats)
     p1, _ = time_ours(engine, 1, 512, 2, args.repeats)
@@ -91,7 +102,7 @@ def ours(model_dir: Path, args):
 
 
 # (heads, compressed, RoPE, rows, tokens a row): the bench model's attention, and DeepSeek-V3's own.
-KERNEL_CASES = ((16, 256, 32, 8, 48), (16, 256, 32, 8, 512), (16, 256, 32, 1, 2048), (128, 512, 64, 1, 256),
+KERNEL_CASES = ((16, 256, 64, 8, 48), (16, 256, 64, 8, 512), (16, 256, 64, 1, 2048), (128, 512, 64, 1, 256),
                 (128, 512, 64, 8, 1024))
 
 
@@ -129,7 +140,8 @@ def try_vllm(model_dir: Path, args) -> str:
     if not py.is_file():
         return f"vLLM: no interpreter at {py}"
     code = (f"import time; from vllm import LLM, SamplingParams as S; "
-            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True); "
+            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True, "
+            f"gpu_memory_utilization={args.vllm_memory}); "
             f"p = [[3 + (i * 7 + j) % 30000 for j in range({args.decode_prompt})] for i in range(8)]; "
             f"t = time.perf_counter(); llm.generate(p, S(max_tokens=1, ignore_eos=True)); t1 = time.perf_counter() - t; "
             f"t = time.perf_counter(); llm.generate(p, S(max_tokens={args.new_tokens}, ignore_eos=True)); "
@@ -159,6 +171,7 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also try vLLM's CPU build on the checkpoint")
     ap.add_argument("--vllm-venv", default="/work/vllm-venv")
     ap.add_argument("--vllm-timeout", type=int, default=600)
+    ap.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's share of host memory for its KV")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
