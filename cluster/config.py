@@ -337,6 +337,17 @@ class EngineConfig:
     cuda_graphs: str = setting("auto", "decode steps replayed from CUDA graphs captured at start (auto: on CUDA "
                                        "devices; on: also eager replays on CPU)", choices=CUDA_GRAPHS)
     seed: int = setting(0, "the seed of requests that sample without a seed of their own", flag="--default-seed")
+    # Tensor parallelism (cluster/parallel/, docs/parallel.md): the engine's layers sharded over
+    # this many rank processes; rank 0 schedules, the others run each pass on their shards.
+    tensor_parallel_size: int = setting(1, "rank processes the model is sharded over (heads, MLP, vocab); rank 0 "
+                                           "schedules and broadcasts each pass to the others (docs/parallel.md)",
+                                        aliases=("-tp",))
+    tp_collective_timeout_s: float = setting(60.0, "a tensor-parallel collective that waits longer fails: a rank that "
+                                                   "hangs makes the worker dead, not stuck")
+    tp_rank: int = derived(0, "this process's tensor-parallel rank (0: the one that schedules)")
+    enable_expert_parallel: bool = setting(False, "with --tensor-parallel-size above 1, a mixture of experts' "
+                                                  "experts placed whole on the ranks instead of each sliced over "
+                                                  "them (docs/parallel.md)")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -359,10 +370,28 @@ class EngineConfig:
                 f"must be cpu or cuda (cuda:N), got {self.device!r}")
         if self.quantization == "auto":   # resolved here, once: every reader sees the scheme it serves
             scheme, why = auto_quantization(self.model, self.device, self.dtype, self.speculative.method)
+            if scheme == "gguf" and self.tensor_parallel_size > 1:
+                scheme, why = "none", "tensor parallelism shards weights in --dtype"
             object.__setattr__(self, "quantization", scheme)
             object.__setattr__(self, "quantization_choice", f"auto: {scheme} ({why})")
+        self._check_tensor_parallel()
         require(self.quantized_activations == "none" or self.quantization in ("int4", "gguf"), "quantized_activations",
                 "int8 activations go with 4-bit weights: add --quantization int4 (or gguf for a GGUF model)")
+
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        require(self.tp_collective_timeout_s > 0, "tp_collective_timeout_s",
+                f"must be > 0, got {self.tp_collective_timeout_s}")
+        if tp == 1:
+            return
+        require(self.quantization == "none", "tensor_parallel_size",
+                f"shards weights in --dtype: add --quantization none (got {self.quantization})")
+        require(self.speculative.method == "off", "tensor_parallel_size",
+                f"does not run speculative decoding yet (got --speculative {self.speculative.method})")
+        require(not (self.cache.kv_host_bytes or self.cache.kv_disk_dir), "tensor_parallel_size",
+                "does not run KV tiers yet (they would copy rank 0's heads only): drop --kv-host-bytes/--kv-disk-dir")
 
 
 def parse_switch(value) -> bool:

@@ -189,6 +189,9 @@ class Completion:
     prompt_logprobs: tuple[TokenLogprob, ...] = field(default=())   # with SamplingParams.prompt_logprobs
 
 
+_TP_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What two KV caches must agree on to exchange blocks. Its hash is checked at handshake
@@ -206,12 +209,19 @@ class KVLayout:
     # Its two halves sit in the arena's K and V planes (num_kv_heads 1, head_dim ceil(latent_dim / 2)),
     # so blocks, transports, tiers and checksums move it as they move K/V. 0: per-head K and V.
     latent_dim: int = 0
+    # A tensor-parallel rank's share (cluster/parallel/): `num_kv_heads` heads from `kv_head_start`
+    # of the model's `total_kv_heads`, on rank `tp_rank` of `tp_size`.
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int = 0   # 0: num_kv_heads (a single-rank layout)
 
     def layout_hash(self) -> str:
-        # kv_dtype and latent_dim joined the layout later: left out at their defaults, so the
-        # layouts from before hash as before.
+        # kv_dtype, latent_dim and the TP fields joined the layout later: left out at their defaults
+        # (single-rank values), so those layouts hash as before.
         fields = {k: v for k, v in self.__dict__.items()
-                  if not (k == "kv_dtype" and v == "auto") and not (k == "latent_dim" and v == 0)}
+                  if not (k == "kv_dtype" and v == "auto") and not (k == "latent_dim" and v == 0)
+                  and not (k in _TP_FIELDS and self.tp_size == 1)}
         text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -59,6 +59,12 @@ def _kv_event_log(name: str, shared: str | None) -> KVEventLog:
     return KVEventLog(name, host_domain=f"{socket.gethostname()}/{shared}" if shared else name)
 
 
+def _end_process() -> None:
+    """A tensor-parallel worker whose group broke ends its process: Ray restarts the actor, the
+    router fails its requests over as for any dead worker."""
+    os._exit(1)
+
+
 class EngineWorker:
     role = "worker"
 
@@ -77,7 +83,7 @@ class EngineWorker:
         if config.transport in ("tcp", "cuda_ipc", "ucx"):    # the transports that listen themselves
             options = {"host": config.kv_host or _node_address(), "sealer": self.sealer}
         self.transport = make_transport(config.transport, name, **options)
-        self.transport.register(self.engine.kv_cache.arena, self.engine.layout)
+        self.transport.register(self.engine.transfer_arena, self.engine.transfer_layout)
         self.mailbox = Mailbox(self.transport, sealer=self.sealer)
         self.peer_blocks: dict[str, int] = {}    # peer agent -> blocks in its arena (handles are checked)
         self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation
@@ -87,7 +93,8 @@ class EngineWorker:
     def _start_loop(self, on_deltas: Callable[[list[TokenDelta]], None] | None = None) -> None:
         """The engine's thread; `on_deltas`: the role's observer of each step's deltas."""
         self.loop = EngineLoop(self.engine, sender=TokenSender(self.name), on_deltas=on_deltas,
-                               stream_interval=self.config.stream_interval, stats_frame=self._stats_frame)
+                               stream_interval=self.config.stream_interval, stats_frame=self._stats_frame,
+                               on_broken=_end_process)
 
     def kv_events(self, epoch: str, cursor: int) -> KVEventBatch:
         """What this worker's pool and tiers gained and lost since the router's `cursor` (or a

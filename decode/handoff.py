@@ -239,8 +239,10 @@ class DecodeHandoff:
         try:
             t = pull.timings
             self.counters.done += 1
-            self.counters.bytes += len(h.handle.block_ids) * e.layout.bytes_per_block()
+            self.counters.bytes += len(h.handle.block_ids) * e.transfer_layout.bytes_per_block()
             self.counters.seconds += t.get("acked", t["start"]) - t["start"]
+            if e.kv_export is not None:   # a TP worker: the pulled blocks' heads to every rank
+                e.kv_export.scatter(pull.local_blocks)
             firsts = h.handle.first_tokens()
             add_prefilled(e, h.request_id, h.prompt_ids, firsts[h.request_id], h.sampling, pull.local_blocks,
                           h.handle.feature, forks=h.forks, tenant=h.tenant, fork_firsts=firsts)
@@ -267,7 +269,9 @@ class DecodeHandoff:
             keys = e.prefix_keys(h.prompt_ids[:n * bs], h.sampling.cache_salt)
             self.counters.fetched += 1
             self.counters.fetched_blocks += n
-            self.counters.bytes += len(h.handle.block_ids) * e.layout.bytes_per_block()
+            self.counters.bytes += len(h.handle.block_ids) * e.transfer_layout.bytes_per_block()
+            if e.kv_export is not None:
+                e.kv_export.scatter(pull.local_blocks)
             self.counters.seconds += pull.timings.get("acked", pull.timings["start"]) - pull.timings["start"]
         else:
             self.counters.fetch_failed += 1

@@ -34,7 +34,7 @@ class DecodeWorker(EngineWorker):
         super().__init__(name, config, speculator_factory=speculator_factory)
         self._start_loop(on_deltas=lambda deltas: self.handoff.observe(deltas))
         self.progress = KVProgress(lambda: self.handoff.poll(), f"kv-{name}")
-        consumer = KVConsumer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
+        consumer = KVConsumer(self.transport, self.engine.transfer_layout, self.engine.transfer_arena,
                               timeout_s=config.transfer_timeout_s, verify=config.checksums,
                               mailbox=self.mailbox, on_work=self.progress.wake)
         self.handoff = DecodeHandoff(name, self.loop, consumer, self.peer_blocks, self._start_generate)

@@ -94,6 +94,8 @@ class PrefillHandoff:
         """Put the held blocks under a lease: the encoded handle a decode worker pulls from, with
         the first token of the request and of each fork that drew one (`forks`: their deltas)."""
         held = self.leases[request_id]
+        if self.engine.kv_export is not None:   # a TP worker: every rank's heads into the arena published
+            self.engine.kv_export.gather(held.block_ids)
         handle = producer.publish(request_id, held.block_ids, held.num_tokens, first_token)
         handle = replace(handle, feature=self.take_feature(request_id),
                          forks=tuple(ForkFirst(d.request_id, d.token_ids[0]) for d in forks if d.token_ids))

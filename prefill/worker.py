@@ -50,7 +50,7 @@ class PrefillWorker(EngineWorker):
         self.hold: PrefillHandoff = self.engine.hold_hook
         self._start_loop()
         self.progress = KVProgress(self._poll_producer, f"kv-{name}")
-        self.producer = KVProducer(self.transport, self.engine.layout, self.engine.kv_cache.arena,
+        self.producer = KVProducer(self.transport, self.engine.transfer_layout, self.engine.transfer_arena,
                                    self._lease_ended, lease_seconds=config.lease_seconds,
                                    checksums=config.checksums, mailbox=self.mailbox, on_work=self.progress.wake)
         # Requests with a hand-on until their decode call ends: request id -> the decode worker's

@@ -6,13 +6,14 @@ KV arena, the block pool, the scheduler, the runner and the decode graphs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from cluster.config import CacheConfig, EngineConfig
+from cluster.config import CacheConfig, EngineConfig, format_size
 from cluster.engine.graphs import DecodeGraphs, replay_factory
 from cluster.engine.loaded_models import Models
 from cluster.engine.runner import ModelRunner
@@ -33,6 +34,11 @@ from cluster.model.loader import load_generation_defaults, load_model, load_toke
 from cluster.model.mla_engine import latent_layout, make_mla_backend
 from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
+from cluster.parallel.group import RankGroup
+from cluster.parallel.kv_export import full_layout
+from cluster.parallel.sharding import rank_shard, shard_model
+from cluster.parallel.step_message import StepSender
+from cluster.parallel.threads import rank_cores
 from cluster.placement import pin_process, usable_cpus
 from cluster.types import KVLayout
 
@@ -40,15 +46,29 @@ log = logging.getLogger(__name__)
 
 
 def setup_threads(config: EngineConfig) -> torch.device:
+    if config.tensor_parallel_size > 1:   # this rank's share of the worker's cores
+        share = rank_cores(tuple(config.cpus or usable_cpus()), config.num_threads, config.tp_rank,
+                           config.tensor_parallel_size)
+        log.info("tensor parallel rank %d: %s", config.tp_rank, share.note)
+        if share.cpus:
+            pin_process(share.cpus)
+        torch.set_num_threads(share.threads)
+        return torch.device(config.device)
     if config.cpus:
         pin_process(config.cpus)
     torch.set_num_threads(config.num_threads or len(usable_cpus()))
     return torch.device(config.device)
 
 
-def load_models(config: EngineConfig, device: torch.device) -> Models:
-    """The target on the kernel plan, and its own KV layout."""
+def load_models(config: EngineConfig, device: torch.device, group: RankGroup | None = None) -> Models:
+    """The target on the kernel plan, and its own KV layout (with `group`: this rank's shard)."""
     mc, model = load_model(config.model, dtype=plan_dtype(config), device=device, max_positions=config.max_model_len)
+    full = mc
+    if group is not None and mc.mla is not None:
+        raise ValueError("tensor parallelism (--tensor-parallel-size > 1) is not supported with latent attention "
+                         "(MLA, DeepSeek) yet: serve it on one rank")
+    if group is not None:
+        mc = shard_model(model, mc, group, config.enable_expert_parallel)
     dtype = model.embed_tokens.weight.dtype
     quant = quantize_model(model, mc, Quantization(config.quantization), config.model,
                            act_int8=config.quantized_activations == "int8")
@@ -62,7 +82,13 @@ def load_models(config: EngineConfig, device: torch.device) -> Models:
     # Quantized weights compute other KV: the layout hash tells a P/D peer with other weights apart.
     model_id = mc.model_id + (f"+w:{quant.scheme.value}" if quant is not None else "")
     model_id += "+a:int8" if config.quantized_activations == "int8" else ""
-    return Models(mc, model, dtype, plan, max_model_len, _layout(mc, model_id, mc.num_layers, config, dtype))
+    layout = _layout(mc, model_id, mc.num_layers, config, dtype)
+    shards = ()
+    if group is not None:
+        shards = tuple(rank_shard(full, r, group.world) for r in range(group.world))
+        layout = dataclasses.replace(layout, tp_size=group.world, tp_rank=group.rank,
+                                     kv_head_start=shards[group.rank].kv_start, total_kv_heads=full.num_kv_heads)
+    return Models(mc, model, dtype, plan, max_model_len, layout, shards)
 
 
 def load_speculation(config: EngineConfig, models: Models, speculator: Speculator,
@@ -76,11 +102,15 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
     if footprint.extra_kv_layers or footprint.model_id_suffix:
         mc = models.config
         models.layout = _layout(mc, models.layout.model_id + footprint.model_id_suffix,
-                                mc.num_layers + footprint.extra_kv_layers, config, models.dtype)
+                                mc.num_layers + footprint.extra_kv_layers, config, models.dtype, models.layout)
     return footprint
 
 
-def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfig, dtype: torch.dtype) -> KVLayout:
+def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfig, dtype: torch.dtype,
+            base: KVLayout | None = None) -> KVLayout:
+    """`base`: the layout widened (its TP share kept)."""
+    if base is not None:
+        return dataclasses.replace(base, model_id=model_id, num_layers=num_layers)
     if mc.mla is not None:
         return latent_layout(mc, model_id, num_layers, config.cache, str(dtype).removeprefix("torch."))
     return KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -88,11 +118,20 @@ def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfi
                     kv_dtype=config.cache.kv_cache_dtype)
 
 
-def plan_for(config: EngineConfig, models: Models, footprint: SpecFootprint, device: torch.device) -> MemoryPlan:
-    """The memory plan of the target, its KV and what speculation takes beside them."""
+def plan_for(config: EngineConfig, models: Models, footprint: SpecFootprint, device: torch.device,
+             group: RankGroup | None = None) -> MemoryPlan:
+    """The memory plan of the target, its KV and what speculation takes beside them (with `group`:
+    every rank the same number of blocks, the smallest any rank's memory allows)."""
+    # A TP worker's rank 0 keeps a full-head export arena beside its own (cluster/parallel/kv_export.py).
+    export = full_layout(models.layout).bytes_per_block() if group is not None and group.is_leader else 0
     plan = plan_memory(models.config, models.layout, config.cache, config.scheduler, models.dtype,
-                       resident_bytes(models.model), models.max_model_len, device, footprint.bytes_per_block,
+                       resident_bytes(models.model), models.max_model_len, device, footprint.bytes_per_block + export,
                        footprint.extra_bytes)
+    if group is not None:
+        plan = dataclasses.replace(plan, num_blocks=group.all_min(plan.num_blocks))
+        ranks = group.all_gather_ints([plan.weight_bytes, plan.kv_bytes])
+        log.info("tensor parallel, per rank: %s", "; ".join(
+            f"rank {r}: weights {format_size(w)}, KV {format_size(kv)}" for r, (w, kv) in enumerate(ranks)))
     log.info("%s", plan.describe())
     return plan
 
@@ -112,19 +151,17 @@ class Core:
 def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: torch.device,
                eos_token_ids: tuple[int, ...], hidden_pass: HiddenStatePass, footprint: SpecFootprint,
                on_hold: Callable[[Sequence], None] | None = None,
-               admit_gate: Callable[[Sequence], Gate] | None = None, kv_events: KVEventLog | None = None) -> Core:
+               admit_gate: Callable[[Sequence], Gate] | None = None, kv_events: KVEventLog | None = None,
+               group: RankGroup | None = None) -> Core:
     """`on_hold`: the engine's hold hook (a prefill worker's side of the handoff), for the scheduler;
     `hidden_pass`: the speculator's pass over hidden states, wired in when `footprint.hidden_states`;
     `admit_gate`: the engine's check that the KV tiers were asked first, used when tiers are built;
-    `kv_events`: where the pool and tiers report what they gain and lose (a worker's log)."""
-    mc, cc = models.config, config.cache
-    if mc.mla is not None:
-        backend = make_mla_backend(config.attention_backend, mc.mla.latent_dim, mc.num_heads, device,
-                                   models.kernel_plan)
-    else:
-        backend = make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                                         device, models.kernel_plan, models.dtype, scale=mc.attention_scale)
-    replay = replay_factory(device, config.cuda_graphs)
+    `kv_events`: where the pool and tiers report what they gain and lose (a worker's log);
+    `group`: rank 0's tensor-parallel group (its runner broadcasts each pass to the other ranks)."""
+    cc = config.cache
+    backend = attention_backend(config, models, device)
+    # Tensor parallel: each pass goes through the runner, which broadcasts it (no replays).
+    replay = replay_factory(device, config.cuda_graphs) if group is None else None
     if replay is not None and config.cuda_graphs == "auto" and not backend.static_decode_ready():
         log.info("decode graphs off: the %s attention backend cannot replay static decode steps here", backend.name)
         replay = None
@@ -145,8 +182,16 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
                                device, rows_per_seq=1 + footprint.max_draft_tokens)
     runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device,
                          hidden_hook=hidden and hidden.after_forward, hidden_layers=footprint.hidden_layers,
-                         graphs=graphs)
+                         graphs=graphs, step_sender=StepSender(group) if group is not None else None)
     return Core(backend, replay, kv_cache, pool, scheduler, runner, tiers)
+
+
+def attention_backend(config: EngineConfig, models: Models, device: torch.device):
+    mc = models.config
+    if mc.mla is not None:
+        return make_mla_backend(config.attention_backend, mc.mla.latent_dim, mc.num_heads, device, models.kernel_plan)
+    return make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
+                                  models.kernel_plan, models.dtype, scale=mc.attention_scale)
 
 
 def build_tiers(cache: CacheConfig, plan: MemoryPlan, kv_cache: PagedKVCache, pool: BlockPool,

@@ -36,6 +36,8 @@ from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, Specul
                                         choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.kv_events import KVEventLog
+from cluster.parallel.kv_export import KVExport
+from cluster.parallel.local_ranks import LocalRanks
 from cluster.placement import ComputeSetup
 from cluster.types import Completion, FinishReason, Fork, SamplingParams, TokenDelta
 
@@ -70,23 +72,29 @@ class LLMEngine:
         `kv_events`: the log the pool and tiers report their changes to (a worker's, for the router)."""
         self.config = config
         self.hold_hook: HoldHook | None = hold_factory(self) if hold_factory else None
+        # Tensor parallel: this process is rank 0; the other ranks start here as processes.
+        self.ranks = LocalRanks(config) if config.tensor_parallel_size > 1 else None
+        group = self.ranks.group if self.ranks is not None else None
         self.device = builder.setup_threads(config)
         # Without a factory: NoSpeculation (never proposes, refuses speculative requests).
         self.speculator: Speculator = speculator_factory(config) if speculator_factory else NoSpeculation(config)
-        models = builder.load_models(config, self.device)
+        models = builder.load_models(config, self.device, group)
         footprint = builder.load_speculation(config, models, self.speculator, self.device)
         self.model_config, self.model, self.dtype = models.config, models.model, models.dtype
         self.kernel_plan, self.max_model_len, self.layout = models.kernel_plan, models.max_model_len, models.layout
         self._models = models
         self.tokenizer, self.generation = builder.tokenizer_and_defaults(config)
-        self.memory_plan = builder.plan_for(config, models, footprint, self.device)
+        self.memory_plan = builder.plan_for(config, models, footprint, self.device, group)
         core = builder.build_core(config, models, self.memory_plan, self.device, self.generation.eos_token_ids,
                                   self.speculator, footprint,
                                   on_hold=self.hold_hook.hold if self.hold_hook is not None else None,
-                                  admit_gate=self._admission, kv_events=kv_events)
+                                  admit_gate=self._admission, kv_events=kv_events, group=group)
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
+        # Tensor parallel: rank 0's full-head arena, what a P/D handoff moves (cluster/parallel/kv_export.py).
+        self.kv_export = KVExport(group, self.runner.step_sender, self.kv_cache, list(models.shards)) \
+            if group is not None else None
         self.requests = Requests(self.tokenizer, self.scheduler, on_finish=self.speculator.release)
         self.prompt_tokens_computed = 0   # prefill work: prompt positions run through the model
         self.prompt_seconds = 0.0         # time of the steps that computed prompt tokens (prefill speed)
@@ -105,6 +113,22 @@ class LLMEngine:
         """Decode graphs of `model` over `arena` (also what a draft model's passes replay with)."""
         return builder.decode_graphs(self.config, self._models, self.graph_replay, model, arena, backend, pad_block,
                                      self.device, rows_per_seq)
+
+    @property
+    def transfer_arena(self) -> torch.Tensor:
+        """The arena a P/D handoff reads or writes: the KV cache's, or a TP worker's export arena."""
+        return self.kv_export.arena if self.kv_export is not None else self.kv_cache.arena
+
+    @property
+    def transfer_layout(self):
+        """The layout of `transfer_arena` (a TP worker's: every KV head, as a single rank's)."""
+        return self.kv_export.layout if self.kv_export is not None else self.layout
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks this engine started (none: nothing to do)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def compute_setup(self) -> ComputeSetup:
         return ComputeSetup(self.kernel_plan, torch.get_num_threads(), self.config.cpus)

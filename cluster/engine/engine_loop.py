@@ -52,14 +52,18 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine: LLMEngine, sender: TokenSender | None = None, stream_interval: int = 1,
                  stats_frame: Callable[[], bytes] | None = None,
-                 on_deltas: Callable[[list[TokenDelta]], None] | None = None):
+                 on_deltas: Callable[[list[TokenDelta]], None] | None = None,
+                 on_broken: Callable[[], None] | None = None):
         """`stream_interval`: a stream's deltas leave once it has this many new tokens (its first
         and last leave at once), as vLLM's `--stream-interval`: fewer messages per token for the
         frontends, at the cost of burstier inter-token times. `stats_frame`: the worker's stats as
         an encoded frame, built on the engine thread when a push is due. `on_deltas`: sees each
         step's deltas on the engine thread before they leave (a role's observer, e.g. the decode
-        handoff's timing)."""
+        handoff's timing). `on_broken`: called once a tensor-parallel engine's step failed (a rank
+        dead or past the collective deadline: the group is unusable; a worker ends its process so
+        that Ray restarts it)."""
         self.engine = engine
+        self.on_broken = on_broken
         self.stats_frame = stats_frame
         self._stats_pushed = 0.0        # monotonic time of the last push
         self.stream_interval = stream_interval
@@ -200,6 +204,8 @@ class EngineLoop:
         except Exception as exc:  # noqa: BLE001 - every stream of this worker fails, the worker lives
             log.exception("engine step failed")
             self._fail_all(exc)
+            if self.engine.ranks is not None:
+                self._group_broken()
             return
         idle = self.engine.idle_step and not deltas
         self._idle_at = self._queue_sizes() if idle else None
@@ -208,6 +214,15 @@ class EngineLoop:
         self.emit(deltas)
         if push_to:
             self._push_stats(push_to)
+
+    def _group_broken(self) -> None:
+        """A failed step of a tensor-parallel engine leaves its group unusable: its ranks are killed
+        and the loop stops; the worker is dead, as a single process whose engine died."""
+        log.error("a tensor-parallel rank failed or hung: the worker's ranks are stopped")
+        self.engine.ranks.kill()
+        self._stop.set()
+        if self.on_broken is not None:
+            self.on_broken()
 
     def _stats_due(self) -> set[SinkAddress]:
         """The frontends to push stats to after this step (those of the requests running before

@@ -22,3 +22,5 @@ class Models:
     kernel_plan: KernelPlan
     max_model_len: int
     layout: KVLayout
+    # Tensor parallel: every rank's share (cluster/parallel/sharding.py RankShard), in rank order.
+    shards: tuple = ()

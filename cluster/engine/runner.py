@@ -16,6 +16,7 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
 from cluster.model.llama import CausalLM
+from cluster.parallel.step_message import StepMessage, StepSender
 
 # (plan, input_ids, positions, hidden, meta): a pass over the target's hidden states of a step.
 HiddenHook = Callable[[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, object], None]
@@ -86,7 +87,7 @@ class BatchLayout:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
                  block_size: int, device: torch.device, hidden_hook: HiddenHook | None = None,
-                 hidden_layers: tuple[int, ...] = (), graphs=None):
+                 hidden_layers: tuple[int, ...] = (), graphs=None, step_sender: StepSender | None = None):
         self.model = model
         self.kv_arena = kv_arena
         self.backend = backend
@@ -97,6 +98,14 @@ class ModelRunner:
         self.hidden_hook = hidden_hook
         self.hidden_layers = hidden_layers   # the hook's layers (outputs side by side); (): the last's
         self.graphs = graphs     # DecodeGraphs: pure-decode steps replayed from static buffers, or None
+        # Tensor parallel rank 0: each pass's inputs go to the other ranks first (they run it too).
+        self.step_sender = step_sender
+
+    def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, batch: AttentionBatch, rows: list[int], **kw):
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.step_sender is not None:
+            self.step_sender.send(StepMessage(ids_t, pos_t, batch, rows_t))
+        return self.model(ids_t, pos_t, self.kv_arena, self.backend, self.backend.prepare(batch), rows_t, **kw)
 
     def execute(self, plan: StepPlan) -> ForwardOutput:
         """The plan's forward pass: its logits rows and the sequences they belong to (see `ForwardOutput`)."""
@@ -134,10 +143,13 @@ class ModelRunner:
                 spans.append((chunk.seq, first, len(logits_rows), last - first))
                 logits_rows.extend(range(base + first, base + last))
         ids_t, pos_t, batch = layout.tensors()
-        meta = self.backend.prepare(batch)
-        out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
-                         torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                         return_hidden=self.hidden_hook is not None, hidden_layers=self.hidden_layers)
+        if self.hidden_hook is not None:
+            meta = self.backend.prepare(batch)
+            out = self.model(ids_t, pos_t, self.kv_arena, self.backend, meta,
+                             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                             return_hidden=True, hidden_layers=self.hidden_layers)
+        else:
+            out = self._forward(ids_t, pos_t, batch, logits_rows)
         logits, hidden = out if self.hidden_hook is not None else (out, None)
         prompt_logits = tuple(PromptLogits(seq, first, logits[row:row + n]) for seq, first, row, n in spans)
         if self.hidden_hook is not None:
@@ -153,5 +165,4 @@ class ModelRunner:
             tokens, start, blocks = spans[i]
             rows[i] = layout.add(tokens, start, blocks, "decode" if len(tokens) == 1 else "prefill") + len(tokens) - 1
         ids_t, pos_t, batch = layout.tensors()
-        return self.model(ids_t, pos_t, self.kv_arena, self.backend, self.backend.prepare(batch),
-                          torch.tensor(rows, dtype=torch.long, device=self.device))
+        return self._forward(ids_t, pos_t, batch, rows)

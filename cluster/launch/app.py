@@ -332,7 +332,8 @@ def _start_ray(cfg: ClusterConfig) -> bool:
         ray.init(address=cfg.ray_address, log_to_driver=False)
         _log_router_node(ray)
     else:
-        start_local_ray(max(16, int((cfg.num_prefill + cfg.num_decode) * cfg.worker_cpus) + 1))
+        ranks = cfg.num_prefill * cfg.tensor_parallel_size("prefill") + cfg.num_decode * cfg.tensor_parallel_size("decode")
+        start_local_ray(max(16, int(ranks * cfg.worker_cpus) + 1))
     return True
 
 
@@ -360,16 +361,33 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
                                   else ("decode", DecodeWorker, make_speculator))
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
-        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus)
+        tp = cfg.tensor_parallel_size(role)
+        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp)
         wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
                             kv_host=None if cfg.ray_address else "127.0.0.1")
+        placement = await _rank_placement(cfg, tp)
         h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                      num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                      resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                     runtime_env={"env_vars": worker_env(share)}).remote(name, wcfg, speculation)
+                                     runtime_env={"env_vars": worker_env(share)},
+                                     **placement).remote(name, wcfg, speculation)
         workers[name] = WorkerClient(name, h)
         (prefill if role == "prefill" else decode).append(name)
     return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode))
+
+
+async def _rank_placement(cfg: ClusterConfig, tp: int) -> dict:
+    """A tensor-parallel worker's placement group: one bundle per rank (`--tp-placement`, STRICT_PACK:
+    one node), its rank 0 the actor in bundle 0; the followers are the actor's processes on that
+    node, in the bundles reserved beside it. Nothing for a worker of one rank."""
+    if tp == 1:
+        return {}
+    ray = _ray()
+    bundle = {"CPU": cfg.worker_cpus, **({"GPU": gpus_per_worker(cfg)} if gpus_per_worker(cfg) else {})}
+    group = ray.util.placement_group([bundle] * tp, strategy=cfg.tp_placement)
+    await group.ready()
+    strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return {"scheduling_strategy": strategy}
 
 
 def _limits(cfg: ClusterConfig) -> Limits:

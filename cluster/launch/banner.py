@@ -49,6 +49,17 @@ def local_prefill_rule(cfg: ClusterConfig) -> str | None:
             f"every prompt not cached there through a prefill worker)")
 
 
+def tensor_parallel_line(cfg: ClusterConfig) -> str | None:
+    """Each role's tensor-parallel size, when one is above 1 (docs/parallel.md)."""
+    sizes = {"prefill": cfg.tensor_parallel_size("prefill"), "decode": cfg.tensor_parallel_size("decode")}
+    if max(sizes.values()) == 1:
+        return None
+    roles = [f"{'colocated' if cfg.colocated else r} TP {n}" for r, n in sizes.items() if not (cfg.colocated and
+                                                                                                 r == "prefill")]
+    return (", ".join(roles) + " (rank processes in one placement group; each rank holds its share of the weights "
+            "and KV heads, the per-rank figures are in the worker's log; docs/parallel.md)")
+
+
 def speculation(cfg: ClusterConfig) -> str:
     spec = cfg.engine.speculative
     if spec.method == "off":
@@ -127,6 +138,8 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
     if cfg.engine.cache.kv_cache_dtype != "auto":
         lines.append(f"  KV cache: --kv-cache-dtype {cfg.engine.cache.kv_cache_dtype}, one byte a value and an fp16 "
                      "scale per token and head (docs/quantization.md)")
+    if (tp := tensor_parallel_line(cfg)) is not None:
+        lines.append(f"  tensor parallel: {tp}")
     lines += kv_lines(workers, max_model_len or cfg.engine.max_model_len)
     if (latent := _latent_line(cfg)) is not None:
         lines.append(latent)

@@ -79,6 +79,13 @@ class ClusterConfig:
                                       parse=parse_resources, metavar="JSON")
     decode_resources: dict = setting(help="Ray custom resources each decode worker needs, e.g. '{\"decode\": 1}'",
                                      factory=dict, parse=parse_resources, metavar="JSON")
+    # A worker of tensor-parallel size N: N rank processes in one Ray placement group (docs/parallel.md).
+    prefill_tensor_parallel_size: int | None = setting(None, "the prefill workers' tensor-parallel size",
+                                                       default_text="--tensor-parallel-size")
+    decode_tensor_parallel_size: int | None = setting(None, "the decode (or colocated) workers' tensor-parallel size",
+                                                      default_text="--tensor-parallel-size")
+    tp_placement: str = setting("STRICT_PACK", "Ray placement strategy of a tensor-parallel worker's bundles (one "
+                                               "per rank)", choices=("STRICT_PACK", "PACK"))
     max_tokens_limit: int = setting(4096, "the most tokens a request may ask for")
     default_max_tokens: int = setting(256, "a request's max_tokens when it gives none (at most --max-tokens-limit)")
     poll_timeout_s: float = setting(5.0, "a worker stats poll slower than this is skipped (slow is not dead)")
@@ -116,6 +123,26 @@ class ClusterConfig:
         require(self.poll_timeout_s > 0, "poll_timeout_s", f"must be > 0, got {self.poll_timeout_s}")
         for name in ("prefill_resources", "decode_resources"):
             parse_resources(getattr(self, name))
+        self._check_tensor_parallel()
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The tensor-parallel size of `role`'s workers (prefill, decode; colocated workers: decode's)."""
+        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return own or self.engine.tensor_parallel_size
+
+    def _check_tensor_parallel(self) -> None:
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            size = getattr(self, name)
+            require(size is None or (isinstance(size, int) and size >= 1), name, f"must be >= 1, got {size!r}")
+        prefill, decode = self.tensor_parallel_size("prefill"), self.tensor_parallel_size("decode")
+        if max(prefill, decode) > 1:
+            require(self.engine.quantization == "none", "tensor_parallel_size",
+                    f"shards weights in --dtype: add --quantization none (got {self.engine.quantization})")
+            # Ray shows an actor its own bundle's GPU only: the ranks' GPUs need rank actors (not built).
+            require(not self.engine.device.startswith("cuda"), "tensor_parallel_size",
+                    "above 1 in a cluster runs on CPU for now (a CUDA worker's ranks would not see their GPUs); "
+                    "generate -tp N runs on N GPUs of one machine")
+
 
 
 def gpus_per_worker(cfg: ClusterConfig) -> float:

@@ -57,7 +57,7 @@ class Setting:
     @property
     def keys(self) -> tuple[str, ...]:
         """Its YAML keys (dashed): the flag's, then each alias's."""
-        return (self.key, *(a[2:] for a in self.aliases))
+        return (self.key, *(a.lstrip("-") for a in self.aliases))
 
     @property
     def dest(self) -> str:
