@@ -14,7 +14,7 @@ import pytest
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cluster.engine.engine import LLMEngine
-from cluster.model.mla_engine import mha_bytes_per_token
+from cluster.model.mla_engine import latent_kv_line, mha_bytes_per_token
 from cluster.model.model_config import load_model_config
 from cluster.types import SamplingParams
 from decode.spec.speculator import make_speculator
@@ -60,6 +60,7 @@ def test_latent_layout_is_a_quarter_of_mha(tiny_model_dir):
     assert layout.bytes_per_token() == 2 * 40 * 4
     assert layout.bytes_per_token() * 4 <= mha_bytes_per_token(mc, mc.dtype) == 2 * 4 * 40 * 4
     assert engine.kv_cache.nbytes() == 16 * layout.bytes_per_block()
+    assert latent_kv_line(mc, mc.dtype, 16).endswith("320 B a token, 25.0% of per-head K and V (1,280 B)")
 
 
 def _copy_with(tiny_model_dir, tmp_path, kind: str, **changes):
