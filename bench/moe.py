@@ -8,8 +8,9 @@ Qwen3-30B-A3B is 48 layers of hidden 2048, 128 experts of intermediate 768, top-
 to 1/16 expert sparsity), 16/4 heads of 64, vocab 32k: ~1.0 B parameters, ~0.2 B active per
 token. The dense model (Qwen3, the same attention) has an MLP of 8 x 384 = 3072: the same active
 parameters. Random weights, built once into --out. Decode tok/s = 8 * (n - 1) / (t(n) - t(1)) at
-batch 8; prefill tok/s = 512 / t(1 token) of one 512-token prompt; greedy, eos ignored.
-Figures on a shared machine are noisy: the run prints how busy the CPU was with other work.
+batch 8; prefill tok/s = 512 / t(1 token) of one 512-token prompt; greedy, eos ignored; each
+by wall time and by this process's CPU time (the steadier on a busy machine; at --threads 1 it
+is the work done). Figures on a shared machine are noisy: the run prints how busy the CPU was.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_vs_transformers import bench_hf, time_ours  # noqa: E402
 from llama_cpp_compare import busy_s  # noqa: E402
 
 COMMON = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
@@ -69,24 +69,57 @@ def parameters(model_dir: Path) -> tuple[float, float]:
     return total / 1e9, active / 1e9
 
 
-def ours(model_dir: Path, args) -> tuple[float, float]:
-    """(decode tok/s at batch 8, prefill tok/s of one 512-token prompt) of this engine."""
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of fn(). On a busy machine the CPU time is the
+    steadier figure (it leaves out the time other processes held the cores), at 1 thread exact."""
+    c, w = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def _rates(run, args) -> dict:
+    """Decode tok/s at batch 8 and prefill tok/s of one 512-token prompt, by wall and by CPU time;
+    `run(batch, prompt_len, new_tokens)` generates."""
+    run(8, args.decode_prompt, 2)   # warm-up
+    out = {}
+    t1 = [min(x) for x in zip(*(_timed(lambda: run(8, args.decode_prompt, 1)) for _ in range(args.repeats)))]
+    tn = [min(x) for x in zip(*(_timed(lambda: run(8, args.decode_prompt, args.new_tokens)) for _ in range(args.repeats)))]
+    p1 = [min(x) for x in zip(*(_timed(lambda: run(1, 512, 1)) for _ in range(args.repeats)))]
+    for clock, name in enumerate(("wall", "cpu")):
+        out[f"{name}_decode"] = 8 * (args.new_tokens - 1) / (tn[clock] - t1[clock])
+        out[f"{name}_prefill"] = 512 / p1[clock]
+    return out
+
+
+def _prompts(batch: int, length: int) -> list[list[int]]:
+    return torch.randint(3, 32000, (batch, length), generator=torch.Generator().manual_seed(batch)).tolist()
+
+
+def ours(model_dir: Path, args) -> dict:
     from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
     from cluster.engine.engine import LLMEngine
+    from cluster.types import SamplingParams
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=args.dtype, num_threads=args.threads,
                                     cache=CacheConfig(memory_budget_bytes=8 << 30),
                                     scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
-    t1, tn = time_ours(engine, 8, args.decode_prompt, args.new_tokens, args.repeats)
-    p1, _ = time_ours(engine, 1, 512, 2, args.repeats)
-    del engine
-    return 8 * (args.new_tokens - 1) / (tn - t1), 512 / p1
+    salt = iter(range(10**6))
+
+    def run(batch, length, n):   # a fresh cache salt: no prefix hits across runs
+        engine.generate(_prompts(batch, length), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                cache_salt=f"r{next(salt)}"))
+    return _rates(run, args)
 
 
-def hf(model_dir: Path, args) -> tuple[float, float]:
-    dtype = getattr(torch, args.dtype)
-    _, decode = bench_hf(model_dir, dtype, 8, args.decode_prompt, args.new_tokens, args.repeats)
-    prefill, _ = bench_hf(model_dir, dtype, 1, 512, 2, args.repeats)
-    return decode, prefill
+def hf(model_dir: Path, args) -> dict:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+
+    def run(batch, length, n):
+        ids = torch.tensor(_prompts(batch, length))
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    return _rates(run, args)
 
 
 def try_vllm(model_dir: Path, args) -> str:
@@ -96,7 +129,8 @@ def try_vllm(model_dir: Path, args) -> str:
     if not py.is_file():
         return f"vLLM: no interpreter at {py}"
     code = (f"import time; from vllm import LLM, SamplingParams as S; "
-            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True); "
+            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True, "
+            f"gpu_memory_utilization={args.vllm_memory}); "
             f"p = [[3 + (i * 7 + j) % 30000 for j in range({args.decode_prompt})] for i in range(8)]; "
             f"llm.generate(p, S(max_tokens=2, ignore_eos=True)); t = time.perf_counter(); "
             f"llm.generate(p, S(max_tokens=1, ignore_eos=True)); t1 = time.perf_counter() - t; t = time.perf_counter(); "
@@ -110,8 +144,9 @@ def try_vllm(model_dir: Path, args) -> str:
     for line in out.stdout.splitlines():
         if line.startswith("VLLM "):
             return f"vLLM CPU decode at batch 8: {float(line.split()[1]):.1f} tok/s"
-    tail = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()][-3:]
-    return "vLLM did not load it: " + " | ".join(tail)
+    lines = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if "Error:" in ln] or lines[-3:]   # the root cause, not the wrapper's last line
+    return "vLLM did not load it: " + " | ".join(causes[:2])
 
 
 def main() -> None:
@@ -126,6 +161,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also try vLLM's CPU build on the MoE checkpoint")
     ap.add_argument("--vllm-venv", default="/work/vllm-venv")
     ap.add_argument("--vllm-timeout", type=int, default=600)
+    ap.add_argument("--vllm-memory", type=float, default=0.3,
+                    help="vLLM's --gpu-memory-utilization: on CPU the share of host memory it reserves")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -135,16 +172,21 @@ def main() -> None:
     rows = {}
     for kind, d in dirs.items():
         total, active = parameters(d)
-        decode, prefill = ours(d, args)
-        hf_decode, hf_prefill = (float("nan"),) * 2 if args.skip_hf else hf(d, args)
-        rows[kind] = {"total_b": round(total, 3), "active_b": round(active, 3), "decode": decode,
-                      "prefill": prefill, "hf_decode": hf_decode, "hf_prefill": hf_prefill}
-        print(f"{kind:>5}: {total:.2f} B total, {active:.2f} B active | decode@8 ours {decode:7.1f} tok/s, "
-              f"transformers {hf_decode:7.1f} ({decode / hf_decode:.2f}x) | prefill 512 ours {prefill:7.0f} tok/s, "
-              f"transformers {hf_prefill:7.0f} ({prefill / hf_prefill:.2f}x)", flush=True)
-    moe, dense = rows["moe"], rows["dense"]
-    print(f"MoE decode at batch 8 / dense of the same active size: {moe['decode'] / dense['decode']:.2f}x "
-          f"(dense is {dense['decode'] / moe['decode']:.2f}x faster)")
+        rows[kind] = {"total_b": round(total, 3), "active_b": round(active, 3), "ours": ours(d, args)}
+        if not args.skip_hf:
+            rows[kind]["hf"] = hf(d, args)
+        for clock in ("wall", "cpu"):
+            o, h = rows[kind]["ours"], rows[kind].get("hf")
+            line = f"{kind:>5} ({total:.2f} B, {active:.2f} B active), by {clock:>4}: decode@8 ours {o[clock + '_decode']:7.1f} tok/s"
+            if h:
+                line += f", transformers {h[clock + '_decode']:6.1f} ({o[clock + '_decode'] / h[clock + '_decode']:.2f}x)"
+            line += f" | prefill 512 ours {o[clock + '_prefill']:6.0f} tok/s"
+            if h:
+                line += f", transformers {h[clock + '_prefill']:6.0f} ({o[clock + '_prefill'] / h[clock + '_prefill']:.2f}x)"
+            print(line, flush=True)
+    for clock in ("wall", "cpu"):
+        ratio = rows["dense"]["ours"][clock + "_decode"] / rows["moe"]["ours"][clock + "_decode"]
+        print(f"decode at batch 8 by {clock}: the dense model of the same active size is {ratio:.2f}x the MoE's")
     if args.vllm:
         print(try_vllm(dirs["moe"], args))
     own = sum(os.times()[:2]) - own0

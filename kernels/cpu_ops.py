@@ -61,7 +61,7 @@ _PARALLEL_ONLY = {
     "ss_decode_block": (_P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
                         _P, _INT, _INT),
     "ss_decode_layer": (_P, _P, _P, _P, _P),
-    "ss_moe_experts": (_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT),
+    "ss_moe_experts": (_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _INT),
 }
 
 
@@ -365,16 +365,20 @@ def has_moe_experts() -> bool:
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
-                starts: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+                starts: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, out: torch.Tensor,
+                max_rows: int = -1) -> None:
     """parallel.cpp's ss_moe_experts: out [T, H] (zeros) += the experts' weighted outputs of the
     pairs sorted by expert (rows [P] int64 their tokens, starts [E + 1] int64 each expert's first
-    pair, weights [P] fp32). x's last dim contiguous; the stacked weights contiguous."""
+    pair, weights [P] fp32). y [P, H]: the pairs' expert outputs, written here for the experts of
+    at most `max_rows` pairs (all with -1) and given by the caller for the others. x's last dim
+    contiguous; the stacked weights contiguous."""
     pairs, (num_experts, hidden, inter) = rows.shape[0], down.shape
     new = lambda width: torch.empty((pairs, width), dtype=x.dtype)   # noqa: E731
-    xg, gu, act, y = new(hidden), new(2 * inter), new(inter), new(hidden)
+    xg, gu, act = new(hidden), new(2 * inter), new(inter)
     _fns["ss_moe_experts"](x.data_ptr(), x.stride(0), gate_up.data_ptr(), down.data_ptr(), rows.data_ptr(),
-                           starts.data_ptr(), weights.data_ptr(), num_experts, pairs, hidden, inter, xg.data_ptr(),
-                           gu.data_ptr(), act.data_ptr(), y.data_ptr(), out.data_ptr(), _DTYPE_CODES[x.dtype])
+                           starts.data_ptr(), weights.data_ptr(), num_experts, pairs, hidden, inter, max_rows,
+                           xg.data_ptr(), gu.data_ptr(), act.data_ptr(), y.data_ptr(), out.data_ptr(),
+                           _DTYPE_CODES[x.dtype])
 
 
 def has_decode_layer() -> bool:

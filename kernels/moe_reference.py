@@ -26,16 +26,23 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, counts
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2I] (gate columns, then up), each rounded to the dtype."""
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def fused_moe_reference(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+                        topk_weights: torch.Tensor, linear: Linear = F.linear,
+                        activation: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
     """hidden [T, H]; topk_ids [T, k] (int64); topk_weights [T, k] -> [T, H] in hidden's dtype.
     `linear(x, w, None)`: the GEMM (a batch-invariant one in the deterministic mode, whose per-row
-    arithmetic does not depend on how many tokens an expert got)."""
+    arithmetic does not depend on how many tokens an expert got); `activation`: SiLU-times-up of
+    an expert's [rows, 2I] (the C kernel's exp rounds differently from torch's in float32)."""
     k = topk_ids.shape[1]
     out = torch.zeros_like(hidden)
     order, counts = group_by_expert(topk_ids, gate_up.shape[0])
     weights = topk_weights.reshape(-1)
-    inter = down.shape[2]
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
@@ -44,7 +51,6 @@ def fused_moe_reference(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch
         start += n
         rows = picks // k
         gu = linear(hidden.index_select(0, rows), gate_up[expert], None)
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = linear(act, down[expert], None) * weights.index_select(0, picks)[:, None]
+        y = linear(activation(gu), down[expert], None) * weights.index_select(0, picks)[:, None]
         out.index_add_(0, rows, y.to(hidden.dtype))
     return out

@@ -90,7 +90,7 @@ def moe_compute(path: MoEPath, device: torch.device):
     if path is MoEPath.FUSED_C:
         return cpu_moe.fused_moe
     if path is MoEPath.INVARIANT and device.type == "cpu":   # the one-call C kernel is batch-invariant too
-        return cpu_moe.fused_moe if cpu_ops.has_moe_experts() else _invariant_cpu
+        return cpu_moe.fused_moe_invariant if cpu_ops.has_moe_experts() else _invariant_cpu
     if path in (MoEPath.TRITON, MoEPath.INVARIANT):   # the Triton kernel is batch-invariant as it stands
         from kernels.fused_moe import fused_moe  # noqa: PLC0415 - Triton is optional: CUDA only
         return fused_moe

@@ -244,15 +244,19 @@ extern "C" void ss_decode_layer(const SsLayer *L, const SsDecodePass *P, void *x
 // both spread over the threads, and the thread team wakes four times per layer, not per expert.
 extern "C" void ss_moe_experts(const void *x, int64_t x_stride, const void *gate_up, const void *down,
                                const int64_t *rows, const int64_t *starts, const float *weights,
-                               int64_t num_experts, int64_t pairs, int64_t hidden, int64_t inter, void *xg, void *gu,
-                               void *act, void *y, void *out, int dtype) {
+                               int64_t num_experts, int64_t pairs, int64_t hidden, int64_t inter, int64_t max_rows,
+                               void *xg, void *gu, void *act, void *y, void *out, int dtype) {
     const int64_t es = dtype == 1 ? 2 : 4;
     char *xg_c = static_cast<char *>(xg), *gu_c = static_cast<char *>(gu), *act_c = static_cast<char *>(act);
     char *y_c = static_cast<char *>(y);
     const char *gate_up_c = static_cast<const char *>(gate_up), *down_c = static_cast<const char *>(down);
-    std::vector<int64_t> active;   // the experts with tokens
-    for (int64_t e = 0; e < num_experts; ++e)
-        if (starts[e + 1] > starts[e]) active.push_back(e);
+    // The experts with tokens computed here: all of them with max_rows < 0; else those of at most
+    // max_rows tokens, the caller having written the others' rows of `y` (BLAS wins on many rows).
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t n = starts[e + 1] - starts[e];
+        if (n > 0 && (max_rows < 0 || n <= max_rows)) active.push_back(e);
+    }
     const int64_t n_active = static_cast<int64_t>(active.size());
     at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p)
@@ -269,7 +273,9 @@ extern "C" void ss_moe_experts(const void *x, int64_t x_stride, const void *gate
                            dtype);
         }
     });
-    at::parallel_for(0, pairs, 4, [&](int64_t p0, int64_t p1) { ss_silu_mul_rows(gu, act, p0, p1, inter, dtype); });
+    at::parallel_for(0, n_active, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) ss_silu_mul_rows(gu, act, starts[active[i]], starts[active[i] + 1], inter, dtype);
+    });
     const int64_t down_chunks = (hidden + kChunk - 1) / kChunk;
     at::parallel_for(0, n_active * down_chunks, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {

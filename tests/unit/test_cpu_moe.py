@@ -1,6 +1,7 @@
-"""The CPU mixture-of-experts paths (kernels/cpu_moe.py) against the torch reference with the C
-linear as its GEMM (kernels/moe_reference.py): the one-call C kernel and the grouped loop give the
-same bits in float32 and bfloat16, with Qwen's and Mixtral's weight dtypes, experts without
+"""The CPU mixture-of-experts paths (kernels/cpu_moe.py) against the torch reference
+(kernels/moe_reference.py) with the same GEMM per expert: the deterministic mode's one-call C
+kernel (the C linear everywhere), the default one (BLAS for an expert of many rows) and the
+grouped loop give the reference's bits in float32 and bfloat16, with Qwen's and Mixtral's weight dtypes, experts without
 tokens, an expert with many rows (prefill) and strided input rows."""
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def test_c_kernel_equals_the_reference_bit_for_bit(dtype, router, tokens):
     logits[:, 3] -= 30   # expert 3 never chosen
     logits[:, 5] += 2    # expert 5 chosen by most tokens
     ids, w = softmax_topk(logits.to(dtype), 2, True) if router == "qwen" else mixtral_topk(logits, 2)
-    ref = fused_moe_reference(x, gate_up, down, ids, w, linear=cpu_ops.linear)
-    assert torch.equal(cpu_moe.fused_moe(x, gate_up, down, ids, w), ref)
-    if tokens <= cpu_moe.C_MAX_ROWS:   # the grouped loop runs BLAS past that
-        assert torch.equal(cpu_moe.grouped_moe(x, gate_up, down, ids, w), ref)
+    ref = fused_moe_reference(x, gate_up, down, ids, w, linear=cpu_ops.linear, activation=cpu_ops.silu_mul)
+    assert torch.equal(cpu_moe.fused_moe_invariant(x, gate_up, down, ids, w), ref)
+    # The default path and the grouped loop run torch's GEMM and SiLU for an expert of more than
+    # C_MAX_ROWS rows: the same bits as the reference with those same choices.
+    mixed = fused_moe_reference(x, gate_up, down, ids, w, linear=cpu_moe._grouped_linear,
+                                activation=cpu_moe._grouped_act)
+    assert torch.equal(cpu_moe.fused_moe(x, gate_up, down, ids, w), mixed)
+    assert torch.equal(cpu_moe.grouped_moe(x, gate_up, down, ids, w), mixed)
