@@ -9,7 +9,7 @@ from cluster.config_fields import require, setting
 from cluster.model.model_paths import (DEFAULT_DRAFT_DIR, DEFAULT_EAGLE_DIR, DEFAULT_MODEL_BLOCK_DIR,
                                        DEFAULT_MODEL_EAGLE_DIR, STDLIB_CODER_DIR)
 
-SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec", "block")
+SPEC_METHODS = ("off", "ngram", "jacobi", "draft", "eagle", "quantspec", "block", "mtp")
 QUANTSPEC_KV_VIEWS = ("full", "int4")   # full: the draft reads the KV as the target does
 AUTO = "auto"
 # The most tokens any proposer is asked for: the ceiling of `max_speculative_tokens` and of a

@@ -209,6 +209,10 @@ class KVLayout:
     dtype: str
     version: int = 1
     kv_dtype: str = "auto"   # cluster/kv/kv_quant.py's KVCacheDType: int8/fp8_e4m3 rows of D bytes + an fp16 scale
+    # Latent attention (MLA): one cached vector of this width per token and layer, no per-head K/V.
+    # Its two halves sit in the arena's K and V planes (num_kv_heads 1, head_dim ceil(latent_dim / 2)),
+    # so blocks, transports, tiers and checksums move it as they move K/V. 0: per-head K and V.
+    latent_dim: int = 0
     # A tensor-parallel rank's share (cluster/parallel/): `num_kv_heads` heads from `kv_head_start`
     # of the model's `total_kv_heads`, on rank `tp_rank` of `tp_size`.
     tp_size: int = 1
@@ -217,15 +221,27 @@ class KVLayout:
     total_kv_heads: int = 0   # 0: num_kv_heads (a single-rank layout)
 
     def layout_hash(self) -> str:
-        # kv_dtype and the TP fields joined the layout later: left out at their single-rank values,
-        # so those layouts hash as before.
+        # kv_dtype, latent_dim and the TP fields joined the layout later: left out at their defaults
+        # (single-rank values), so those layouts hash as before.
         fields = {k: v for k, v in self.__dict__.items()
-                  if not (k == "kv_dtype" and v == "auto") and not (k in _TP_FIELDS and self.tp_size == 1)}
+                  if not (k == "kv_dtype" and v == "auto") and not (k == "latent_dim" and v == 0)
+                  and not (k in _TP_FIELDS and self.tp_size == 1)}
         text = "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_bytes()
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over every layer (what the banner reports and a handoff moves)."""
+        return self.bytes_per_block() // self.block_size
+
+    @classmethod
+    def latent(cls, model_id: str, num_layers: int, latent_dim: int, block_size: int, dtype: str) -> KVLayout:
+        """An MLA layout: the latent vector split over the K and V planes (one element of padding
+        where its width is odd)."""
+        return cls(model_id=model_id, num_layers=num_layers, num_kv_heads=1, head_dim=-(-latent_dim // 2),
+                   block_size=block_size, dtype=dtype, latent_dim=latent_dim)
 
     def row_bytes(self) -> int:
         """Bytes of one token's K (or V) for one KV head."""

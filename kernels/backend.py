@@ -26,6 +26,7 @@ import torch
 from kernels._common import head_block, interpreting
 from kernels.decode import (INVARIANT_PARTITION, MAX_ROWS, default_partition, paged_decode_attention,
                             paged_verify_attention)
+from kernels.mla_triton import mla_decode_triton
 from kernels.prefill import block_m_for, prefill_attention, prefill_tiles
 from kernels.rows import every_token_rows
 from kernels.store_kv import store_kv
@@ -59,6 +60,8 @@ class TritonAttentionBackend:
     name = "triton"
     table_dtype = torch.int32   # of the tables and lengths the kernels read
     verifies_trees = True       # token-tree verifications: every row a decode row, tree rows with tails
+    # Latent attention's (MLA) absorbed decode, for cluster/model/mla_engine.py (kernels/mla_triton.py).
+    mla_decode = staticmethod(mla_decode_triton)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  partition_size: int | None = None, invariant: bool = False, dtype: torch.dtype | None = None,

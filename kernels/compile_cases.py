@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import batch_invariant, fused_moe, quant_gemm
+from kernels import batch_invariant, fused_moe, mla_triton, quant_gemm
 from kernels.backend import TritonAttentionBackend
 from kernels.cpu_quant import BLOCK, TILE, QuantFormat, QuantizedWeight
 from kernels.launch_record import Launch, record_launches, unique
@@ -111,6 +111,24 @@ def record_attention(shape: AttentionShape, dtype: torch.dtype, block_size: int 
     return unique(sink)
 
 
+# DeepSeek-V3's latent attention (128 heads, 512 + 64 latent) and a small MLA (16 heads, 256 + 32).
+MLA_SHAPES = ((128, 512, 64), (16, 256, 32))
+
+
+def record_mla(dtype: torch.dtype, shapes=MLA_SHAPES, block_size: int = 16) -> list[Launch]:
+    """The absorbed-MLA decode (kernels/mla_triton.py) over a latent cache, on meta tensors."""
+    with record_launches() as sink:
+        for heads, c_dim, p_dim in shapes:
+            rows = 4
+            kv = torch.empty(2, 64, block_size, 1, -(-(c_dim + p_dim) // 2), dtype=dtype, device="meta")
+            tables = torch.empty(rows, 8, dtype=torch.long, device="meta")
+            lens = torch.empty(rows, dtype=torch.long, device="meta")
+            mla_triton.mla_decode_triton(torch.empty(rows, heads, c_dim, dtype=dtype, device="meta"),
+                                         torch.empty(rows, heads, p_dim, dtype=dtype, device="meta"),
+                                         kv, tables, lens, 0.1)
+    return unique(sink)
+
+
 def record_batch_invariant(dtype: torch.dtype, hidden: int = 576, out_features: int = 1536) -> list[Launch]:
     """The batch-invariant linear (with and without bias, one row and several) and RMSNorm
     (with and without the residual) on meta tensors."""
@@ -179,6 +197,7 @@ def all_launches() -> list[Launch]:
                 out += record_attention(shape, dtype, 16, invariant=invariant)
         out += record_attention(SHAPES["smollm2-135m"], dtype, 32)
         out += quantized_kv_launches(dtype, full=True)
+        out += record_mla(dtype)
         for hidden, features in ((576, 1536), (4096, 14336), (8192, 1024)):
             out += record_batch_invariant(dtype, hidden, features)
             out += record_quant_gemm(dtype, hidden, features)
@@ -196,6 +215,7 @@ def suite_launches() -> list[Launch]:
     out += record_attention(SHAPES["llama3-8b"], torch.float32, verify_lens=(33,))
     out += record_attention(SHAPES["mistral-7b"], torch.float16, verify_lens=())
     out += record_batch_invariant(torch.bfloat16)
+    out += record_mla(torch.bfloat16) + record_mla(torch.float32, MLA_SHAPES[:1])   # fp32: the most registers
     # Every format in bf16 and fp32 (IEEE dots: the most registers) at both tile configs; fp16 once.
     out += record_quant_gemm(torch.bfloat16, rows=(1, 300), bias=(False,))
     out += record_quant_gemm(torch.bfloat16, rows=(7,), formats=(QuantFormat.Q4_1,), bias=(True,))

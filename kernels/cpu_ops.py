@@ -35,8 +35,10 @@ PARALLEL_SOURCE = SOURCE.with_name("parallel.cpp")   # ops.c's entry points over
 QUANT_SOURCE = SOURCE.with_name("quant.c")           # quantized-weight linear (kernels/cpu_quant.py)
 DEQUANT_SOURCE = SOURCE.with_name("dequant.c")       # quantized weights to a dense matrix (prefill's GEMM)
 KV_QUANT_SOURCE = SOURCE.with_name("kv_quant.c")     # stores into a quantized KV cache (--kv-cache-dtype)
+MLA_SOURCE = SOURCE.with_name("mla.c")               # absorbed latent-attention decode (kernels/mla_decode.py)
 PREFILL_SOURCE = SOURCE.with_name("prefill_attn.c")  # causal prefill attention (AVX-512 only)
 QUANT_DOT_SOURCE = SOURCE.with_name("quant_dot.c")   # quantized linear for bf16 batches (AVX512_BF16 only)
+C_SOURCES = (SOURCE, QUANT_SOURCE, KV_QUANT_SOURCE, DEQUANT_SOURCE, MLA_SOURCE, PREFILL_SOURCE, QUANT_DOT_SOURCE)
 HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "vexp.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
@@ -55,6 +57,7 @@ _SIGNATURES = {
     "ss_qlinear": (_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT, _INT),
     "ss_qdequant": (_P, _P, _P, _I64, _I64, _I64, _I64, _P, _INT, _INT),
     "ss_masked_argmax": (_P, _I64, _P, _I64, _P, _P, _I64, _I64, _INT, _P, _P),
+    "ss_mla_decode": (_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
     "ss_prefill_attention": (_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _INT),
 }
 LINEAR_MAX_ROWS = 8   # LIN_ROWS in ops.c: rows per weight pass (any number of rows is accepted)
@@ -128,10 +131,8 @@ def _build(folder: Path) -> Path | None:
         log.info("no C compiler: fused CPU ops unavailable, torch ops only")
         return None
     torch_dir = Path(torch.__file__).parent
-    key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode() + SOURCE.read_bytes()
-                         + PARALLEL_SOURCE.read_bytes() + QUANT_SOURCE.read_bytes() + KV_QUANT_SOURCE.read_bytes()
-                         + DEQUANT_SOURCE.read_bytes() + PREFILL_SOURCE.read_bytes() + QUANT_DOT_SOURCE.read_bytes()
-                         + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(inspect.getsource(_build).encode() + " ".join(FLAGS).encode()
+                         + b"".join(src.read_bytes() for src in (*C_SOURCES, PARALLEL_SOURCE, *HEADERS))
                          + cpu_signature().encode() + torch.__version__.encode()).hexdigest()[:16]
     target = folder / "cpu_ops" / f"ops-{key}.so"
     if target.exists():
@@ -140,17 +141,11 @@ def _build(folder: Path) -> Path | None:
     log.info("building the fused CPU ops into %s (once)", target,
              extra={"phase": "building the CPU kernels (first start only)"})
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, quant, par = Path(tmp) / "ops.o", Path(tmp) / "quant.o", Path(tmp) / "parallel.o"
-        kvq, deq, pre = Path(tmp) / "kv_quant.o", Path(tmp) / "dequant.o", Path(tmp) / "prefill_attn.o"
-        qdot = Path(tmp) / "quant_dot.o"
-        built = Path(tmp) / target.name
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in C_SOURCES]
+        par, built = Path(tmp) / "parallel.o", Path(tmp) / target.name
         try:
-            _run([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)])
-            _run([cc, *FLAGS, "-c", "-o", str(quant), str(QUANT_SOURCE)])
-            _run([cc, *FLAGS, "-c", "-o", str(kvq), str(KV_QUANT_SOURCE)])
-            _run([cc, *FLAGS, "-c", "-o", str(deq), str(DEQUANT_SOURCE)])
-            _run([cc, *FLAGS, "-c", "-o", str(pre), str(PREFILL_SOURCE)])
-            _run([cc, *FLAGS, "-c", "-o", str(qdot), str(QUANT_DOT_SOURCE)])
+            for src, obj in zip(C_SOURCES, objects):
+                _run([cc, *FLAGS, "-c", "-o", obj, str(src)])
             try:
                 if cxx is None:
                     raise OSError("no C++ compiler")
@@ -158,12 +153,11 @@ def _build(folder: Path) -> Path | None:
                 # libgomp (the one already loaded: same soname), it runs on torch's thread team.
                 _run([cxx, *FLAGS, "-fopenmp", "-std=c++17", "-c", "-o", str(par), str(PARALLEL_SOURCE),
                       f"-I{torch_dir / 'include'}"])
-                _run([cxx, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(qdot), str(par),
-                      f"-L{torch_dir / 'lib'}",
+                _run([cxx, "-shared", "-o", str(built), *objects, str(par), f"-L{torch_dir / 'lib'}",
                       "-ltorch_cpu", "-lc10", "-lgomp", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"])
             except (OSError, subprocess.SubprocessError) as exc:
                 log.warning("fused CPU ops built without torch's thread pool (%s): they run on one thread", exc)
-                _run([cc, "-shared", "-o", str(built), str(obj), str(quant), str(kvq), str(deq), str(pre), str(qdot), "-lm"])
+                _run([cc, "-shared", "-o", str(built), *objects, "-lm"])
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("building fused CPU ops failed (%s) %s; torch ops only", exc, detail.decode()[-400:])
@@ -353,6 +347,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: tor
         return
     _fns["ss_store_kv"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
                         k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k.dtype])
+
+
+def has_mla_decode() -> bool:
+    return "ss_mla_decode" in _fns
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+               lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """kernels/mla_decode.py's signature (contiguous tensors; kv one layer's [2, blocks, bs, 1, half])."""
+    r, heads, c_dim = q_lat.shape
+    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()   # held: the call reads their memory
+    out = torch.empty((r, heads, c_dim), dtype=q_lat.dtype)
+    _fns["ss_mla_decode"](q_lat.data_ptr(), q_pe.data_ptr(), kv.data_ptr(), kv[0].numel(),
+                          tables.data_ptr(), tables.shape[1], lens.data_ptr(), r, heads, c_dim, q_pe.shape[-1],
+                          kv.shape[-1], kv.shape[2], scale, out.data_ptr(), _DTYPE_CODES[q_lat.dtype])
+    return out
 
 
 def has_decode_block() -> bool:

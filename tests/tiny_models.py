@@ -19,7 +19,14 @@ VOCAB = 384
 
 
 def make_tokenizer(out_dir: Path, bos: bool) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -37,9 +44,43 @@ def make_tokenizer(out_dir: Path, bos: bool) -> None:
 KINDS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "phi3", *MOE_KINDS)
 
 
-def _family_config(kind: str, common: dict):
-    """The three later families: (config, model class)."""
+# DeepSeek's latent attention: 4 heads of 16 + 8 (RoPE) query/key dims and 16 value dims over a 40-wide
+# latent (32 compressed + 8 RoPE): a quarter of the same model's per-head K/V (4 x (24 + 16)).
+# Dense layers only (first_k_dense_replace = layers) unless the kind says moe.
+_MLA = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 2}
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+MLA_KINDS = ("deepseek_v3", "deepseek_v3_noq", "deepseek_v2", "deepseek_v3_mtp", "deepseek_v3_moe", "deepseek_v2_moe")
+
+
+def _deepseek_config(kind: str, common: dict):
     import transformers
+    if kind in ("deepseek_v3", "deepseek_v3_mtp"):   # low-rank queries, yarn RoPE (mscale on cos/sin and on the softmax scale)
+        return transformers.DeepseekV3Config(q_lora_rank=24, n_group=2, topk_group=1, rope_parameters=_YARN,
+                                             **_MLA, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v3_noq":   # one q_proj, plain RoPE over halves (rope_interleave off)
+        return transformers.DeepseekV3Config(q_lora_rank=None, n_group=2, topk_group=1, rope_interleave=False,
+                                             **_MLA, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v2":   # complex-number RoPE (interleaved pairs), low-rank queries
+        return transformers.DeepseekV2Config(q_lora_rank=24, n_shared_experts=1, **_MLA,
+                                             **common), transformers.DeepseekV2ForCausalLM
+    # Layer 1 of 2 sparse: 8 experts in 4 groups, 2 kept, top 2, one shared expert.
+    moe = {**_MLA, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "n_shared_experts": 1}
+    if kind == "deepseek_v3_moe":   # sigmoid scores, correction bias (made non-zero below), grouped top-k
+        return transformers.DeepseekV3Config(q_lora_rank=24, routed_scaling_factor=2.5, rope_parameters=_YARN,
+                                             **moe, **common), transformers.DeepseekV3ForCausalLM
+    if kind == "deepseek_v2_moe":   # softmax scores, group-limited greedy
+        return transformers.DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy",
+                                             routed_scaling_factor=1.5, **moe, **common), transformers.DeepseekV2ForCausalLM
+    raise ValueError(kind)
+
+
+def _family_config(kind: str, common: dict):
+    """The later families: (config, model class)."""
+    import transformers
+    if kind in MLA_KINDS:
+        return _deepseek_config(kind, common)
     if kind == "qwen3":   # per-head q/k norms; head_dim 32 with 4 heads: q is wider than hidden
         return transformers.Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                         tie_word_embeddings=True, **common), transformers.Qwen3ForCausalLM
@@ -72,7 +113,7 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
                   initializer_range=0.2)
     if kind in MOE_KINDS:
         cfg, cls = moe_family_config(kind, common)
-    elif kind in ("qwen3", "gemma3", "phi3"):
+    elif kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS):
         cfg, cls = _family_config(kind, common)
     elif kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -97,6 +138,9 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():   # V3's routing correction: a buffer, zero at init
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
         if kind == "gemma3":   # the embeddings, scaled by sqrt(64) = 8, would drown the layers out (the
             # tied head would repeat the last token whatever the layers compute): smaller embeddings, and
             # a final norm of about 8 for logits large enough that the soft-cap bends them
@@ -105,8 +149,38 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
     model.generation_config.eos_token_id = 1
     model.generation_config.bos_token_id = 0
     model.save_pretrained(out_dir)
+    if kind == "deepseek_v3_mtp":
+        add_mtp_layer(out_dir, cfg, seed)
     make_tokenizer(out_dir, bos=kind not in ("qwen2", "qwen3"))
     return out_dir
+
+
+def add_mtp_layer(out_dir: Path, cfg, seed: int) -> None:
+    """DeepSeek-V3's MTP layer after the last decoder layer, as the original checkpoints store it
+    (transformers saves none): a decoder layer of its own, enorm, hnorm, eh_proj, shared_head.
+    Built to propose the pending token again (eh_proj passes the token's embedding, the layer's
+    outputs are scaled small, the head is the embedding matrix): drafts that verification accepts
+    in the tiny model's repetitive stretches and refuses elsewhere."""
+    import dataclasses
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+    path = Path(out_dir) / "model.safetensors"
+    tensors = load_file(path)
+    torch.manual_seed(seed + 1)
+    one = transformers.DeepseekV3ForCausalLM(dataclasses.replace(cfg, num_hidden_layers=1))
+    at = f"model.layers.{cfg.num_hidden_layers}."
+    for name, t in one.state_dict().items():
+        if name.startswith("model.layers.0."):
+            small = name.endswith(("o_proj.weight", "down_proj.weight"))
+            tensors[at + name.removeprefix("model.layers.0.")] = (t * 0.01 if small else t).contiguous()
+    h = cfg.hidden_size
+    tensors[at + "enorm.weight"] = torch.ones(h)
+    tensors[at + "hnorm.weight"] = 1 + 0.1 * torch.randn(h)
+    tensors[at + "eh_proj.weight"] = torch.cat((torch.eye(h), 0.01 * torch.randn(h, h)), dim=1)
+    tensors[at + "shared_head.norm.weight"] = torch.ones(h)
+    tensors[at + "shared_head.head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 # ChatML, as Qwen writes it: `<|im_start|>role\ncontent<|im_end|>\n` per turn. Content given as a list of

@@ -31,6 +31,7 @@ from cluster.kv.tiers import KVTiers
 from cluster.model.attention import make_attention_backend
 from cluster.model.kernel_choice import apply_kernel_plan, engine_config_plan, plan_dtype
 from cluster.model.loader import load_generation_defaults, load_model, load_tokenizer
+from cluster.model.mla_engine import latent_layout, make_mla_backend
 from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
 from cluster.parallel.group import RankGroup
@@ -63,6 +64,9 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     """The target on the kernel plan, and its own KV layout (with `group`: this rank's shard)."""
     mc, model = load_model(config.model, dtype=plan_dtype(config), device=device, max_positions=config.max_model_len)
     full = mc
+    if group is not None and mc.mla is not None:
+        raise ValueError("tensor parallelism (--tensor-parallel-size > 1) is not supported with latent attention "
+                         "(MLA, DeepSeek) yet: serve it on one rank")
     if group is not None:
         mc = shard_model(model, mc, group, config.enable_expert_parallel)
     dtype = model.embed_tokens.weight.dtype
@@ -107,6 +111,8 @@ def _layout(mc: ModelConfig, model_id: str, num_layers: int, config: EngineConfi
     """`base`: the layout widened (its TP share kept)."""
     if base is not None:
         return dataclasses.replace(base, model_id=model_id, num_layers=num_layers)
+    if mc.mla is not None:
+        return latent_layout(mc, model_id, num_layers, config.cache, str(dtype).removeprefix("torch."))
     return KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                     block_size=config.cache.block_size, dtype=str(dtype).removeprefix("torch."),
                     kv_dtype=config.cache.kv_cache_dtype)
@@ -182,6 +188,8 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
 
 def attention_backend(config: EngineConfig, models: Models, device: torch.device):
     mc = models.config
+    if mc.mla is not None:
+        return make_mla_backend(config.attention_backend, mc.mla.latent_dim, mc.num_heads, device, models.kernel_plan)
     return make_attention_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, device,
                                   models.kernel_plan, models.dtype, scale=mc.attention_scale)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from cluster.config import format_size
 from cluster.launch.cluster_config import ClusterConfig
 from cluster.model.kernel_choice import plan_dtype
+from cluster.model.mla_engine import latent_kv_line
+from cluster.model.model_config import load_model_config
 from cluster.worker_messages import WorkerStats
 
 QUESTION = "What is the capital of France?"
@@ -110,6 +112,12 @@ def dtype_line(cfg: ClusterConfig) -> str:
     return f"{dtype} (--dtype auto: {why})" if cfg.engine.device.startswith("cpu") else f"{dtype} (the checkpoint's)"
 
 
+def _latent_line(cfg: ClusterConfig) -> str | None:
+    if not (cfg.engine.model / "config.json").is_file():   # a GGUF file or a built-in name: no latent models
+        return None
+    return latent_kv_line(load_model_config(cfg.engine.model), plan_dtype(cfg.engine), cfg.engine.cache.block_size)
+
+
 def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, chat: bool,
            workers: Sequence[WorkerStats] = (), max_model_len: int | None = None) -> list[str]:
     """The lines to print, in order: what, how, where, then a request to try (`chat`: the model
@@ -133,6 +141,8 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
     if (tp := tensor_parallel_line(cfg)) is not None:
         lines.append(f"  tensor parallel: {tp}")
     lines += kv_lines(workers, max_model_len or cfg.engine.max_model_len)
+    if (latent := _latent_line(cfg)) is not None:
+        lines.append(latent)
     if at.grpc:
         lines.append(f"  gRPC: {at.grpc} (splitserve.v1; sampling greedy unless a request sets temperature)")
     if at.http:

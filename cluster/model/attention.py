@@ -422,6 +422,12 @@ def _triton_backend() -> type:
     return TritonAttentionBackend
 
 
+def triton_mla_decode():
+    """The Triton absorbed-MLA decode (kernels/mla_triton.py), through the Triton backend's lazy
+    import; ImportError where Triton is not installed."""
+    return _triton_backend().mla_decode
+
+
 def _triton_available() -> bool:
     try:
         _triton_backend()

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from cluster.model.deepseek import DeepseekForCausalLM
+from cluster.model.deepseek_weights import deepseek_layer_state_dict
 from cluster.model.llama import CausalLM
 from cluster.model.model_config import ModelConfig, load_model_config
 from cluster.model.moe_loader import moe_layer_state_dict
@@ -143,7 +145,10 @@ def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tenso
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
-        out.update(layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))
+        if cfg.mla is not None:
+            out.update(deepseek_layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))
+        else:
+            out.update(layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing tensors: {shown}")
@@ -167,7 +172,7 @@ def load_model(model_dir: Path, dtype: torch.dtype | None = None, device: str | 
     # as the parameters, so the weights exist once, never beside an empty copy of themselves.
     # The rotary table is computed, not loaded.
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+        model = (CausalLM if cfg.mla is None else DeepseekForCausalLM)(cfg, max_positions or cfg.max_position_embeddings)
     model.build_rotary(max_positions or cfg.max_position_embeddings, device)
     # One tensor at a time: each source is dropped as soon as its converted copy exists.
     converted = {k: state.pop(k).to(device=device, dtype=dtype) for k in list(state)}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_fields
 from cluster.model.moe_config import (
     MOE_ARCHITECTURES,
     REFUSED_MOE_ARCHITECTURES,
@@ -21,7 +22,8 @@ from cluster.model.moe_config import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", *MOE_ARCHITECTURES)
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", *MOE_ARCHITECTURES,
+                           *MLA_ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gated MLP's: SwiGLU, GeGLU (tanh approximation)
 ROPE_KINDS = ("default", "linear", "llama3")
 
@@ -77,6 +79,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None       # RoPE of the layers in `local_layers` (Gemma 3's sliding layers)
     local_layers: tuple[bool, ...] = ()        # per layer: True where local_rope applies (empty: none)
     moe: MoEConfig | None = None               # the experts of a mixture-of-experts model (moe_config.py)
+    mla: MLAConfig | None = None               # DeepSeek's latent attention, experts and MTP (mla_config.py)
 
     @property
     def q_size(self) -> int:
@@ -113,6 +116,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 
 def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
     arch = _architecture(raw)
+    if arch in MLA_ARCHITECTURES:
+        return ModelConfig(model_id=model_id, rope=RopeConfig(), dtype=_dtype(raw), **mla_fields(raw, arch))
     _refuse_unsupported(raw, arch)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in raw:
@@ -125,9 +130,6 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
     n_layers = raw["num_hidden_layers"]
     is_qwen2 = arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
     attention_bias = bool(raw.get("attention_bias", False))
-    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    if dtype_name not in TORCH_DTYPES:
-        raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
     return ModelConfig(
         architecture=arch,
         model_id=model_id,
@@ -145,10 +147,17 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_windows=_layer_windows(raw, arch, n_layers),
-        dtype=TORCH_DTYPES[dtype_name],
+        dtype=_dtype(raw),
         moe=parse_moe_config(raw, arch, n_layers),
         **_family_fields(raw, arch, n_layers),
     )
+
+
+def _dtype(raw: dict) -> torch.dtype:
+    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if dtype_name not in TORCH_DTYPES:
+        raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
+    return TORCH_DTYPES[dtype_name]
 
 
 def _architecture(raw: dict) -> str:

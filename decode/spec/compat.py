@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cluster.config import EngineConfig
 from cluster.model.model_config import load_model_config
+from decode.spec.mtp import check_mtp
 
 
 def _sha(path: Path) -> str | None:
@@ -91,6 +92,12 @@ def check_speculative_models(cfg: EngineConfig, disaggregated: bool) -> None:
     if spec.method in ("off", "ngram", "jacobi", "quantspec"):   # model-free, or the target's own weights
         return
     target = load_model_config(cfg.model)
+    if target.mla is not None and spec.method in ("eagle", "block"):
+        raise ValueError(f"--speculative {spec.method} is not supported with latent attention (MLA, DeepSeek): "
+                         "its head's KV and features assume per-head K/V; use --speculative mtp or ngram")
+    if spec.method == "mtp":
+        check_mtp(target, Path(cfg.model))
+        return
     if spec.method == "block":
         _check_block_drafter(spec.block_dir_for(), cfg.model, target, explicit=spec.block_drafter is not None)
         return

@@ -12,6 +12,8 @@ Checked first (compat.py: a draft or head that cannot work is refused before it 
    (a GGUF model's own blocks, else int4 quantized at load), drafting over the target's own KV
    cache (quantspec.py; `--quantspec-kv-view int4` reads an int8 cache through its int4 view);
    the full-precision target verifies. Only its weights are planned beside the target's;
+ - mtp: DeepSeek-V3's multi-token-prediction layer from the target's own checkpoint (mtp.py), as
+   the EAGLE head: the same features pass, the same one more KV layer (a latent one);
  - ngram and off: nothing.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from decode.spec.block import load_drafter
 from decode.spec.compat import check_speculative_models
 from decode.spec.eagle_head import eagle_feature_layers, load_eagle_head
 from decode.spec.memory import draft_footprint
+from decode.spec.mtp import load_mtp_head
 from kernels.cpu_quant import QuantFormat
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,12 @@ def load_spec_models(config: EngineConfig, target: Models, device: torch.device,
                                   hidden_states=True, hidden_layers=eagle_feature_layers(head_dir),
                                   extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
         return SpecModels(footprint, eagle=head, eagle_dir=head_dir, build_eagle=build)
+    if spec.method == "mtp":
+        head = load_mtp_head(Path(config.model), target.config, target.model, target.dtype, device)
+        apply_kernel_plan(head, target.kernel_plan)
+        footprint = SpecFootprint(extra_kv_layers=1, model_id_suffix="+mtp", hidden_states=True,
+                                  extra_bytes=_unshared_bytes(head, target.model), max_draft_tokens=widest)
+        return SpecModels(footprint, eagle=head)
     if spec.method == "block":
         drafter_dir = spec.block_dir_for()
         drafter = load_drafter(drafter_dir, config.model, target.model, target.dtype, device)

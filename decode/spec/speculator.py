@@ -103,7 +103,7 @@ class SpecDecoder:
         # Dynamic lookahead's cost ratio per method: draft step / target step, measured (EMA).
         self.tau = {"ngram": config.ngram_cost, "jacobi": config.ngram_cost, "draft": config.draft_cost_prior,
                     "eagle": config.draft_cost_prior, "quantspec": config.draft_cost_prior,
-                    "block": config.draft_cost_prior}
+                    "block": config.draft_cost_prior, "mtp": config.draft_cost_prior}
         self._t_draft: dict[str, float] = {}
         self._t_target: float | None = None
         self._proposed_at: float | None = None
@@ -145,8 +145,8 @@ class SpecDecoder:
                                                             loaded.draft_model)
         elif loaded.draft_model is not None:
             self.proposers["draft"] = DraftModelProposer(engine, self.config, loaded.draft_config, loaded.draft_model)
-        elif loaded.eagle is not None:
-            self.proposers["eagle"] = EagleProposer(engine, self.config, loaded.eagle, self.heads)
+        elif loaded.eagle is not None:   # an EAGLE head, or the MTP layer in its place (mtp.py)
+            self.proposers[self.config.method] = EagleProposer(engine, self.config, loaded.eagle, self.heads)
         elif loaded.block is not None:
             self.proposers["block"] = BlockProposer(engine, self.config, loaded.block)
 

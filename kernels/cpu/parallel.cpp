@@ -33,6 +33,10 @@ void ss_decode_attention_items(const void *q, int64_t q_stride, const void *k_ca
                                int dtype, int kvq);
 void ss_store_kv_q(const void *k, int64_t k_stride, const void *v, int64_t v_stride, const int64_t *slots,
                    int64_t rows, int64_t hkv, int64_t dim, void *k_cache, void *v_cache, int dtype, int kvq);
+void ss_mla_decode_items(const void *q_lat, const void *q_pe, const void *kv, int64_t plane, const int64_t *tables,
+                         int64_t max_blocks, const int64_t *lens, int64_t item0, int64_t item1, int64_t heads,
+                         int64_t c_dim, int64_t p_dim, int64_t half, int64_t block_size, float scale, void *out,
+                         int dtype);
 int64_t ss_prefill_ctx_pad(int64_t ctx);
 int64_t ss_prefill_kv_items(int64_t ctx_pad, int64_t hkv);
 int64_t ss_prefill_items(int64_t q_len, int64_t hkv, int64_t group);
@@ -80,6 +84,18 @@ extern "C" void ss_decode_attention_par(const void *q, int64_t q_stride, const v
     at::parallel_for(0, batch * hkv, 1, [&](int64_t i0, int64_t i1) {
         ss_decode_attention_items(q, q_stride, k_cache, v_cache, tables, max_blocks, lens, tails, tail_width, i0, i1,
                                   hq, hkv, dim, block_size, window, scale, out, dtype, kvq);
+    });
+}
+
+extern "C" void ss_mla_decode_par(const void *q_lat, const void *q_pe, const void *kv, int64_t plane,
+                                  const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t rows,
+                                  int64_t heads, int64_t c_dim, int64_t p_dim, int64_t half, int64_t block_size,
+                                  float scale, void *out, int dtype) {
+    // Work items are (row, chunk of 16 heads), as kernels/cpu/mla.c splits them.
+    const int64_t chunks = (heads + 15) / 16;
+    at::parallel_for(0, rows * chunks, 1, [&](int64_t i0, int64_t i1) {
+        ss_mla_decode_items(q_lat, q_pe, kv, plane, tables, max_blocks, lens, i0, i1, heads, c_dim, p_dim, half,
+                            block_size, scale, out, dtype);
     });
 }
 
