@@ -102,16 +102,32 @@ def _measure_linear(mc: ModelConfig, dtype: torch.dtype, max_rows: int, c_ops) -
     return candidates[best], {name: [round(t * 1e6, 1) for t in ts] for name, ts in times.items()}
 
 
+# Decode-sized passes (up to this many rows) take the fused C norm, RoPE and activation unless torch's
+# op is clearly faster (C_MARGIN): with all of them on C a pure-decode pass runs each layer as one
+# call (fused_layer.py, decode_block; 85 -> 157 tok/s at batch 1 on the default model's GGUF), a
+# gain the per-op timing cannot see; and these ops take microseconds, where one descheduled
+# timing on a busy machine flipped a choice (rope at 1 row measured on torch disabled the one-call
+# layer: 10.5 -> 14.8 ms a step, cached until the plan version changed).
+FUSED_DECODE_ROWS = 64
+C_MARGIN = 2.0
+
+
+def _prefer_c(t_c: float, t_torch: float, rows: int) -> bool:
+    return t_c < t_torch * (C_MARGIN if rows <= FUSED_DECODE_ROWS else 1.0)
+
+
 def _measure_norm(rows: int, hidden: int, dtype: torch.dtype, c_ops) -> NormPath:
     x = torch.randn(rows, hidden, dtype=dtype)
     w = torch.rand(hidden, dtype=dtype) + 0.5
     # 16-bit: only candidates that round like transformers (normalise, round, times weight), so
     # a row's result does not change with the bucket its batch falls in.
-    cands = ({NormPath.TORCH_FUSED: lambda: _torch_norm_fused(x, w, 1e-5)} if dtype == torch.float32
-             else {NormPath.TORCH_OPS: lambda: _torch_norm_ops(x, w, 1e-5)})
-    if c_ops is not None:
-        cands[NormPath.FUSED_C] = lambda: c_ops.rms_norm(x, w, 1e-5)
-    return min(cands, key=lambda p: _best_time(cands[p]))
+    torch_path, torch_fn = ((NormPath.TORCH_FUSED, lambda: _torch_norm_fused(x, w, 1e-5)) if dtype == torch.float32
+                            else (NormPath.TORCH_OPS, lambda: _torch_norm_ops(x, w, 1e-5)))
+    if c_ops is None:
+        return torch_path
+    t_torch = _best_time(torch_fn)
+    t_c = _best_time(lambda: c_ops.rms_norm(x, w, 1e-5))
+    return NormPath.FUSED_C if _prefer_c(t_c, t_torch, rows) else torch_path
 
 
 def _measure_act(rows: int, inter: int, dtype: torch.dtype, c_ops) -> ActPath:
@@ -120,7 +136,7 @@ def _measure_act(rows: int, inter: int, dtype: torch.dtype, c_ops) -> ActPath:
     gate_up = torch.randn(rows, 2 * inter, dtype=dtype)
     t_torch = _best_time(lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
     t_c = _best_time(lambda: c_ops.silu_mul(gate_up))
-    return ActPath.FUSED_C if t_c < t_torch else ActPath.TORCH
+    return ActPath.FUSED_C if _prefer_c(t_c, t_torch, rows) else ActPath.TORCH
 
 
 def _measure_rope(rows: int, mc: ModelConfig, dtype: torch.dtype, rotary, c_ops) -> RopePath:
@@ -137,7 +153,7 @@ def _measure_rope(rows: int, mc: ModelConfig, dtype: torch.dtype, rotary, c_ops)
     lookup = _best_time(lambda: rotary.lookup(positions, dtype))
     t_torch = _best_time(torch_rope) - lookup * (1 - per_layer)
     t_c = _best_time(lambda: c_ops.rope_(qkv, positions, rotary.cos, rotary.sin, heads, d))
-    return RopePath.FUSED_C if t_c < t_torch else RopePath.TORCH
+    return RopePath.FUSED_C if _prefer_c(t_c, t_torch, rows) else RopePath.TORCH
 
 
 def _measure_decode_attention(mc: ModelConfig, dtype: torch.dtype, c_ops, max_decode: int,

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # torch is imported where used: cluster.config holds a plan and stays light
     import torch
 
-PLAN_VERSION = 5   # bump when a path's meaning changes: cached plans of older versions are ignored
+PLAN_VERSION = 6   # bump when a path's meaning changes: cached plans of older versions are ignored
+# 6: decode-sized passes prefer the fused C ops (kernel_measure.py C_MARGIN); plans measured before may be noisy
 # linear_c_rows meaning "every pass": on a CPU whose BLAS has no fast 16-bit GEMM (AVX2 without
 # AVX-512 bf16), the C kernel on bf16 weights beats BLAS at prefill sizes too (docs/benchmarks.md, #30).
 C_ROWS_ALL = 1 << 30
