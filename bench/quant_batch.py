@@ -8,9 +8,10 @@ count; the engine runs its passes in the calling thread). Variants, bf16 activat
   none     --quantization none: the GGUF dequantized to bf16 once, oneDNN's packed GEMM
   kernel   --quantization gguf, every pass on quant.c's kernel (decoded in registers, fp32 FMAs);
            what the deterministic mode runs
-  dot      every bf16 pass of 4+ rows on quant_dot.c (the tile decoded to bf16 in L1, vdpbf16ps)
+  dot      every bf16 pass on quant_dot.c (the tile decoded to bf16 in L1, vdpbf16ps; 32+ rows: the C
+           threshold Q_DOT_MIN_ROWS, below it the kernel)
   dense    every pass dequantized whole to bf16, then torch's GEMM
-  served   what `--quantization auto` serves now: kernel below 4 rows, dot to 127, dense from 128
+  served   what `--quantization auto` serves now: kernel below 32 rows, dot to 127, dense from 128
 A decode step: (t(17 new tokens) - t(1)) / 16 after 64-token prompts, the median of --rounds.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ class QuantFormat(enum.Enum):
 
 
 ACT_INT8 = 4   # quant.c's Q_ACT8: or-ed into the format code for int8 activations
-BF16_DOT = 8   # quant.c's Q_DOT: bf16 batches of 4+ rows may run quant_dot.c (not the deterministic mode)
+BF16_DOT = 8   # quant.c's Q_DOT: bf16 passes of 32+ rows may run quant_dot.c (not the deterministic mode)
 _KERNEL_FORMAT = {QuantFormat.INT8: 0, QuantFormat.Q8_0: 1, QuantFormat.Q4_0: 2, QuantFormat.Q4_1: 2}
 _GGML_TYPES = {8: QuantFormat.Q8_0, 2: QuantFormat.Q4_0, 3: QuantFormat.Q4_1}   # GGMLQuantizationType values
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -138,7 +138,7 @@ def quant_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: torch.Tensor |
     act_int8 (4-bit formats only): activations quantized to int8 per row and block of 32 inside
     the kernel (dx = max|x| / 127), integer dot products per block: faster at small batch, but the
     result carries the activations' rounding (not the default; still batch-invariant).
-    bf16_dot: bf16 passes of 4 rows or more on AVX512_BF16 dot products over the weight rounded to
+    bf16_dot: bf16 passes of 32 rows or more on AVX512_BF16 dot products over the weight rounded to
     bf16 per tile (kernels/cpu/quant_dot.c; a row's result then depends on its pass's row count)."""
     dtype_code = _DTYPE_CODES.get(x.dtype)
     if dtype_code is None:

@@ -58,7 +58,7 @@ class QuantLinear(nn.Module):
         self.qweight = qweight
         self.act_int8 = False     # CPU, 4-bit weights: int8 activations per block (--quantized-activations)
         self.dense_rows: int | None = None   # CPU passes of this many rows on: dequantized GEMM (set by the plan)
-        self.bf16_dot = False     # CPU bf16 passes of 4+ rows on bf16 dot products (set with dense_rows)
+        self.bf16_dot = False     # CPU bf16 passes of 32-127 rows on bf16 dot products (set with dense_rows)
         self._scratch = scratch
         self.in_features = qweight.k
         self.out_features = qweight.n

@@ -35,8 +35,11 @@
 enum { QF_INT8 = 0, QF_Q8 = 1, QF_Q4 = 2, Q_ACT8 = 4, Q_DOT = 8 };
 /* Q_DOT: bf16 passes of Q_DOT_MIN_ROWS rows or more may take quant_dot.c's bf16 dot products
  * (the weight rounded to bf16 per tile, as the dense path's GEMM: not this file's arithmetic, so
- * the engine sets it only outside the deterministic mode). */
-#define Q_DOT_MIN_ROWS 4
+ * the engine sets it only outside the deterministic mode). From the dense path's threshold
+ * (quant_linear.py DENSE_MIN_ROWS), which it replaces up to 127 rows: below it decode and
+ * speculative verification rows keep this file's row-independent kernel, so a verification
+ * computes what plain decoding computes (the tests hold it for the default model). */
+#define Q_DOT_MIN_ROWS 32
 /* Weak: quant.c also builds alone (tests/unit/test_quant_kernels.py), without quant_dot.c. */
 int ss_qdot_available(void) __attribute__((weak));
 void ss_qdot_tiles(const void *x, int64_t x_stride, const void *quants, const void *scale, const void *mins,

@@ -127,7 +127,8 @@ def test_the_main_job_answers_a_question_with_the_real_default_model():
     GGUF), the question sent through the chat template, a sensible answer on stdout."""
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MODEL"}
     served = subprocess.run([sys.executable, "-m", "cluster.launch.cli", "serve", "--port", "0", "--http-port", "0",
-                             "--transport", "tcp", "--request", "What is the capital of France?", "--max-tokens", "24"],
+                             "--transport", "tcp", "--request", "What is the capital of France?", "--max-tokens", "24",
+                             "--seed", "1"],   # it samples (the model's chat settings): one seed, one answer
                             capture_output=True, text=True, timeout=600, env=env)
     assert served.returncode == 0, served.stderr[-2000:]
     assert "Paris" in served.stdout, served.stdout

@@ -98,21 +98,21 @@ def test_kernel_plan_keeps_the_row_independent_kernel_in_batch_invariant_mode():
 @pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="quant_dot.c is built only with AVX512_BF16")
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 def test_bf16_dot_pass_is_the_bf16_weight_product(fmt):
-    """bf16 passes of 4+ rows on kernels/cpu/quant_dot.c: the weight rounded to bf16 once (the dense
+    """bf16 passes of 32+ rows on kernels/cpu/quant_dot.c: the weight rounded to bf16 once (the dense
     path's values), exact products summed in fp32, one rounding of the output; fewer rows stay on
-    the row-independent kernel."""
+    the row-independent kernel (decode and verification rows alike)."""
     qw = _weight(fmt, 45, 96)
     bias = torch.randn(45, generator=torch.Generator().manual_seed(5))
     layer = QuantLinear(qw, bias)
     layer.dense_rows, layer.bf16_dot = DENSE_MIN_ROWS, True
-    for rows in (4, 7, 37):                                    # 4-row tiles, a tail of 3, and above DENSE_MIN_ROWS
+    for rows in (32, 35, 45):                                  # 4-row tiles, tails of 3 and 1
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
         ref = nn.functional.linear(x.float(), qw.dequantize().bfloat16().float(), bias)
         got = layer(x)
         assert got.dtype == torch.bfloat16
         assert (got.float() - ref).abs().max().item() <= 0.005 * ref.abs().max().item()
-    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(31, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
     layer.bf16_dot = False
     kernel = layer(x)
     layer.bf16_dot = True
-    assert torch.equal(layer(x), kernel)                       # 3 rows: the row-independent kernel either way
+    assert torch.equal(layer(x), kernel)                       # 31 rows: the row-independent kernel either way
