@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_vs_transformers import bench_hf, time_ours
 from llama_cpp_compare import busy_s
+from moe import try_vllm  # vLLM's CPU build on a checkpoint, in its own process
 
 SHAPE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
          "q_lora_rank": 384, "kv_lora_rank": 256, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
@@ -132,30 +132,6 @@ def decode_kernels(args) -> list[str]:
         lines.append(f"absorbed decode, {heads} heads, latent {c_dim}+{p_dim}, {rows} x {tokens} tokens: torch "
                      f"{ms[0]:.2f} ms, C {ms[1]:.2f} ms ({ms[1] / ms[0]:.2f}x torch's time)")
     return lines
-
-
-def try_vllm(model_dir: Path, args) -> str:
-    """Whether vLLM's CPU build (--vllm-venv) loads the checkpoint and generates, in its own process."""
-    py = Path(args.vllm_venv) / "bin" / "python"
-    if not py.is_file():
-        return f"vLLM: no interpreter at {py}"
-    code = (f"import time; from vllm import LLM, SamplingParams as S; "
-            f"llm = LLM(model={str(model_dir)!r}, dtype={args.dtype!r}, max_model_len=1024, enforce_eager=True, "
-            f"gpu_memory_utilization={args.vllm_memory}); "
-            f"p = [[3 + (i * 7 + j) % 30000 for j in range({args.decode_prompt})] for i in range(8)]; "
-            f"t = time.perf_counter(); llm.generate(p, S(max_tokens=1, ignore_eos=True)); t1 = time.perf_counter() - t; "
-            f"t = time.perf_counter(); llm.generate(p, S(max_tokens={args.new_tokens}, ignore_eos=True)); "
-            f"tn = time.perf_counter() - t; print('VLLM', 8 * ({args.new_tokens} - 1) / (tn - t1))")
-    try:
-        out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=args.vllm_timeout,
-                             check=False)
-    except subprocess.TimeoutExpired:
-        return f"vLLM: did not finish within {args.vllm_timeout} s"
-    for line in out.stdout.splitlines():
-        if line.startswith("VLLM "):
-            return f"vLLM CPU loads it: decode at batch 8 {float(line.split()[1]):.1f} tok/s"
-    tail = [ln for ln in (out.stderr or out.stdout).splitlines() if ln.strip()][-3:]
-    return "vLLM did not load it: " + " | ".join(tail)
 
 
 def main() -> None:
