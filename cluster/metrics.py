@@ -168,6 +168,11 @@ class _WorkerCollector:
         experts = CounterMetricFamily(PREFIX + "expert_tokens", "tokens routed to each expert of a mixture-of-"
                                       "experts layer (a token counts once per chosen expert), by worker and role",
                                       labels=["worker", "role", "layer", "expert", "model_name"])
+        rank_pairs = CounterMetricFamily(PREFIX + "expert_rank_tokens", "(token, expert) pairs each rank of an "
+                                         "expert-parallel worker ran, by layer: the balance --enable-eplb improves",
+                                         labels=["worker", "role", "layer", "rank", "model_name"])
+        rebalances = CounterMetricFamily(PREFIX + "expert_rebalances", "expert placements the balancer applied "
+                                         "(--enable-eplb)", labels=["worker", "role", "model_name"])
         reports = CounterMetricFamily(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
                                       "and source (poll: a Ray call; push: over the token stream while the "
                                       "worker steps)", labels=["model_name", "worker", "source"])
@@ -189,6 +194,11 @@ class _WorkerCollector:
             for layer, counts in s.expert_tokens:
                 for expert, count in enumerate(counts):
                     experts.add_metric([s.name, s.role, str(layer), str(expert), model], count)
+            for layer, counts in s.expert_rank_tokens:
+                for rank, count in enumerate(counts):
+                    rank_pairs.add_metric([s.name, s.role, str(layer), str(rank), model], count)
+            if s.expert_rank_tokens:
+                rebalances.add_metric([s.name, s.role, model], s.expert_rebalances)
             for head in s.spec_heads:
                 for family, field in heads:
                     family.add_metric([s.name, tenant_label(head.tenant), model], getattr(head, field))
@@ -202,7 +212,7 @@ class _WorkerCollector:
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
         yield from tiers.values()
-        yield experts
+        yield from (experts, rank_pairs, rebalances)
         yield reports
 
 

@@ -362,7 +362,8 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         tp = cfg.tensor_parallel_size(role)
-        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp)
+        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp,
+                         eplb=replace(resolved.eplb, role=role))   # each role balances its own load
         wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
                             kv_host=None if cfg.ray_address else "127.0.0.1")
         placement = await _rank_placement(cfg, tp)
