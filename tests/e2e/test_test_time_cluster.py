@@ -11,14 +11,14 @@ from collections import Counter
 import grpc
 import openai
 import pytest
+from cluster_harness import ClusterThread
+from tiny_models import make_chat_model
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, SpeculativeConfig
 from cluster.launch.app import ClusterConfig
-from cluster_harness import ClusterThread
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client, build_request
 from router.router import RouterConfig
-from tiny_models import make_chat_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
