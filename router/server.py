@@ -214,16 +214,28 @@ class InferenceService:
         samples = sample_requests(req, spec)
         if any(s.request_id in self.router.active for s in samples):
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
-        remaining = context.time_remaining()
+        trackers = {s.request_id: self.metrics.track(s) for s in samples} if self.metrics else {}
+
+        def observe(d: TokenDelta) -> None:
+            if d.request_id in trackers:
+                trackers[d.request_id].tokens(len(d.token_ids), d)
+        ended = "abort"          # the client left (the task was cancelled)
         try:
-            async with asyncio.timeout(remaining):
-                outcome = await run_test_time(self.router, samples, spec)
+            async with asyncio.timeout(context.time_remaining()):
+                outcome = await run_test_time(self.router, samples, spec, observe)
         except TimeoutError:
+            ended = "deadline"
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         except RequestError as exc:
+            ended = "error"
             await _abort(context, grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
         except Exception as exc:  # noqa: BLE001 - no worker could serve it, or the server is stopping
+            ended = "error"
             await _abort(context, grpc.StatusCode.UNAVAILABLE, error_message(exc))
+        finally:
+            for t in trackers.values():      # cut short, or never started (no series: nothing streamed)
+                if t.last is not None and not t.done:
+                    t.finish(ended)
         yield test_time_message(outcome, client_id(tenant, req.request_id), req.sampling.logprobs is not None)
 
     async def Abort(self, request, context):
