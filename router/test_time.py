@@ -89,6 +89,7 @@ class _Run:
         self.answers: list[str | None] = []  # theirs, in that order
         self.prompt_tokens = self.cached_tokens = 0
         self.stopped_early = False
+        self.aborted = False
 
     async def wave(self, router, wave: tuple[GenerateRequest, ...]) -> None:
         """Run these samples together (forks of the first); stop them once the vote is decided."""
@@ -97,6 +98,9 @@ class _Run:
         stream = router.generate(wave[0], wave[1:])
         try:
             async for d in stream:
+                if d.finish_reason is FinishReason.ABORT:    # the client's Abort (of the first sample's id)
+                    self.aborted = True
+                    return
                 if self._add(d) and self.spec.early_stop and decided(self.answers, self.spec.samples):
                     self.stopped_early = len(self.finished) < len(self.samples) or \
                         len(self.samples) < self.spec.samples
@@ -123,7 +127,7 @@ class _Run:
 
     @property
     def open(self) -> bool:
-        return not self.stopped_early
+        return not (self.stopped_early or self.aborted)
 
     def outcome(self) -> TestTimeOutcome:
         ids = self.finished + [r for r in self.samples if r not in self.finished]
@@ -145,7 +149,8 @@ async def run_test_time(router, samples: tuple[GenerateRequest, ...], spec: Test
                         observe: Callable[[TokenDelta], None] | None = None) -> TestTimeOutcome:
     """Run `samples` (`sample_requests`) on `router` and choose one. `observe`: called with every
     delta (the frontends' request metrics). Without an answer from any sample, the first to finish
-    is chosen."""
+    is chosen. A sample aborted by the client (`Abort` names the request's id, the first sample's)
+    ends them all: the outcome holds what finished before."""
     run = _Run(spec, observe)
     first = spec.first_wave()
     await run.wave(router, samples[:first])

@@ -90,8 +90,9 @@ def test_spec_validation_names_the_field():
 class _ScriptedRouter:
     """Each sample streams its scripted text one token a step, all samples of a wave in lockstep."""
 
-    def __init__(self, texts: list[str]):
+    def __init__(self, texts: list[str], abort_at: str | None = None):
         self.texts = texts
+        self.abort_at = abort_at        # a text whose sample the client aborts (at its first token)
         self.started: list[str] = []
         self.closed_early = 0
 
@@ -104,6 +105,9 @@ class _ScriptedRouter:
             for step in range(max(len(w) for w in words.values())):
                 for rid, w in words.items():
                     if step < len(w):
+                        if self.abort_at == " ".join(w):
+                            yield TokenDelta(rid, (), "", FinishReason.ABORT)
+                            continue
                         end = step == len(w) - 1
                         yield TokenDelta(rid, (step,), w[step] + ("" if end else " "),
                                          FinishReason.STOP if end else None, (TokenLogprob(step, -0.1 * len(w)),),
@@ -118,8 +122,8 @@ class _ScriptedRouter:
         return int(rid.rsplit("/tt", 1)[1]) if "/tt" in rid else 0
 
 
-def _run(texts, spec):
-    router = _ScriptedRouter(texts)
+def _run(texts, spec, abort_at=None):
+    router = _ScriptedRouter(texts, abort_at)
     req = GenerateRequest("r", (1, 2, 3), SamplingParams(seed=7))
     samples = sample_requests(req, spec)
     assert [s.sampling.seed for s in samples] == [7 + j for j in range(spec.samples)]
@@ -157,3 +161,10 @@ def test_best_of_chooses_the_highest_mean_logprob():
     _, out = _run(["a b c", "d", "e f"], spec)
     assert out.best.text == "d" and out.best.score == pytest.approx(-0.1)
     assert sample_requests(GenerateRequest("r", (1,), SamplingParams()), spec)[1].sampling.logprobs == 0
+
+
+def test_a_client_abort_of_one_sample_ends_them_all():
+    spec = TestTimeSpec(Strategy.MAJORITY, 5, early_stop=True)
+    router, out = _run(["a", "b c d", "e f g h"], spec, abort_at="e f g h")
+    assert router.started == ["r", "r/tt1", "r/tt2"] and router.closed_early == 1
+    assert out.best.text == "a" and out.samples_run == 3 and out.completion_tokens == 1 + 1
