@@ -30,6 +30,8 @@ from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
+from router.test_time import TestTimeOutcome, run_test_time, sample_requests
+from router.test_time_policy import TestTimeSpec, spec_from_proto
 from router.tokenization import TokenCodec, detokenize_message, tokenize_message
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
@@ -75,6 +77,23 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
     return msg
 
 
+def test_time_message(outcome: TestTimeOutcome, request_id: str, with_logprobs: bool) -> pb.GenerateResponse:
+    """A test-time request's one message: the chosen sample as a whole response, usage counting
+    every sample's tokens, the candidates under `test_time`."""
+    best = outcome.best
+    delta = TokenDelta(request_id, best.token_ids, best.text, best.finish_reason,
+                       best.logprobs if with_logprobs else (), outcome.prompt_tokens, len(best.token_ids),
+                       outcome.cached_tokens)
+    msg = to_proto(delta, outcome.completion_tokens)
+    for c in outcome.candidates:
+        msg.test_time.candidates.add(text=c.text, answer=c.answer, tokens=len(c.token_ids), score=c.score,
+                                     finish_reason=reason_to_proto(c.finish_reason))
+    msg.test_time.chosen = outcome.chosen
+    msg.test_time.stopped_early = outcome.stopped_early
+    msg.test_time.samples_run = outcome.samples_run
+    return msg
+
+
 class InferenceService:
     def __init__(self, router: Router, limits: Limits, codec: TokenCodec, info: ServerInfo, api_keys: tuple = (),
                  metrics=None, siblings=None, admission: AdmissionConfig = AdmissionConfig(),
@@ -117,12 +136,20 @@ class InferenceService:
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
+        spec = None
+        if request.HasField("test_time"):       # checked before admission: its samples are its slots
+            try:
+                spec = spec_from_proto(request.test_time, self.limits.bounds, (self.limits.model_id,))
+            except ValidationError as exc:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            ticket = await self.admission.admit(tenant, 1, self.router.closing)
+            ticket = await self.admission.admit(tenant, spec.samples if spec else 1, self.router.closing)
         except Refused as exc:
             await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         try:
-            async for msg in self._generate(request, context, tenant):
+            run = self._generate(request, context, tenant) if spec is None else \
+                self._test_time(request, context, tenant, spec)
+            async for msg in run:
                 yield msg
         finally:
             self.admission.release(ticket)
@@ -179,6 +206,37 @@ class InferenceService:
                 tracker.finish("deadline" if timed_out else "abort")
         if timed_out:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+
+    async def _test_time(self, request, context, tenant: str, spec: TestTimeSpec):
+        """Test-time compute (router/test_time.py): the samples run, then one message, the chosen
+        sample's, with the candidates under `test_time` and every sample's tokens in its usage."""
+        req = await self._validated(context, tenant, validate, request, self.limits, self.tokenize, tenant)
+        samples = sample_requests(req, spec)
+        if any(s.request_id in self.router.active for s in samples):
+            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
+        trackers = {s.request_id: self.metrics.track(s) for s in samples} if self.metrics else {}
+
+        def observe(d: TokenDelta) -> None:
+            if d.request_id in trackers:
+                trackers[d.request_id].tokens(len(d.token_ids), d)
+        ended = "abort"          # the client left (the task was cancelled)
+        try:
+            async with asyncio.timeout(context.time_remaining()):
+                outcome = await run_test_time(self.router, samples, spec, observe)
+        except TimeoutError:
+            ended = "deadline"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        except RequestError as exc:
+            ended = "error"
+            await _abort(context, grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
+        except Exception as exc:  # noqa: BLE001 - no worker could serve it, or the server is stopping
+            ended = "error"
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, error_message(exc))
+        finally:
+            for t in trackers.values():      # cut short, or never started (no series: nothing streamed)
+                if t.last is not None and not t.done:
+                    t.finish(ended)
+        yield test_time_message(outcome, client_id(tenant, req.request_id), req.sampling.logprobs is not None)
 
     async def Abort(self, request, context):
         """Only the owner's tenant may abort a request; another's is answered as an unknown id."""

@@ -28,6 +28,7 @@ import os
 import socket
 import ssl
 import tempfile
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import uvicorn
@@ -42,6 +43,7 @@ from router.offload import Offload
 from router.openai.protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
     parse_completion, samples_needed
 from router.openai.responses import JobResponse
+from router.openai.test_time import parse_test_time
 from router.openai.tokenization import TokenizationRoutes
 from router.validation import clip
 
@@ -236,16 +238,21 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         tenant = self._authorize(request)
         body = await self._body(request, tenant)
-        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.COMPLETIONS))
+        ticket = await self._admit(tenant, self._slots(body, Endpoint.COMPLETIONS))
         return await self._parse_and_serve(tenant, ticket, request, parse_completion, body, self.limits,
                                            self.service.tokenize, self._detokenize, tenant)
 
     async def chat(self, request: Request) -> Response:
         tenant = self._authorize(request)
         body = await self._body(request, tenant)
-        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.CHAT))
+        ticket = await self._admit(tenant, self._slots(body, Endpoint.CHAT))
         return await self._parse_and_serve(tenant, ticket, request, parse_chat, body, self.limits,
                                            self.chat_template, self.tokenize_rendered, tenant)
+
+    def _slots(self, body, endpoint: Endpoint) -> int:
+        """The in-flight slots a body asks for: its samples (prompts x n, or test_time's)."""
+        spec = parse_test_time(body, self.limits, endpoint) if isinstance(body, dict) else None
+        return spec.samples if spec is not None else samples_needed(body, self.limits, endpoint)
 
     async def _parse_and_serve(self, tenant: str, ticket: Ticket, request: Request, parse, *args) -> Response:
         """Tokenize and render off the loop, then serve; the ticket's slots go back when the last
@@ -253,6 +260,8 @@ class OpenAIServer:
         handed_over = False
         try:
             job = await self._offload(tenant, parse, *args)
+            if (spec := parse_test_time(args[0], self.limits, job.endpoint)) is not None:
+                job = replace(job, test_time=spec)
             response = await self._serve(job, request, ticket)
             handed_over = isinstance(response, _StreamWithSlots)
             return response
