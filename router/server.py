@@ -30,6 +30,8 @@ from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
+from router.served_models import ServedModels, UnknownModel
+from router.skills import AUTO
 from router.tokenization import TokenCodec, detokenize_message, tokenize_message
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
@@ -94,6 +96,7 @@ class InferenceService:
         self.metrics = metrics
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
+        self.served: ServedModels | None = None     # set when this port serves several models
 
     async def set_serving(self, serving: bool) -> None:
         if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
@@ -117,12 +120,36 @@ class InferenceService:
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
+        service, request = await self._target(request, context)
+        async for msg in service._admitted(request, context, tenant):
+            yield msg
+
+    async def _target(self, request, context):
+        """The service of the model the request names, and the request (its `model` the chosen
+        one for "auto"); this service when it serves one model."""
+        if self.served is None:
+            return self, request
+        try:
+            if request.model == AUTO:
+                entry = self.served.route(request.text, chat=False)
+                chosen = pb.GenerateRequest()
+                chosen.CopyFrom(request)
+                chosen.model = entry.name
+                return entry.service, chosen
+            return self.served.find(request.model).service, request
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+    async def _admitted(self, request, context, tenant: str):
         try:
             ticket = await self.admission.admit(tenant, 1, self.router.closing)
         except Refused as exc:
             await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         try:
+            first = self.served is not None or request.model == self.limits.model_id
             async for msg in self._generate(request, context, tenant):
+                if first:           # the first message names the model that answers
+                    msg.model, first = self.limits.model_id, False
                 yield msg
         finally:
             self.admission.release(ticket)
@@ -190,8 +217,9 @@ class InferenceService:
 
     async def ListModels(self, request, context):
         await self._authorize(context)
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.model_id, max_model_len=self.limits.max_model_len,
-                                                          vocab_size=self.limits.vocab_size)])
+        services = [e.service for e in self.served.entries.values()] if self.served is not None else [self]
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.limits.model_id, max_model_len=s.limits.max_model_len,
+                                                          vocab_size=s.limits.vocab_size) for s in services])
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
