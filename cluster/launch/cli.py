@@ -17,6 +17,7 @@ from cluster.launch.cli_parser import build_parser
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.launch.console import Console, PhaseHandler, log_file
 # Imported from here too (tests, scripts): what a command is, how it fails and prints.
+from cluster.launch.model_specs import several_models
 from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  # noqa: F401
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
 from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
@@ -71,7 +72,7 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
             raise SettingError(given[0], f"is a cluster setting; with --server that server's answer (drop "
                                          f"{', '.join(given)})")
         return None
-    config = build(ClusterConfig, sub.settings, values, _file_settings(args))
+    config = build(ClusterConfig, sub.settings, values, {**_file_settings(args), **several_models(args, values)})
     if check_machine:
         _check_machine(config, {path: values.source[path] for path in values.given})
     return config

@@ -14,23 +14,6 @@ from dataclasses import replace
 from cluster.launch.app import RunningCluster, start_cluster
 from cluster.launch.cluster_config import ClusterConfig, ModelSpec
 
-MODEL_KEYS = ("model", "served_model_name", "dtype", "quantization", "num_prefill", "num_decode")
-
-
-def model_spec(entry: dict, where: str) -> ModelSpec:
-    """A YAML `models:` entry (keys as the flags, `_` or `-`; `prefill`/`decode` for the worker counts)."""
-    if isinstance(entry, str):
-        entry = {"model": entry}
-    if not isinstance(entry, dict) or "model" not in entry:
-        raise ValueError(f"{where}: each entry needs `model:` (and optionally {', '.join(MODEL_KEYS[1:])})")
-    aliases = {"prefill": "num_prefill", "decode": "num_decode"}
-    fields = {aliases.get(k.replace("-", "_"), k.replace("-", "_")): v for k, v in entry.items()}
-    unknown = set(fields) - set(MODEL_KEYS)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; an entry takes {', '.join(MODEL_KEYS)}")
-    fields["model"] = str(fields["model"])
-    return ModelSpec(**fields)
-
 
 def model_config(cfg: ClusterConfig, spec: ModelSpec) -> ClusterConfig:
     """The single-model cluster config of one more model: the cluster's settings, the spec's own over them."""
