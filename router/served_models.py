@@ -53,10 +53,13 @@ class ServedModels:
 
     def route(self, text: str, chat: bool) -> ModelEntry:
         """`model: "auto"`: the model whose skills fit `text`, among those able to serve the endpoint
-        (a chat request only to models with a chat template)."""
+        (a chat request only to models with a chat template). A prompt without text (token ids)
+        goes to the first model able to serve it."""
         able = [e.name for e in self.entries.values() if e.chat or not chat]
         if not able:
             raise self.unknown(AUTO)
+        if not text.strip() and self.classifier is not None:   # token ids, no text to read: the first able model
+            return self.default if self.default.name in able else self.entries[able[0]]
         if self.classifier is None or len(able) == 1:
             if self.classifier is None:
                 raise self.unknown(AUTO)

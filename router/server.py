@@ -211,6 +211,11 @@ class InferenceService:
         """Only the owner's tenant may abort a request; another's is answered as an unknown id."""
         tenant = await self._authorize(context)
         rid = scoped_id(tenant, request.request_id)
+        if self.served is not None:     # several models (one frontend): the request is on one model's router
+            for entry in self.served.entries.values():
+                if await entry.service.router.abort(rid, tenant):
+                    return pb.AbortResponse(found=True)
+            return pb.AbortResponse(found=False)
         if self.siblings is not None:
             return pb.AbortResponse(found=await self.siblings.abort_anywhere(rid, tenant))
         return pb.AbortResponse(found=await self.router.abort(rid, tenant))
@@ -227,11 +232,22 @@ class InferenceService:
 
     async def Tokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, tokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, tokenize_message, request, service.limits, service.codec)
 
     async def Detokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, detokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, detokenize_message, request, service.limits, service.codec)
+
+    async def _named(self, name: str, context):
+        """The service of the model `name` names (several models; NOT_FOUND naming them otherwise)."""
+        if self.served is None:
+            return self
+        try:
+            return self.served.find(name).service
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
 
 _METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),

@@ -9,18 +9,20 @@ import asyncio
 import http.client
 import json
 import threading
+import time
 
 import grpc
 import pytest
+from cluster_harness import ClusterThread, session_ray
+from tiny_models import make_chat_model, make_model
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
 from cluster.launch.cluster_config import ClusterConfig, ModelSpec
 from cluster.launch.models import start_models
 from cluster.types import SamplingParams
-from cluster_harness import ClusterThread, session_ray
+from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from router.router import RouterConfig
-from tiny_models import make_chat_model, make_model
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -145,3 +147,23 @@ def test_models_never_share_workers_or_layouts(served, dirs, single_engine):
     chat, code, _ = dirs
     layouts = [single_engine(_engine(d)).layout for d in (chat, code)]
     assert layouts[0].layout_hash() != layouts[1].layout_hash()   # a handle of one model is refused by the other
+
+
+def test_abort_and_tokenize_reach_the_named_model(served, dirs, single_engine):
+    client = Client(served.target)
+    stream = client.stream(CODE_PROMPT, request_id="long-coder", max_tokens=240, ignore_eos=True, model="coder")
+    next(iter(stream))          # running on the coder's workers, not the first model's
+    assert client.stub.Abort(pb.AbortRequest(request_id="long-coder")).found
+    stream.cancel()
+    _, code, _ = dirs
+    ids = single_engine(_engine(code)).tokenize(CHAT_PROMPT)
+    assert list(client.stub.Tokenize(pb.TokenizeRequest(text=CHAT_PROMPT, model="coder")).token_ids) == list(ids)
+    served.wait_idle(30)
+    (other,) = served.cluster.models
+
+    async def other_busy():
+        return [s for s in [await c.stats() for c in other.workers.values()] if s.blocks_used or s.leases or s.running]
+    deadline = time.monotonic() + 30
+    while served.run(other_busy()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not served.run(other_busy())      # the aborted request's blocks are back on the coder's workers
