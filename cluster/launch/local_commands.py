@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.engine.engine import LLMEngine
-from cluster.launch.app import start_cluster
 from cluster.launch.models import start_models
 from cluster.launch.banner import Endpoints, banner, models_lines
 from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
@@ -152,7 +151,7 @@ def cmd_chat(inv: Invocation) -> int:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     console.phase("starting")
-    cluster = asyncio.run_coroutine_threadsafe(start_cluster(cfg), loop).result()
+    cluster = asyncio.run_coroutine_threadsafe(start_models(cfg), loop).result()
     console.done(f"splitserve: chatting with {cluster.model_name}; {sampling.describe()}; seed {seed} "
                  f"(--seed {seed} repeats it); /exit to stop")
     at = endpoints(cfg, cluster)
