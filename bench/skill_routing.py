@@ -11,7 +11,11 @@ Routes: bench/skill_routing/routes.yaml; held-out prompts: bench/skill_routing/h
 them among the examples). Prints accuracy per label, the misrouted prompts, and the time per
 prompt (the embedding's is a forward pass on CPU; the router's budget is microseconds).
 
-  python bench/skill_routing.py [--no-embedding]
+`--quality`: on a mixed set (bench/skill_routing/quality.yaml, code and chat prompts with a
+reference continuation each), each model's log-likelihood of the references (nats per character:
+the two tokenizers differ) for each model alone and for the model naive Bayes routes each prompt to.
+
+  python bench/skill_routing.py [--no-embedding] [--quality]
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ def embedder(model_dir: Path):
     import torch  # noqa: PLC0415 - only for the embedding variant
     from transformers import AutoModel, AutoTokenizer  # noqa: PLC0415
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @torch.no_grad()
     def embed(text: str):
@@ -78,9 +82,47 @@ def nearest_example(routes, embed):
     return choose
 
 
+def loglik_per_char(model_dir: Path):
+    """The reference's log-likelihood after the prompt, per character of the reference."""
+    import torch  # noqa: PLC0415 - only for the quality comparison
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def score(prompt: str, reference: str) -> float:
+        head = tok(prompt)["input_ids"]
+        ids = tok(prompt + reference)["input_ids"]
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        picked = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        return float(picked[len(head) - 1:].sum()) / len(reference)
+    return score
+
+
+def quality(routes) -> None:
+    data = yaml.safe_load((HERE / "quality.yaml").read_text())
+    items = [(item["prompt"], item["reference"], label) for label, rows in data.items() for item in rows]
+    dirs = {LABELS["chat"]: default_model_dir(), LABELS["code"]: STDLIB_CODER_DIR}
+    scores = {}
+    for name, model_dir in dirs.items():
+        score = loglik_per_char(model_dir)
+        scores[name] = [score(prompt, reference) for prompt, reference, _ in items]
+    routed = SkillClassifier(routes)
+    chosen = [routed.choose(prompt) for prompt, _, _ in items]
+    columns = {**{f"{n} alone": v for n, v in scores.items()},
+               "routed (bayes)": [scores[c][i] for i, c in enumerate(chosen)]}
+    print(f"quality: mean log-likelihood of the references, nats per character (higher is better), "
+          f"{len(items)} items")
+    for column, values in columns.items():
+        by = {label: [v for v, (_, _, lab) in zip(values, items) if lab == label] for label in data}
+        print(f"  {column:40s} all {sum(values) / len(values):+.3f}  " +
+              "  ".join(f"{label} {sum(v) / len(v):+.3f}" for label, v in by.items()))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-embedding", action="store_true", help="the naive Bayes classifier only")
+    parser.add_argument("--quality", action="store_true", help="also the routed answers' quality on a mixed set")
     args = parser.parse_args()
     routes = load_skill_routes(HERE / "routes.yaml")
     cases = heldout()
@@ -90,6 +132,8 @@ def main() -> int:
     if not args.no_embedding:
         for name, model_dir in (("SmolLM2-135M-Instruct", default_model_dir()), ("stdlib-coder", STDLIB_CODER_DIR)):
             report(f"embedding: nearest example, {name}", nearest_example(routes, embedder(model_dir)), cases)
+    if args.quality:
+        quality(routes)
     own = sum(os.times()[:2]) - own0
     busy = max(0.0, (busy_s() - busy0 - own) / ((time.monotonic() - wall0) * os.cpu_count()))
     print(f"CPU busy with other work: {busy:.0%} of {os.cpu_count()} cores during the run (times are noisy)")
