@@ -113,6 +113,13 @@ def test_models_listed_and_unknown_refused(served):
     conn.request("GET", "/v1/models")
     assert {m["id"] for m in json.loads(conn.getresponse().read())["data"]} == {"chatter", "coder"}
     conn.close()
+    conn = http.client.HTTPConnection(served.http, timeout=30)
+    conn.request("GET", "/metrics")         # one scrape: both models' series, each family once
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert 'model_name="chatter"' in text and 'model_name="coder"' in text
+    types = [line for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))
     status, r = _post(served, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 1})
     assert status == 404 and "'chatter'" in r["error"]["message"] and "'coder'" in r["error"]["message"]
     client = Client(served.target)
