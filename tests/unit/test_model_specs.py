@@ -52,6 +52,13 @@ def test_auto_picks_by_skill_among_able_models():
         ServedModels([_entry("a", True), _entry("b", True)]).route("x", chat=False)   # no routes: no "auto"
 
 
+def test_bad_skill_routes_refused_at_load(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("routes: []\n")
+    with pytest.raises(SettingError, match="--skill-routes.*routes"):
+        load(["serve", "--skill-routes", str(path)], check_machine=False)
+
+
 def test_skill_routes_file(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("routes:\n  - model: a\n    skills: [x]\n    examples: [y]\n")
