@@ -318,6 +318,32 @@ class _FrontendCollector:
             yield m
 
 
+class _MergedCollector:
+    """Several models in one cluster: each model's registry (its series labelled with its
+    `model_name`) read as one, a family's samples from every registry under one HELP and TYPE."""
+
+    def __init__(self, registries: list[CollectorRegistry]):
+        self.registries = registries
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    merged[family.name] = family
+                else:
+                    into.samples.extend(family.samples)
+        yield from merged.values()
+
+
+def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
+    """One registry that serves all of `registries`' series (one scrape for a cluster of several models)."""
+    out = CollectorRegistry()
+    out.register(_MergedCollector(registries))
+    return out
+
+
 class ClusterMetrics:
     def __init__(self, transport: str, model_name: str, workers: WorkerStatsSource | None = None,
                  frontends: list | None = None):
@@ -415,5 +441,6 @@ class ClusterMetrics:
         """Worker -> its newest stats, as the source holds them (none without one)."""
         return self.workers.latest_stats() if self.workers is not None else {}
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", registry: CollectorRegistry | None = None):
+        """`registry`: another to serve instead (several models' merged: `merged_registry`)."""
+        return start_http_server(port, addr=host, registry=registry or self.registry)

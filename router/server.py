@@ -30,6 +30,8 @@ from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
+from router.served_models import ServedModels, UnknownModel
+from router.skills import AUTO
 from router.test_time import TestTimeOutcome, run_test_time, sample_requests
 from router.test_time_policy import TestTimeSpec, spec_from_proto
 from router.tokenization import TokenCodec, detokenize_message, tokenize_message
@@ -113,6 +115,7 @@ class InferenceService:
         self.metrics = metrics
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
+        self.served: ServedModels | None = None     # set when this port serves several models
 
     async def set_serving(self, serving: bool) -> None:
         if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
@@ -136,6 +139,27 @@ class InferenceService:
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
+        service, request = await self._target(request, context)
+        async for msg in service._admitted(request, context, tenant):
+            yield msg
+
+    async def _target(self, request, context):
+        """The service of the model the request names, and the request (its `model` the chosen
+        one for "auto"); this service when it serves one model."""
+        if self.served is None:
+            return self, request
+        try:
+            if request.model == AUTO:
+                entry = self.served.route(request.text, chat=False)
+                chosen = pb.GenerateRequest()
+                chosen.CopyFrom(request)
+                chosen.model = entry.name
+                return entry.service, chosen
+            return self.served.find(request.model).service, request
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+    async def _admitted(self, request, context, tenant: str):
         spec = None
         if request.HasField("test_time"):       # checked before admission: its samples are its slots
             try:
@@ -147,9 +171,12 @@ class InferenceService:
         except Refused as exc:
             await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         try:
+            first = self.served is not None or request.model == self.limits.model_id
             run = self._generate(request, context, tenant) if spec is None else \
                 self._test_time(request, context, tenant, spec)
             async for msg in run:
+                if first:           # the first message names the model that answers
+                    msg.model, first = self.limits.model_id, False
                 yield msg
         finally:
             self.admission.release(ticket)
@@ -242,14 +269,20 @@ class InferenceService:
         """Only the owner's tenant may abort a request; another's is answered as an unknown id."""
         tenant = await self._authorize(context)
         rid = scoped_id(tenant, request.request_id)
+        if self.served is not None:     # several models (one frontend): the request is on one model's router
+            for entry in self.served.entries.values():
+                if await entry.service.router.abort(rid, tenant):
+                    return pb.AbortResponse(found=True)
+            return pb.AbortResponse(found=False)
         if self.siblings is not None:
             return pb.AbortResponse(found=await self.siblings.abort_anywhere(rid, tenant))
         return pb.AbortResponse(found=await self.router.abort(rid, tenant))
 
     async def ListModels(self, request, context):
         await self._authorize(context)
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.model_id, max_model_len=self.limits.max_model_len,
-                                                          vocab_size=self.limits.vocab_size)])
+        services = [e.service for e in self.served.entries.values()] if self.served is not None else [self]
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.limits.model_id, max_model_len=s.limits.max_model_len,
+                                                          vocab_size=s.limits.vocab_size) for s in services])
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
@@ -257,11 +290,22 @@ class InferenceService:
 
     async def Tokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, tokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, tokenize_message, request, service.limits, service.codec)
 
     async def Detokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, detokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, detokenize_message, request, service.limits, service.codec)
+
+    async def _named(self, name: str, context):
+        """The service of the model `name` names (several models; NOT_FOUND naming them otherwise)."""
+        if self.served is None:
+            return self
+        try:
+            return self.served.find(name).service
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
 
 _METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),
