@@ -361,6 +361,23 @@ class ClusterMetrics:
         self.kv_index_reads = Gauge(PREFIX + "router_kv_index_reads", "KV event batches applied to the router's "
                                     "index, by kind (events: changes; snapshot: a full resync after a restart or "
                                     "a gap)", ["model_name", "kind"], registry=r)
+        self.scaling_actions = Counter(PREFIX + "scaling_actions", "admin operations done on the running cluster, "
+                                       "by action (add, remove, switch)", ["model_name", "action"], registry=r)
+        self.workers_by_role = Gauge(PREFIX + "workers", "workers serving now, by role", ["model_name", "role"],
+                                     registry=r)
+        self.drained = Counter(PREFIX + "drained_sequences", "sequences on a worker being drained, by outcome "
+                               "(moved: KV to a peer; recomputed: resumed elsewhere from their streamed tokens; "
+                               "finished: ended there)", ["model_name", "outcome"], registry=r)
+
+    def count_scaling(self, action: str) -> None:
+        self.scaling_actions.labels(model_name=self.model_name, action=action).inc()
+
+    def set_workers(self, role: str, n: int) -> None:
+        self.workers_by_role.labels(model_name=self.model_name, role=role).set(n)
+
+    def count_drained(self, outcome: str, n: int = 1) -> None:
+        """Sequences a drain handed on (router/attempts.py) or let end (cluster/launch/admin.py)."""
+        self.drained.labels(model_name=self.model_name, outcome=outcome).inc(n)
 
     def update_kv_index(self, per_worker: dict, counts: dict) -> None:
         """The router's cluster-wide KV index (router/kv_index.py): staleness and size per worker."""

@@ -13,7 +13,8 @@ samples of a prompt take the same decode path (`Attempts.decode`), whose one exc
 `Attempts._attempt_failed`: whose fault an error is (`cluster/errors.py`) decides what follows.
 A prefill worker that fails is replaced by another (or by the decode worker itself); a decode
 worker that fails mid-stream is replaced by another that recomputes from the prompt plus every
-token already streamed (its seeded generator resumed past them).
+token already streamed (its seeded generator resumed past them). A decode worker being drained
+(`drain`, cluster/launch/admin.py) hands its attempts on the same way, each counted as recomputed.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from cluster.worker_messages import (
 from router.merging import merge_per_request, merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
-from router.worker_pool import ShuttingDown, WorkerPool
+from router.worker_pool import Drained, ShuttingDown, WorkerPool
 from router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Attempts:
         self.recoveries = 0                      # streams continued on another worker after a failure
         self.busy_retries = 0                    # handoffs a full decode worker declined
         self.worker_calls = 0                    # Ray calls made on workers for requests (data calls, aborts)
+        self.live: dict[str, set[StreamQueue]] = {}  # decode worker -> its attempts' queues (what a drain stops)
 
     async def prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()
                       ) -> Prefilled | None:
@@ -203,6 +205,9 @@ class Attempts:
                 return
             except (asyncio.CancelledError, RequestError, ShuttingDown, _PrefillFailed):
                 raise
+            except Drained:     # its worker is drained: each member goes on from what it streamed
+                await self._drained([m for m in members if m.request_id not in done], view, via, prefilled)
+                busy, prefilled, prefix, via = False, None, None, None
             except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
                 prefilled, via = self._answered(members, view, via, answer.result), None
                 firsts.update(prefilled.firsts)
@@ -244,7 +249,8 @@ class Attempts:
                                hand_on=HandOn(dec.name, sink, key, sent_at=time.time(), tenant=lead.tenant))
         try:
             async for d in self._stream(self.workers.clients[via.name], lead.request_id, make,
-                                        tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts):
+                                        tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts,
+                                        drains=dec.name):
                 if prefilling:
                     prefilling = False
                     via.in_flight -= 1
@@ -306,6 +312,30 @@ class Attempts:
             self._release_lease(prefilled.worker, prefilled.result.request_id)
         return busy
 
+    def drain(self, worker: str) -> int:
+        """Stop every attempt on decode worker `worker` (its requests go on elsewhere, `_drained`);
+        how many it stopped. The caller has taken the worker out of routing first."""
+        queues = self.live.get(worker, set())
+        for queue in queues:
+            queue.push(Drained(worker))
+        return len(queues)
+
+    async def _drained(self, members: list[GenerateRequest], view: WorkerView, via: WorkerView | None,
+                       prefilled: Prefilled | None) -> None:
+        """An attempt stopped by a drain: its members aborted on the drained worker (and on the
+        prefill worker handing them on), waited for so that its blocks are free, then resumed by
+        recomputation from the tokens they streamed."""
+        holders = [view.name, *([via.name] if via is not None else [])]
+        await asyncio.gather(*(self.abort_on(w, m.request_id) for w in holders for m in members),
+                             return_exceptions=True)
+        for m in members:
+            self.active[m.request_id] = [w for w in self.active.get(m.request_id, []) if w not in holders]
+        if prefilled is not None:
+            self._release_lease(prefilled.worker, prefilled.result.request_id)
+        log.info("decode worker %s drained: %d sequence(s) resume elsewhere", view.name, len(members))
+        if self.metrics and members:
+            self.metrics.count_drained("recomputed", len(members))
+
     async def _next_decode(self, view: WorkerView, hashes, busy: bool, wait: float) -> tuple[WorkerView, bool]:
         """Where the next attempt goes, and whether it waited `wait` s first: after a decline, another
         worker with free blocks (none: any, after the wait); after a failure, another routable one."""
@@ -362,17 +392,22 @@ class Attempts:
     def abort_on(self, worker: str, request_id: str):
         """The abort call of `request_id` on `worker` (a coroutine: the caller awaits it)."""
         self.worker_calls += 1
-        return self.workers.clients[worker].abort(request_id)
+        client = self.workers.clients.get(worker)
+        return client.abort(request_id) if client is not None else asyncio.sleep(0)   # removed: nothing held
 
     async def _stream(self, client: WorkerClient, request_id: str,
                       make: Callable[..., GenerateCall | DecodeCall | PrefillCall], forks: tuple[Fork, ...] = (),
-                      firsts: dict[str, TokenDelta] | None = None) -> AsyncIterator[TokenDelta]:
+                      firsts: dict[str, TokenDelta] | None = None, drains: str | None = None
+                      ) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a call (`make(sink, key, forks=...)`, each fork
         given its own stream key; a `PrefillCall` is a handed-on request's one call), read its
         deltas from the token stream, each request's first as it arrived kept in `firsts`. Several
         deltas that arrived together leave as one (a lagging reader coalesces). The attempt ends
-        when the request and every fork have finished."""
+        when the request and every fork have finished, or when the decode worker (`drains`, else
+        `client`'s) is drained."""
         key, queue = self.receiver.open(request_id)
+        live = self.live.setdefault(drains or client.name, set())
+        live.add(queue)
         forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
         keys = [key, *(f.stream_key for f in forks)]
         running, watch = 1 + len(forks), None
@@ -393,6 +428,7 @@ class Attempts:
                 if running == 0:
                     return
         finally:
+            live.discard(queue)
             for k in keys:
                 self.receiver.close_key(k)
             if watch is not None:

@@ -1,0 +1,143 @@
+"""Admin operations on a running cluster under load (one 1 prefill + 2 decode cluster with
+switchable workers, shared by the module, float32 so that every stream can be compared with a
+single engine's greedy output): a decode worker switched to prefill and back, and the decode pool
+scaled 2 -> 1, each while greedy streams run; every stream equals the undisturbed output, the
+drained sequences are counted, and every pool is idle after."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+
+from cluster.config import CacheConfig, EngineConfig
+from cluster.launch.app import ClusterConfig
+from cluster.launch.cli import main as cli_main
+from cluster.types import SamplingParams
+from cluster_harness import ClusterThread
+from helpers import free_port
+from proto.splitserve.v1 import inference_pb2 as pb
+from router.client import Client
+from router.router import RouterConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+STREAMS, MAX_TOKENS = 6, 96
+
+
+def _engine_config(model_dir, num_blocks=256):
+    return EngineConfig(model=model_dir, dtype="float32", num_threads=1,
+                        cache=CacheConfig(block_size=4, num_blocks=num_blocks))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 384, (12 + 3 * i,), generator=g).tolist() for i in range(STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, single_engine):
+    engine = single_engine(_engine_config(tiny_model_dir("llama"), num_blocks=1024))
+
+    def run(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        return [list(o.token_ids) for o in engine.generate(prompts, params)]
+    return run
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    cfg = ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), port=free_port(),
+                        num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
+                        switchable_roles=True, drain_timeout_s=60.0)
+    c = ClusterThread(cfg)
+    yield c
+    c.stop()
+
+
+class _Load:
+    """Greedy streams in flight, each one's tokens as the client received them."""
+
+    def __init__(self, target: str, prompts: list[list[int]]):
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(target, i, p), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, target: str, i: int, prompt: list[int]) -> None:
+        try:
+            for msg in Client(target).stream(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                             timeout=300):
+                self.tokens[i].extend(msg.token_ids)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.errors.append(exc)
+
+    def wait_started(self, at_least: int = 4, timeout: float = 120.0) -> None:
+        limit = time.monotonic() + timeout
+        while any(len(t) < at_least for t in self.tokens) and time.monotonic() < limit and not self.errors:
+            time.sleep(0.02)
+        assert not self.errors, self.errors
+        assert all(0 < len(t) < MAX_TOKENS for t in self.tokens), [len(t) for t in self.tokens]
+
+    def finish(self) -> list[list[int]]:
+        for t in self.threads:
+            t.join(300)
+        assert not self.errors, self.errors
+        return self.tokens
+
+
+def _drained(cluster, outcome: str) -> float:
+    metrics = cluster.cluster.metrics
+    value = metrics.registry.get_sample_value("splitserve_drained_sequences_total",
+                                              {"model_name": metrics.model_name, "outcome": outcome})
+    return value or 0.0
+
+
+def _roles(cluster) -> dict[str, str]:
+    info = Client(cluster.target).stub.ServerInfo(pb.ServerInfoRequest())
+    return {w.name: w.role for w in info.workers}
+
+
+def _under_load(cluster, reference, seed: int, action) -> None:
+    prompts = _prompts(seed)
+    load = _Load(cluster.target, prompts)
+    load.wait_started()
+    action()
+    assert load.finish() == reference(prompts)
+    cluster.wait_idle(timeout=30)
+
+
+def test_switch_roles_under_load(cluster, reference):
+    before = _drained(cluster, "recomputed")
+    client = Client(cluster.target)
+    _under_load(cluster, reference, 1, lambda: client.admin("SwitchRole", pb.SwitchRoleRequest(worker="decode-1",
+                                                                                             to="prefill")))
+    assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "prefill"}
+    assert _drained(cluster, "recomputed") > before     # decode-1's sequences went on on decode-0
+    _under_load(cluster, reference, 2, lambda: client.admin("SwitchRole", pb.SwitchRoleRequest(worker="decode-1",
+                                                                                             to="decode")))
+    assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+
+def test_scale_decode_down_under_load(cluster, reference):
+    before = _drained(cluster, "recomputed")
+    reply = {}
+    _under_load(cluster, reference, 3, lambda: reply.setdefault(
+        "r", Client(cluster.target).admin("Scale", pb.ScaleRequest(decode=1))))
+    assert list(reply["r"].actions) and all(a.startswith("remove decode-") for a in reply["r"].actions)
+    roles = _roles(cluster)
+    assert sorted(roles.values()) == ["decode", "prefill"]
+    assert _drained(cluster, "recomputed") > before
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli_main(["scale", "--server", cluster.target]) == 0
+    listed = out.getvalue()
+    assert all(name in listed for name in roles) and "serving" in listed
+    metrics = cluster.cluster.metrics.registry
+    assert metrics.get_sample_value("splitserve_scaling_actions_total",
+                                    {"model_name": cluster.cluster.metrics.model_name, "action": "remove"}) == 1
