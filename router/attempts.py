@@ -51,6 +51,14 @@ class Prefilled:
     result: PrefillResult
     firsts: Mapping[str, TokenDelta]
     worker: str
+    resumed: GenerateRequest | None = None   # a moved request as its handle continues it (`moved_request`)
+
+
+def moved_request(req: GenerateRequest, done: list[int]) -> GenerateRequest:
+    """A request whose KV moved to another decode worker after it streamed `done`: its prompt now
+    ends before the last streamed token, which the handle carries as its first."""
+    sampling = replace(req.sampling, max_tokens=req.sampling.max_tokens - len(done) + 1, prompt_logprobs=None)
+    return replace(req, prompt_token_ids=(*req.prompt_token_ids, *done[:-1]), sampling=sampling)
 
 
 class NoPrefillTaken(Exception):
@@ -205,9 +213,11 @@ class Attempts:
                 return
             except (asyncio.CancelledError, RequestError, ShuttingDown, _PrefillFailed):
                 raise
-            except Drained:     # its worker is drained: each member goes on from what it streamed
-                await self._drained([m for m in members if m.request_id not in done], view, via, prefilled)
+            except Drained:     # its worker is drained: its KV moves to a peer, or each member resumes
+                members = [m for m in members if m.request_id not in done]
+                moved = await self._drained(members, view, via, prefilled, streamed)
                 busy, prefilled, prefix, via = False, None, None, None
+                prefilled = moved
             except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
                 prefilled, via = self._answered(members, view, via, answer.result), None
                 firsts.update(prefilled.firsts)
@@ -217,7 +227,7 @@ class Attempts:
                 if not members:
                     return
                 continue
-            except Exception as exc:  # noqa: BLE001 - busy or failed: `_attempt_failed` says which
+            except Exception as exc:
                 busy = self._attempt_failed(view, members[0].request_id, exc, prefilled)
                 prefilled = prefix = via = None
                 failures += not busy
@@ -321,20 +331,40 @@ class Attempts:
         return len(queues)
 
     async def _drained(self, members: list[GenerateRequest], view: WorkerView, via: WorkerView | None,
-                       prefilled: Prefilled | None) -> None:
-        """An attempt stopped by a drain: its members aborted on the drained worker (and on the
-        prefill worker handing them on), waited for so that its blocks are free, then resumed by
-        recomputation from the tokens they streamed."""
+                       prefilled: Prefilled | None, streamed: dict[str, list[int]]) -> Prefilled | None:
+        """An attempt stopped by a drain: a lone greedy request's KV moves to a peer (the next
+        attempt continues the handle it answers with, `moved_request`); otherwise its members are
+        aborted on the drained worker (and on the prefill worker handing them on), waited for so
+        that its blocks are free, and resumed by recomputation from the tokens they streamed."""
         holders = [view.name, *([via.name] if via is not None else [])]
-        await asyncio.gather(*(self.abort_on(w, m.request_id) for w in holders for m in members),
-                             return_exceptions=True)
+        moved = await self._move(members, view, streamed)
+        if moved is None:
+            await asyncio.gather(*(self.abort_on(w, m.request_id) for w in holders for m in members),
+                                 return_exceptions=True)
         for m in members:
             self.active[m.request_id] = [w for w in self.active.get(m.request_id, []) if w not in holders]
         if prefilled is not None:
             self._release_lease(prefilled.worker, prefilled.result.request_id)
-        log.info("decode worker %s drained: %d sequence(s) resume elsewhere", view.name, len(members))
+        outcome = "moved" if moved is not None else "recomputed"
+        log.info("decode worker %s drained: %d sequence(s) %s", view.name, len(members), outcome)
         if self.metrics and members:
-            self.metrics.count_drained("recomputed", len(members))
+            self.metrics.count_drained(outcome, len(members))
+        return moved
+
+    async def _move(self, members: list[GenerateRequest], view: WorkerView, streamed: dict[str, list[int]]
+                    ) -> Prefilled | None:
+        if len(members) != 1 or members[0].sampling.temperature != 0 or not streamed[members[0].request_id]:
+            return None     # n samples share blocks, a seeded one its generator: recomputed instead
+        lead, done = members[0], streamed[members[0].request_id]
+        try:
+            handle = await self.workers.clients[view.name].export_running(lead.request_id, len(done))
+        except Exception as exc:  # noqa: BLE001 - not a switchable worker, or it failed: recomputed
+            log.info("moving %s off %s failed (%s); recomputing it", lead.request_id, view.name, error_message(exc))
+            return None
+        if handle is None:
+            return None
+        first = TokenDelta(lead.request_id, (done[-1],), "")
+        return Prefilled(PrefillResult(lead.request_id, first, handle), {}, view.name, moved_request(lead, done))
 
     async def _next_decode(self, view: WorkerView, hashes, busy: bool, wait: float) -> tuple[WorkerView, bool]:
         """Where the next attempt goes, and whether it waited `wait` s first: after a decline, another
@@ -370,6 +400,7 @@ class Attempts:
         there once. The call lacks its stream (sink, key: `_stream` opens them) and comes with its forks."""
         lead, rest = members[0], members[1:]
         if prefilled is not None:
+            lead = prefilled.resumed or lead
             # Every member's first token travels in the handle.
             return (partial(DecodeCall, lead.request_id, lead.prompt_token_ids, lead.sampling, prefilled.result.handle,
                             sent_at=time.time(), tenant=lead.tenant),

@@ -81,5 +81,9 @@ class WorkerClient:
         """A switchable worker's new role (cluster/launch/switchable.py; the admin drained it first)."""
         return await self._control(self.handle.set_role).remote(role)
 
+    async def export_running(self, request_id: str, streamed: int) -> bytes | None:
+        """A drained switchable worker's running request as a KV handle for a peer (None: recompute it)."""
+        return await self._control(self.handle.export_running).remote(request_id, streamed)
+
     async def set_ready(self, incarnation: str) -> bool:
         return await self._control(self.handle.set_ready).remote(incarnation)

@@ -3,8 +3,9 @@
 one's role without reloading its weights.
 
 A drain takes the worker out of routing first, then empties it: a decode worker's running
-sequences are handed to peers (router/attempts.py `Attempts.drain`: each resumes on another
-decode worker from the tokens it streamed, counted `recomputed`); a prefill worker finishes what it
+sequences are handed to peers (router/attempts.py `Attempts.drain`): with switchable workers a
+greedy sequence's KV moves to another decode worker over the KV transport, as a prefill's does
+(counted `moved`), any other resumes there from the tokens it streamed (`recomputed`); a prefill worker finishes what it
 holds (its prefills, and the decodes it handed on, counted `finished`). A removed worker's actor is
 then killed; a switched one keeps its name, engine and weights (cluster/launch/switchable.py).
 Actions run one at a time (`_lock`), each logged and counted (`splitserve_scaling_actions_total`).
@@ -35,6 +36,7 @@ class AdminWiring:
     starts, connects to its peers, changes role, and ends."""
     spawn: Callable[[str, str], Awaitable[WorkerClient]]          # (name, role) -> a loaded worker's client
     connect: Callable[[str, WorkerRoster], Awaitable[None]]       # handshake `name` with its peers in the roster
+    pair: Callable[[str, list[str]], Awaitable[None]]             # transport peers both ways (decode to decode)
     set_role: Callable[[WorkerClient, str], Awaitable[None]]      # a switchable worker's new role
     kill: Callable[[WorkerClient], None]
     switchable: bool                                              # workers run cluster/launch/switchable.py
@@ -170,6 +172,8 @@ class ClusterAdmin:
         role = self.pool.records[name].view.role
         deadline = time.monotonic() + self.drain_timeout_s
         held = self._held_by(name)
+        if role == "decode" and self.wiring.switchable:     # its KV moves to the other decode workers
+            await self.wiring.pair(name, [n for n in self.roster.decode if n != name])
         while time.monotonic() < deadline:
             if role == "decode":
                 self.router.attempts.drain(name)
@@ -194,7 +198,7 @@ class ClusterAdmin:
         if role == "prefill":
             return leaving and self._held_by(name) > 0
         stats = await self.workers[name].stats()
-        return bool(stats.running or stats.waiting)
+        return bool(stats.running or stats.waiting or stats.leases)     # leases: moved KV not yet pulled
 
     def _count_workers(self) -> None:
         if self.metrics is None:

@@ -325,7 +325,14 @@ def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: d
 
     async def connect(name: str, roster: WorkerRoster) -> None:
         await _handshake(name, workers, roster, metas)
-    wiring = AdminWiring(spawn=spawn, connect=connect, set_role=lambda client, role: client.set_role(role),
+
+    async def pair(name: str, peers: list[str]) -> None:     # transport peers both ways (a KV move's)
+        metas[name] = await workers[name].metadata()
+        for other in peers:
+            metas[other] = await workers[other].metadata()
+            await workers[name].add_peer(metas[other])
+            await workers[other].add_peer(metas[name])
+    wiring = AdminWiring(spawn=spawn, connect=connect, pair=pair, set_role=lambda client, role: client.set_role(role),
                          kill=lambda client: _ray().kill(client.handle), switchable=cfg.switchable_roles)
     admin = ClusterAdmin(wiring, workers, supervision, pool, frontend.router, metrics, cfg.drain_timeout_s)
     frontend.service.admin.control = admin
