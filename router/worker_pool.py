@@ -81,6 +81,7 @@ class WorkerPool:
         self.records = {n: self._record(n, role) for n, role in roles}
         self._routable_changed = asyncio.Event()
         self.closed = False
+        self.on_leaving = None      # (name) -> None: stats that first say `leaving` (SIGTERM; the driver's admin)
 
     def _record(self, name: str, role: str) -> WorkerRecord:
         return WorkerRecord(WorkerView(name, role, healthy=False, index=self.kv_index),
@@ -136,8 +137,11 @@ class WorkerPool:
         record.heard(source, at)
         if not stats.supersedes(record.stats):
             return False
+        was_leaving = record.stats is not None and record.stats.leaving
         record.stats, record.source, record.at = stats, source, at
         self._judge(record, stats)
+        if stats.leaving and not was_leaving and self.on_leaving is not None:
+            self.on_leaving(stats.name)
         return True
 
     def _judge(self, record: WorkerRecord, stats: WorkerStats) -> None:

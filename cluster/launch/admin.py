@@ -52,6 +52,8 @@ class ClusterAdmin:
         self.starting: dict[str, str] = {}      # name -> role, for workers loading (not yet in the pool)
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._leaving: set[str] = set()         # workers that got SIGTERM, their removal under way
+        self._named: set[str] = set(workers)    # every name a worker has had (never given again)
         self._count_workers()
 
     @property
@@ -81,6 +83,21 @@ class ClusterAdmin:
         self._keep_one(role, 1)
         return await self._run([("switch", worker, to)], wait)
 
+    def leave(self, name: str) -> None:
+        """A worker that got SIGTERM: drained and removed, once (a drain is a removal; the pool
+        shrinks until someone adds a worker). The last of its role stays until it exits."""
+        if name in self._leaving or name not in self.pool.records:
+            return
+        self._leaving.add(name)
+        role = self.pool.records[name].view.role
+        log.warning("admin: %s got SIGTERM; draining and removing it", name)
+        try:
+            self._keep_one(role, 1)
+        except AdminRefused as exc:
+            log.warning("admin: %s stays until it exits: %s", name, exc)
+            return
+        asyncio.ensure_future(self._run([("remove", name, role)], wait=False))
+
     def _plan(self, prefill: int | None, decode: int | None) -> list[tuple[str, str, str]]:
         plan = []
         for role, target in (("prefill", prefill), ("decode", decode)):
@@ -89,7 +106,7 @@ class ClusterAdmin:
             names = [n for n, r in self.pool.records.items() if r.view.role == role]
             if target < 1:
                 raise AdminRefused(f"a disaggregated cluster keeps at least one {role} worker, asked for {target}")
-            plan += [("add", self._new_name(role, i), role) for i in range(target - len(names))]
+            plan += [("add", self._new_name(role), role) for _ in range(target - len(names))]
             # The least loaded leave first (fewest sequences to move); of equals, the last named.
             idle_first = sorted(sorted(names, reverse=True), key=lambda n: self.pool.records[n].view.running)
             plan += [("remove", n, role) for n in sorted(idle_first[:max(0, len(names) - target)])]
@@ -99,10 +116,12 @@ class ClusterAdmin:
         if sum(r.view.role == role for r in self.pool.records.values()) - leaving < 1:
             raise AdminRefused(f"the cluster would have no {role} worker left")
 
-    def _new_name(self, role: str, offset: int) -> str:
+    def _new_name(self, role: str) -> str:
         """`role-N`, N above every index any worker has had (names are never reused)."""
-        used = [int(m.group(1)) for n in [*self.workers, *self.starting] if (m := re.fullmatch(r"\w+-(\d+)", n))]
-        return f"{role}-{max(used, default=-1) + 1 + offset}"
+        used = [int(m.group(1)) for n in self._named if (m := re.fullmatch(r"\w+-(\d+)", n))]
+        name = f"{role}-{max(used, default=-1) + 1}"
+        self._named.add(name)
+        return name
 
     async def _run(self, plan: list[tuple[str, str, str]], wait: bool) -> list[str]:
         actions = [f"{kind} {name}" + (f" -> {arg}" if kind == "switch" else f" ({arg})") for kind, name, arg in plan]
@@ -197,7 +216,11 @@ class ClusterAdmin:
             return True
         if role == "prefill":
             return leaving and self._held_by(name) > 0
-        stats = await self.workers[name].stats()
+        try:
+            stats = await self.workers[name].stats()
+        except Exception as exc:  # noqa: BLE001 - it exited (SIGTERM, idle) or died: it holds nothing now
+            log.info("admin: %s did not answer while draining (%s)", name, type(exc).__name__)
+            return False
         return bool(stats.running or stats.waiting or stats.leases)     # leases: moved KV not yet pulled
 
     def _count_workers(self) -> None:

@@ -336,6 +336,7 @@ def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: d
                          kill=lambda client: _ray().kill(client.handle), switchable=cfg.switchable_roles)
     admin = ClusterAdmin(wiring, workers, supervision, pool, frontend.router, metrics, cfg.drain_timeout_s)
     frontend.service.admin.control = admin
+    pool.on_leaving = admin.leave      # at the first stats that say so, pushed or polled
     return admin
 
 
@@ -408,7 +409,7 @@ async def _start_worker(cfg: ClusterConfig, resolved: EngineConfig, secret: Secr
     tp = cfg.tensor_parallel_size(role)
     engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp)
     wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
-                        kv_host=None if cfg.ray_address else "127.0.0.1")
+                        kv_host=None if cfg.ray_address else "127.0.0.1", drain_timeout_s=cfg.drain_timeout_s)
     placement = await _rank_placement(cfg, tp)
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
     # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
@@ -416,9 +417,18 @@ async def _start_worker(cfg: ClusterConfig, resolved: EngineConfig, secret: Secr
     h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
                                  num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
                                  resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                 runtime_env={"env_vars": worker_env(share)},
+                                 runtime_env={"env_vars": {**worker_env(share), **_sigterm_drain_hook()}},
                                  **placement).remote(name, wcfg, speculation, *extra)
     return WorkerClient(name, h)
+
+
+def _sigterm_drain_hook() -> dict:
+    """The env var by which Ray runs a worker process's setup hook on its main thread (Ray reads a
+    `worker_process_setup_hook` of an actor's own runtime_env no further than this variable; its
+    name is Ray's, looked up, and nothing is set where this Ray has none): SIGTERM drains the
+    worker (cluster/worker_base.py `install_sigterm_drain`)."""
+    var = getattr(_ray()._private.ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None)
+    return {var: "cluster.worker_base.install_sigterm_drain"} if var else {}
 
 
 async def _rank_placement(cfg: ClusterConfig, tp: int) -> dict:

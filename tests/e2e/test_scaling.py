@@ -2,10 +2,13 @@
 switchable workers, shared by the module, float32 so that every stream can be compared with a
 single engine's greedy output): a decode worker switched to prefill and back, and the decode pool
 scaled 2 -> 1, each while greedy streams run; every stream equals the undisturbed output, the
-drained sequences' KV moved to the other decode worker (counted), and every pool is idle after."""
+drained sequences' KV moved to the other decode worker (counted), and every pool is idle after.
+Decode workers are also removed by SIGTERM and added by `Scale`."""
 from __future__ import annotations
 
 import io
+import os
+import signal
 import threading
 import time
 from contextlib import redirect_stdout
@@ -19,16 +22,17 @@ from cluster.launch.cli import main as cli_main
 from cluster.types import SamplingParams
 from cluster_harness import ClusterThread
 from helpers import free_port
+from tiny_models import long_context_copy
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from router.router import RouterConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STREAMS, MAX_TOKENS = 8, 200    # the tiny model's context is 256
+STREAMS, MAX_TOKENS = 12, 400
 
 
-def _engine_config(model_dir, num_blocks=256):
+def _engine_config(model_dir, num_blocks=1024):
     return EngineConfig(model=model_dir, dtype="float32", num_threads=1,
                         cache=CacheConfig(block_size=4, num_blocks=num_blocks))
 
@@ -39,8 +43,14 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, single_engine):
-    engine = single_engine(_engine_config(tiny_model_dir("llama"), num_blocks=1024))
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The default tiny model with room for streams that outlast an action (same weights, same tokens)."""
+    return long_context_copy(tiny_model_dir("llama"), tmp_path_factory.mktemp("scaling") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, single_engine):
+    engine = single_engine(_engine_config(model_dir, num_blocks=2048))
 
     def run(prompts):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -49,8 +59,8 @@ def reference(tiny_model_dir, single_engine):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    cfg = ClusterConfig(http_port=None, engine=_engine_config(tiny_model_dir("llama")), port=free_port(),
+def cluster(model_dir):
+    cfg = ClusterConfig(http_port=None, engine=_engine_config(model_dir), port=free_port(),
                         num_prefill=1, num_decode=2, router=RouterConfig(local_prefill_max_tokens=4),
                         switchable_roles=True, drain_timeout_s=60.0)
     c = ClusterThread(cfg)
@@ -124,7 +134,21 @@ def test_switch_roles_under_load(cluster, reference):
     assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
 
 
-def test_scale_decode_down_under_load(cluster, reference):
+def test_sigterm_drains_a_decode_worker_under_load(cluster, reference):
+    before = _drained(cluster, "moved")
+    pid = cluster.run(cluster.cluster.workers["decode-1"].stats()).pid
+    _under_load(cluster, reference, 4, lambda: os.kill(pid, signal.SIGTERM))
+    limit = time.monotonic() + 60
+    while "decode-1" in _roles(cluster) and time.monotonic() < limit:
+        time.sleep(0.1)
+    assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode"}     # a drain is a removal
+    assert _drained(cluster, "moved") > before
+
+
+def test_scale_decode_up_then_down_under_load(cluster, reference):
+    added = Client(cluster.target).admin("Scale", pb.ScaleRequest(decode=2))
+    assert list(added.actions) == ["add decode-2 (decode)"]
+    assert _roles(cluster) == {"prefill-0": "prefill", "decode-0": "decode", "decode-2": "decode"}
     before = _drained(cluster, "moved")
     reply = {}
     _under_load(cluster, reference, 3, lambda: reply.setdefault(
@@ -139,5 +163,7 @@ def test_scale_decode_down_under_load(cluster, reference):
     listed = out.getvalue()
     assert all(name in listed for name in roles) and "serving" in listed
     metrics = cluster.cluster.metrics.registry
-    assert metrics.get_sample_value("splitserve_scaling_actions_total",
-                                    {"model_name": cluster.cluster.metrics.model_name, "action": "remove"}) == 1
+    actions = {a: metrics.get_sample_value("splitserve_scaling_actions_total",
+                                           {"model_name": cluster.cluster.metrics.model_name, "action": a})
+               for a in ("add", "remove", "switch")}
+    assert actions == {"add": 1, "remove": 2, "switch": 2}     # the SIGTERM's removal is one
