@@ -387,7 +387,8 @@ class Attempts:
         view.in_flight += 1
         try:
             make, forks = self._call(members, prefilled, streamed, prefix)
-            async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks):
+            async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks,
+                                        drains=view.name):
                 yield d
         finally:
             view.in_flight -= 1
@@ -434,10 +435,9 @@ class Attempts:
         given its own stream key; a `PrefillCall` is a handed-on request's one call), read its
         deltas from the token stream, each request's first as it arrived kept in `firsts`. Several
         deltas that arrived together leave as one (a lagging reader coalesces). The attempt ends
-        when the request and every fork have finished, or when the decode worker (`drains`, else
-        `client`'s) is drained."""
+        when the request and every fork have finished, or when decode worker `drains` is drained."""
         key, queue = self.receiver.open(request_id)
-        live = self.live.setdefault(drains or client.name, set())
+        live = self.live.setdefault(drains, set()) if drains else set()
         live.add(queue)
         forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
         keys = [key, *(f.stream_key for f in forks)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,7 +25,7 @@ from cluster.errors import RequestError, error_message
 from cluster.secrets import as_api_keys, authenticate
 from cluster.types import TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
-from router.admin_service import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminService, pool_workers
+from router.admin_service import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminService, WorkerEntry, pool_workers
 from router.admission import Admission, AdmissionConfig, Refused
 from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
@@ -51,9 +51,11 @@ class ServerInfo:
     speculative: str                # the default proposer
     num_speculative_tokens: str     # the default lookahead: k, or "auto"
     deterministic: bool
+    workers: tuple[WorkerEntry, ...] = ()   # as they are when asked (the admin operations change them)
 
     def to_proto(self) -> pb.ServerInfoResponse:
-        return pb.ServerInfoResponse(**asdict(self))
+        scalars = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "workers"}
+        return pb.ServerInfoResponse(**scalars, workers=[w.to_proto() for w in self.workers])
 
 
 async def _abort(context, code: grpc.StatusCode, message: str):
@@ -197,12 +199,9 @@ class InferenceService:
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
-        reply = self.info.to_proto()
-        workers = pool_workers(self.router.workers)     # as they are now: admin actions change them
-        reply.prefill_workers = sum(w.role == "prefill" for w in workers)
-        reply.decode_workers = sum(w.role == "decode" for w in workers)
-        reply.workers.extend(w.to_proto() for w in workers)
-        return reply
+        workers = pool_workers(self.router.workers)
+        return replace(self.info, prefill_workers=sum(w.role == "prefill" for w in workers),
+                       decode_workers=sum(w.role == "decode" for w in workers), workers=tuple(workers)).to_proto()
 
     async def Tokenize(self, request, context):
         tenant = await self._authorize(context)
