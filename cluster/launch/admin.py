@@ -54,7 +54,6 @@ class ClusterAdmin:
         self._tasks: set[asyncio.Task] = set()
         self._leaving: set[str] = set()         # workers that got SIGTERM, their removal under way
         self._named: set[str] = set(workers)    # every name a worker has had (never given again)
-        self._count_workers()
 
     @property
     def roster(self) -> WorkerRoster:
@@ -140,7 +139,6 @@ class ClusterAdmin:
                 log.warning("admin: %s %s %s done in %.1fs", kind, name, arg, time.monotonic() - t0)
                 if self.metrics is not None:
                     self.metrics.count_scaling(kind)
-                self._count_workers()
 
     async def _add(self, name: str, role: str) -> None:
         self.starting[name] = role
@@ -222,12 +220,6 @@ class ClusterAdmin:
             log.info("admin: %s did not answer while draining (%s)", name, type(exc).__name__)
             return False
         return bool(stats.running or stats.waiting or stats.leases)     # leases: moved KV not yet pulled
-
-    def _count_workers(self) -> None:
-        if self.metrics is None:
-            return
-        for role in ROLES:
-            self.metrics.set_workers(role, sum(r.view.role == role for r in self.pool.records.values()))
 
     async def close(self) -> None:
         for task in list(self._tasks):

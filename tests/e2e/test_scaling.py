@@ -73,6 +73,7 @@ class _Load:
 
     def __init__(self, target: str, prompts: list[list[int]]):
         self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.arrivals: list[list[float]] = [[] for _ in prompts]
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(target, i, p), daemon=True)
                         for i, p in enumerate(prompts)]
@@ -84,6 +85,7 @@ class _Load:
             for msg in Client(target).stream(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                                              timeout=300):
                 self.tokens[i].extend(msg.token_ids)
+                self.arrivals[i].append(time.monotonic())
         except Exception as exc:  # noqa: BLE001 - reported by the test
             self.errors.append(exc)
 
@@ -93,6 +95,10 @@ class _Load:
             time.sleep(0.02)
         assert not self.errors, self.errors
         assert all(0 < len(t) < MAX_TOKENS for t in self.tokens), [len(t) for t in self.tokens]
+
+    def longest_gap(self) -> float:
+        """The longest wait between two messages of one stream (a moved sequence's time to resume)."""
+        return max(b - a for times in self.arrivals for a, b in zip(times, times[1:]))
 
     def finish(self) -> list[list[int]]:
         for t in self.threads:
@@ -117,9 +123,13 @@ def _under_load(cluster, reference, seed: int, action) -> None:
     prompts = _prompts(seed)
     load = _Load(cluster.target, prompts)
     load.wait_started()
+    t0 = time.monotonic()
     action()
+    took = time.monotonic() - t0
     assert load.finish() == reference(prompts)
     cluster.wait_idle(timeout=30)
+    print(f"\n[scaling] action {took:.2f}s, longest gap in a stream {load.longest_gap():.3f}s, drained so far: "
+          f"moved {_drained(cluster, 'moved'):.0f}, recomputed {_drained(cluster, 'recomputed'):.0f}")
 
 
 def test_switch_roles_under_load(cluster, reference):
