@@ -7,6 +7,7 @@ Decode workers are also removed by SIGTERM and added by `Scale`."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import signal
 import threading
@@ -15,14 +16,14 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
+from cluster_harness import ClusterThread
+from helpers import free_port
+from tiny_models import long_context_copy
 
 from cluster.config import CacheConfig, EngineConfig
 from cluster.launch.app import ClusterConfig
 from cluster.launch.cli import main as cli_main
 from cluster.types import SamplingParams
-from cluster_harness import ClusterThread
-from helpers import free_port
-from tiny_models import long_context_copy
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
 from router.router import RouterConfig
@@ -98,7 +99,7 @@ class _Load:
 
     def longest_gap(self) -> float:
         """The longest wait between two messages of one stream (a moved sequence's time to resume)."""
-        return max(b - a for times in self.arrivals for a, b in zip(times, times[1:]))
+        return max(b - a for times in self.arrivals for a, b in itertools.pairwise(times))
 
     def finish(self) -> list[list[int]]:
         for t in self.threads:
