@@ -14,7 +14,8 @@ samples of a prompt take the same decode path (`Attempts.decode`), whose one exc
 A prefill worker that fails is replaced by another (or by the decode worker itself); a decode
 worker that fails mid-stream is replaced by another that recomputes from the prompt plus every
 token already streamed (its seeded generator resumed past them). A decode worker being drained
-(`drain`, cluster/launch/admin.py) hands its attempts on the same way, each counted as recomputed.
+(`drain`, cluster/launch/admin.py) hands its attempts on: a lone greedy sequence's KV moves to
+the next decode worker as a handoff (`moved_request`), any other resumes there the same way.
 """
 from __future__ import annotations
 
@@ -216,8 +217,7 @@ class Attempts:
             except Drained:     # its worker is drained: its KV moves to a peer, or each member resumes
                 members = [m for m in members if m.request_id not in done]
                 moved = await self._drained(members, view, via, prefilled, streamed)
-                busy, prefilled, prefix, via = False, None, None, None
-                prefilled = moved
+                busy, prefilled, prefix, via = False, moved, None, None
             except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
                 prefilled, via = self._answered(members, view, via, answer.result), None
                 firsts.update(prefilled.firsts)
@@ -227,7 +227,7 @@ class Attempts:
                 if not members:
                     return
                 continue
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - busy or failed: `_attempt_failed` says which
                 busy = self._attempt_failed(view, members[0].request_id, exc, prefilled)
                 prefilled = prefix = via = None
                 failures += not busy
