@@ -13,7 +13,8 @@ import pytest
 
 from cluster.launch.admin import AdminWiring, ClusterAdmin
 from cluster.worker_messages import StatsSource, WorkerStats
-from router.admin_service import AdminRefused, WorkerState
+from proto.splitserve.v1 import inference_pb2 as pb
+from router.admin_service import AdminRefused, AdminService, WorkerState
 from router.policy import make_policy
 from router.router import RouterConfig
 from router.worker_pool import WorkerPool
@@ -121,4 +122,36 @@ def test_no_wait_answers_before_the_action_is_done():
         assert "decode-1" in pool.records           # still draining
         await asyncio.gather(*admin._tasks)
         assert "decode-1" not in pool.records
+    asyncio.run(go())
+
+
+class _Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    async def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_the_admin_rpcs_check_the_key_first_and_need_the_drivers_frontend():
+    async def refuse(context):
+        await context.abort("UNAUTHENTICATED", "missing or invalid 'authorization: Bearer <key>'")
+
+    async def go():
+        admin, *_ = await _admin()
+        service = AdminService(refuse)
+        service.control = admin
+        with pytest.raises(_Aborted, match="UNAUTHENTICATED"):
+            await service.Scale(pb.ScaleRequest(decode=1), FakeContext())
+        assert "decode-1" in admin.pool.records            # nothing was done
+        service = AdminService(lambda context: asyncio.sleep(0))
+        with pytest.raises(_Aborted, match="--frontends 1"):
+            await service.ListWorkers(pb.ListWorkersRequest(), FakeContext())
+        service.control = admin
+        with pytest.raises(_Aborted, match="at least one decode"):
+            await service.Scale(pb.ScaleRequest(decode=0), FakeContext())
+        listed = await service.ListWorkers(pb.ListWorkersRequest(), FakeContext())
+        assert [(w.name, w.role, w.state) for w in listed.workers] == [
+            ("decode-0", "decode", "serving"), ("decode-1", "decode", "serving"), ("prefill-0", "prefill", "serving")]
     asyncio.run(go())
