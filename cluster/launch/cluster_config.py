@@ -133,6 +133,10 @@ class ClusterConfig:
         for name in ("prefill_resources", "decode_resources"):
             parse_resources(getattr(self, name))
         self._check_tensor_parallel()
+        if self.switchable_roles:    # both roles on one engine: one rank, and roles to switch between
+            require(max(self.tensor_parallel_size("prefill"), self.tensor_parallel_size("decode")) == 1,
+                    "switchable_roles", "needs workers of one rank (--tensor-parallel-size 1)")
+            require(not self.colocated, "switchable_roles", "has no roles to switch with --colocated")
 
     def tensor_parallel_size(self, role: str) -> int:
         """The tensor-parallel size of `role`'s workers (prefill, decode; colocated workers: decode's)."""
