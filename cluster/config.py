@@ -444,6 +444,7 @@ class WorkerConfig:
     # KV plane (cluster/transfer/auth.py). None only in tests of a single process.
     cluster_secret: object = None
     kv_host: str | None = "127.0.0.1"   # the address a listening transport (tcp, ucx) binds: this node's
+    drain_timeout_s: float = 30.0       # --drain-timeout: after SIGTERM the worker exits by then, drained or not
 
     # The worker reads its data plane's settings by name.
     @property

@@ -179,7 +179,12 @@ class _WorkerCollector:
         queue = HistogramMetricFamily(PREFIX + "request_queue_time_seconds",
                                       "time requests waited on a worker for their first schedule",
                                       labels=["worker", "role", "model_name"])
+        workers = GaugeMetricFamily(PREFIX + "workers", "workers in the cluster now, by role (admin operations "
+                                    "and SIGTERM change them)", labels=["model_name", "role"])
         transport, model = self.metrics.transport, self.metrics.model_name
+        roles = [s.role for s in self.metrics.worker_stats.values()]
+        for role in ("prefill", "decode", *sorted(set(roles) - {"prefill", "decode"})):
+            workers.add_metric([model, role], roles.count(role))
         for r in self.metrics.workers.report_counts():
             reports.add_metric([model, r.worker, r.source.value], r.count)
         for s in self.metrics.worker_stats.values():
@@ -214,6 +219,7 @@ class _WorkerCollector:
         yield from tiers.values()
         yield from (experts, rank_pairs, rebalances)
         yield reports
+        yield workers
 
 
 def _tier_families() -> dict:
@@ -397,6 +403,22 @@ class ClusterMetrics:
         self.kv_index_reads = Gauge(PREFIX + "router_kv_index_reads", "KV event batches applied to the router's "
                                     "index, by kind (events: changes; snapshot: a full resync after a restart or "
                                     "a gap)", ["model_name", "kind"], registry=r)
+        self.scaling_actions = Counter(PREFIX + "scaling_actions", "admin operations done on the running cluster, "
+                                       "by action (add, remove, switch)", ["model_name", "action"], registry=r)
+        self.drained = Counter(PREFIX + "drained_sequences", "sequences on a worker being drained, by outcome "
+                               "(moved: KV to a peer; recomputed: resumed elsewhere from their streamed tokens; "
+                               "finished: ended there)", ["model_name", "outcome"], registry=r)
+        for action in ("add", "remove", "switch"):       # zero from the start: a dashboard reads them
+            self.scaling_actions.labels(model_name=model_name, action=action)
+        for outcome in ("moved", "recomputed", "finished"):
+            self.drained.labels(model_name=model_name, outcome=outcome)
+
+    def count_scaling(self, action: str) -> None:
+        self.scaling_actions.labels(model_name=self.model_name, action=action).inc()
+
+    def count_drained(self, outcome: str, n: int = 1) -> None:
+        """Sequences a drain handed on (router/attempts.py) or let end (cluster/launch/admin.py)."""
+        self.drained.labels(model_name=self.model_name, outcome=outcome).inc(n)
 
     def update_kv_index(self, per_worker: dict, counts: dict) -> None:
         """The router's cluster-wide KV index (router/kv_index.py): staleness and size per worker."""

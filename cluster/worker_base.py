@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -66,6 +69,47 @@ def _end_process() -> None:
     os._exit(1)
 
 
+class SigtermDrain:
+    """SIGTERM (Kubernetes deleting a pod, an operator) is a drain, not a crash: the worker's stats
+    say `leaving`, the driver moves its sequences to peers and removes it (cluster/launch/admin.py),
+    and the process exits by itself once `grace_s` (--drain-timeout) has passed, whatever the driver
+    did. Python handles signals on a process's main thread only, where an actor's code never runs:
+    the wiring installs it as Ray's worker process setup hook (`install_sigterm_drain`)."""
+
+    def __init__(self):
+        self.leaving = threading.Event()
+        self.grace_s = 30.0
+        self.idle: Callable[[], bool] = lambda: True    # nothing to hand over (the worker's own check)
+
+    def on_sigterm(self, *_) -> None:
+        if not self.leaving.is_set():
+            self.leaving.set()
+            threading.Thread(target=self._exit_when_done, daemon=True).start()
+
+    def _exit_when_done(self) -> None:
+        """Exit once drained (nothing running, queued or leased: what moved has been pulled), or at
+        the grace's end. A worker idle when the signal comes (a node shutting down) exits at once."""
+        limit = time.monotonic() + self.grace_s
+        time.sleep(0.5)        # the driver reads `leaving` and stops routing here first
+        while time.monotonic() < limit and not self.idle():
+            time.sleep(0.1)
+        os._exit(0)
+
+
+SIGTERM_DRAIN = SigtermDrain()
+
+
+def install_sigterm_drain() -> None:
+    """Ray's `worker_process_setup_hook` (on the worker's main thread, before its task loop). Ray's
+    loop then sets its own SIGTERM handler (exit at once) through `set_sigterm_handler`, which
+    this replaces: the drain's handler is the one installed. Without that function (another Ray),
+    Ray's own handling stays and a SIGTERM is a worker's death (its requests fail over)."""
+    ray_utils = sys.modules.get("ray._private.utils")      # loaded: this runs inside Ray's worker
+    signal.signal(signal.SIGTERM, SIGTERM_DRAIN.on_sigterm)
+    if ray_utils is not None and hasattr(ray_utils, "set_sigterm_handler"):
+        ray_utils.set_sigterm_handler = lambda _ray_handler: signal.signal(signal.SIGTERM, SIGTERM_DRAIN.on_sigterm)
+
+
 class EngineWorker:
     role = "worker"
 
@@ -90,6 +134,8 @@ class EngineWorker:
         self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
+        SIGTERM_DRAIN.grace_s = config.drain_timeout_s
+        SIGTERM_DRAIN.idle = self._drained
 
     def _start_loop(self, on_deltas: Callable[[list[TokenDelta]], None] | None = None) -> None:
         """The engine's thread; `on_deltas`: the role's observer of each step's deltas."""
@@ -157,8 +203,13 @@ class EngineWorker:
             expert_tokens=expert_token_counts(self.engine.model),
             expert_rank_tokens=rank_token_counts(self.engine.model),
             expert_rebalances=self.engine.runner.balancer.rebalances if self.engine.runner.balancer else 0,
-            taken_at=time.monotonic(),
+            taken_at=time.monotonic(), leaving=SIGTERM_DRAIN.leaving.is_set(),
             **self._role_stats())
+
+    def _drained(self) -> bool:
+        """Nothing left here for a SIGTERM's drain to wait for: no request, no lease."""
+        stats = self.stats()
+        return not (stats.has_work or stats.leases)
 
     def _role_stats(self) -> dict:
         """The role's part of `stats`: `prefill=PrefillStats(...)` or `handoff=HandoffStats(...)`."""

@@ -259,6 +259,7 @@ class WorkerStats:
     # The worker's time.monotonic() when these were read: a push and a poll of one incarnation can
     # arrive out of order (a poll answered before a push is read after it); this orders them.
     taken_at: float = 0.0
+    leaving: bool = False           # it got SIGTERM: the driver drains and removes it (cluster/launch/admin.py)
     version: int = WORKER_STATS_VERSION
 
     def supersedes(self, other: "WorkerStats | None") -> bool:

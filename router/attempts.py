@@ -13,7 +13,9 @@ samples of a prompt take the same decode path (`Attempts.decode`), whose one exc
 `Attempts._attempt_failed`: whose fault an error is (`cluster/errors.py`) decides what follows.
 A prefill worker that fails is replaced by another (or by the decode worker itself); a decode
 worker that fails mid-stream is replaced by another that recomputes from the prompt plus every
-token already streamed (its seeded generator resumed past them).
+token already streamed (its seeded generator resumed past them). A decode worker being drained
+(`drain`, cluster/launch/admin.py) hands its attempts on: a lone greedy sequence's KV moves to
+the next decode worker as a handoff (`moved_request`), any other resumes there the same way.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from cluster.worker_messages import (
 from router.merging import merge_per_request, merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
-from router.worker_pool import ShuttingDown, WorkerPool
+from router.worker_pool import Drained, ShuttingDown, WorkerPool
 from router.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ class Prefilled:
     result: PrefillResult
     firsts: Mapping[str, TokenDelta]
     worker: str
+    resumed: GenerateRequest | None = None   # a moved request as its handle continues it (`moved_request`)
+
+
+def moved_request(req: GenerateRequest, done: list[int]) -> GenerateRequest:
+    """A request whose KV moved to another decode worker after it streamed `done`: its prompt now
+    ends before the last streamed token, which the handle carries as its first."""
+    sampling = replace(req.sampling, max_tokens=req.sampling.max_tokens - len(done) + 1, prompt_logprobs=None)
+    return replace(req, prompt_token_ids=(*req.prompt_token_ids, *done[:-1]), sampling=sampling)
 
 
 class NoPrefillTaken(Exception):
@@ -95,6 +105,7 @@ class Attempts:
         self.recoveries = 0                      # streams continued on another worker after a failure
         self.busy_retries = 0                    # handoffs a full decode worker declined
         self.worker_calls = 0                    # Ray calls made on workers for requests (data calls, aborts)
+        self.live: dict[str, set[StreamQueue]] = {}  # decode worker -> its attempts' queues (what a drain stops)
 
     async def prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()
                       ) -> Prefilled | None:
@@ -203,6 +214,10 @@ class Attempts:
                 return
             except (asyncio.CancelledError, RequestError, ShuttingDown, _PrefillFailed):
                 raise
+            except Drained:     # its worker is drained: its KV moves to a peer, or each member resumes
+                members = [m for m in members if m.request_id not in done]
+                moved = await self._drained(members, view, via, prefilled, streamed)
+                busy, prefilled, prefix, via = False, moved, None, None
             except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
                 prefilled, via = self._answered(members, view, via, answer.result), None
                 firsts.update(prefilled.firsts)
@@ -244,7 +259,8 @@ class Attempts:
                                hand_on=HandOn(dec.name, sink, key, sent_at=time.time(), tenant=lead.tenant))
         try:
             async for d in self._stream(self.workers.clients[via.name], lead.request_id, make,
-                                        tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts):
+                                        tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts,
+                                        drains=dec.name):
                 if prefilling:
                     prefilling = False
                     via.in_flight -= 1
@@ -306,6 +322,50 @@ class Attempts:
             self._release_lease(prefilled.worker, prefilled.result.request_id)
         return busy
 
+    def drain(self, worker: str) -> int:
+        """Stop every attempt on decode worker `worker` (its requests go on elsewhere, `_drained`);
+        how many it stopped. The caller has taken the worker out of routing first."""
+        queues = self.live.get(worker, set())
+        for queue in queues:
+            queue.push(Drained(worker))
+        return len(queues)
+
+    async def _drained(self, members: list[GenerateRequest], view: WorkerView, via: WorkerView | None,
+                       prefilled: Prefilled | None, streamed: dict[str, list[int]]) -> Prefilled | None:
+        """An attempt stopped by a drain: a lone greedy request's KV moves to a peer (the next
+        attempt continues the handle it answers with, `moved_request`); otherwise its members are
+        aborted on the drained worker (and on the prefill worker handing them on), waited for so
+        that its blocks are free, and resumed by recomputation from the tokens they streamed."""
+        holders = [view.name, *([via.name] if via is not None else [])]
+        moved = await self._move(members, view, streamed)
+        if moved is None:
+            await asyncio.gather(*(self.abort_on(w, m.request_id) for w in holders for m in members),
+                                 return_exceptions=True)
+        for m in members:
+            self.active[m.request_id] = [w for w in self.active.get(m.request_id, []) if w not in holders]
+        if prefilled is not None:
+            self._release_lease(prefilled.worker, prefilled.result.request_id)
+        outcome = "moved" if moved is not None else "recomputed"
+        log.info("decode worker %s drained: %d sequence(s) %s", view.name, len(members), outcome)
+        if self.metrics and members:
+            self.metrics.count_drained(outcome, len(members))
+        return moved
+
+    async def _move(self, members: list[GenerateRequest], view: WorkerView, streamed: dict[str, list[int]]
+                    ) -> Prefilled | None:
+        if len(members) != 1 or members[0].sampling.temperature != 0 or not streamed[members[0].request_id]:
+            return None     # n samples share blocks, a seeded one its generator: recomputed instead
+        lead, done = members[0], streamed[members[0].request_id]
+        try:
+            handle = await self.workers.clients[view.name].export_running(lead.request_id, len(done))
+        except Exception as exc:  # noqa: BLE001 - not a switchable worker, or it failed: recomputed
+            log.info("moving %s off %s failed (%s); recomputing it", lead.request_id, view.name, error_message(exc))
+            return None
+        if handle is None:
+            return None
+        first = TokenDelta(lead.request_id, (done[-1],), "")
+        return Prefilled(PrefillResult(lead.request_id, first, handle), {}, view.name, moved_request(lead, done))
+
     async def _next_decode(self, view: WorkerView, hashes, busy: bool, wait: float) -> tuple[WorkerView, bool]:
         """Where the next attempt goes, and whether it waited `wait` s first: after a decline, another
         worker with free blocks (none: any, after the wait); after a failure, another routable one."""
@@ -327,7 +387,8 @@ class Attempts:
         view.in_flight += 1
         try:
             make, forks = self._call(members, prefilled, streamed, prefix)
-            async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks):
+            async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks,
+                                        drains=view.name):
                 yield d
         finally:
             view.in_flight -= 1
@@ -340,6 +401,7 @@ class Attempts:
         there once. The call lacks its stream (sink, key: `_stream` opens them) and comes with its forks."""
         lead, rest = members[0], members[1:]
         if prefilled is not None:
+            lead = prefilled.resumed or lead
             # Every member's first token travels in the handle.
             return (partial(DecodeCall, lead.request_id, lead.prompt_token_ids, lead.sampling, prefilled.result.handle,
                             sent_at=time.time(), tenant=lead.tenant),
@@ -362,17 +424,21 @@ class Attempts:
     def abort_on(self, worker: str, request_id: str):
         """The abort call of `request_id` on `worker` (a coroutine: the caller awaits it)."""
         self.worker_calls += 1
-        return self.workers.clients[worker].abort(request_id)
+        client = self.workers.clients.get(worker)
+        return client.abort(request_id) if client is not None else asyncio.sleep(0)   # removed: nothing held
 
     async def _stream(self, client: WorkerClient, request_id: str,
                       make: Callable[..., GenerateCall | DecodeCall | PrefillCall], forks: tuple[Fork, ...] = (),
-                      firsts: dict[str, TokenDelta] | None = None) -> AsyncIterator[TokenDelta]:
+                      firsts: dict[str, TokenDelta] | None = None, drains: str | None = None
+                      ) -> AsyncIterator[TokenDelta]:
         """One attempt on one worker: start it with a call (`make(sink, key, forks=...)`, each fork
         given its own stream key; a `PrefillCall` is a handed-on request's one call), read its
         deltas from the token stream, each request's first as it arrived kept in `firsts`. Several
         deltas that arrived together leave as one (a lagging reader coalesces). The attempt ends
-        when the request and every fork have finished."""
+        when the request and every fork have finished, or when decode worker `drains` is drained."""
         key, queue = self.receiver.open(request_id)
+        live = self.live.setdefault(drains, set()) if drains else set()
+        live.add(queue)
         forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
         keys = [key, *(f.stream_key for f in forks)]
         running, watch = 1 + len(forks), None
@@ -393,6 +459,7 @@ class Attempts:
                 if running == 0:
                     return
         finally:
+            live.discard(queue)
             for k in keys:
                 self.receiver.close_key(k)
             if watch is not None:

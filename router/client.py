@@ -79,6 +79,12 @@ class Client:
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.api_key = api_key
 
+    def admin(self, method: str, request, timeout: float | None = None):
+        """An Admin RPC (`ListWorkers`, `Scale`, `SwitchRole`) with its request message."""
+        call = self.channel.unary_unary(f"/splitserve.v1.Admin/{method}", request_serializer=type(request).SerializeToString,
+                                        response_deserializer=getattr(pb, f"{method}Response").FromString)
+        return call(request, timeout=timeout, metadata=_metadata(self.api_key))
+
     def stream(self, prompt, request_id: str = "", timeout: float | None = None, **sampling) -> Iterator:
         return self.stub.Generate(build_request(prompt, request_id, **sampling), timeout=timeout,
                                   metadata=_metadata(self.api_key))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +25,7 @@ from cluster.errors import RequestError, error_message
 from cluster.secrets import as_api_keys, authenticate
 from cluster.types import TokenDelta
 from proto.splitserve.v1 import inference_pb2 as pb
+from router.admin_service import ADMIN_METHODS, ADMIN_SERVICE_NAME, AdminService, WorkerEntry, pool_workers
 from router.admission import Admission, AdmissionConfig, Refused
 from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
@@ -54,9 +55,11 @@ class ServerInfo:
     speculative: str                # the default proposer
     num_speculative_tokens: str     # the default lookahead: k, or "auto"
     deterministic: bool
+    workers: tuple[WorkerEntry, ...] = ()   # as they are when asked (the admin operations change them)
 
     def to_proto(self) -> pb.ServerInfoResponse:
-        return pb.ServerInfoResponse(**asdict(self))
+        scalars = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "workers"}
+        return pb.ServerInfoResponse(**scalars, workers=[w.to_proto() for w in self.workers])
 
 
 async def _abort(context, code: grpc.StatusCode, message: str):
@@ -116,6 +119,7 @@ class InferenceService:
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
         self.served: ServedModels | None = None     # set when this port serves several models
+        self.admin = AdminService(self._authorize)    # its actions are the driver's, given once it is up
 
     async def set_serving(self, serving: bool) -> None:
         if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
@@ -286,7 +290,9 @@ class InferenceService:
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
-        return self.info.to_proto()
+        workers = pool_workers(self.router.workers)
+        return replace(self.info, prefill_workers=sum(w.role == "prefill" for w in workers),
+                       decode_workers=sum(w.role == "decode" for w in workers), workers=tuple(workers)).to_proto()
 
     async def Tokenize(self, request, context):
         tenant = await self._authorize(context)
@@ -342,10 +348,12 @@ async def start_grpc_server(service: InferenceService, host: str, port: int,
     without a certificate signed by that CA fails the handshake)."""
     server = grpc.aio.server(options=grpc_options(connections, service.limits.bounds.max_message_bytes))
     handlers = {name: _handler(getattr(service, name), cls, streaming) for name, (cls, streaming) in _METHODS.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    admin = {name: _handler(getattr(service.admin, name), cls, False) for name, cls in ADMIN_METHODS.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),
+                                     grpc.method_handlers_generic_handler(ADMIN_SERVICE_NAME, admin)))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
     if client_ca and not tls:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")

@@ -33,6 +33,10 @@ class ShuttingDown(RuntimeError):
     """The server is stopping: the stream ends with UNAVAILABLE, and the client may retry elsewhere."""
 
 
+class Drained(RuntimeError):
+    """An attempt's decode worker is being drained (cluster/launch/admin.py): the request goes on elsewhere."""
+
+
 class NoWorker(RuntimeError):
     """No worker of a role became routable within `RouterConfig.unavailable_wait_s`."""
 
@@ -52,6 +56,7 @@ class WorkerRecord:
     # StatsSource -> stats received by it; every key from the start: the metrics' scrape thread
     # iterates it while this loop counts.
     reports: dict[StatsSource, int] = field(default_factory=lambda: dict.fromkeys(StatsSource, 0))
+    draining: bool = False               # an admin drain (cluster/launch/admin.py): never routed to
 
     @property
     def name(self) -> str:
@@ -73,10 +78,14 @@ class WorkerPool:
         self.clients = {**prefill, **decode}
         self.kv_index = ClusterKVIndex(config.kv_index_stale_s)   # fed by router.kv_index.feed_kv_events
         roles = [*((n, "prefill") for n in prefill), *((n, "decode") for n in decode)]
-        self.records = {n: WorkerRecord(WorkerView(n, role, healthy=False, index=self.kv_index),
-                                        WorkerHealth(n, stall_s=config.stall_timeout_s)) for n, role in roles}
+        self.records = {n: self._record(n, role) for n, role in roles}
         self._routable_changed = asyncio.Event()
         self.closed = False
+        self.on_leaving = None      # (name) -> None: stats that first say `leaving` (SIGTERM; the driver's admin)
+
+    def _record(self, name: str, role: str) -> WorkerRecord:
+        return WorkerRecord(WorkerView(name, role, healthy=False, index=self.kv_index),
+                            WorkerHealth(name, stall_s=self.config.stall_timeout_s))
 
     @classmethod
     def of_roster(cls, config: RouterConfig, policy, clients: Mapping[str, WorkerClient],
@@ -128,8 +137,11 @@ class WorkerPool:
         record.heard(source, at)
         if not stats.supersedes(record.stats):
             return False
+        was_leaving = record.stats is not None and record.stats.leaving
         record.stats, record.source, record.at = stats, source, at
         self._judge(record, stats)
+        if stats.leaving and not was_leaving and self.on_leaving is not None:
+            self.on_leaving(stats.name)
         return True
 
     def _judge(self, record: WorkerRecord, stats: WorkerStats) -> None:
@@ -160,8 +172,31 @@ class WorkerPool:
         """Returns at the next change of any worker's routability."""
         await self._routable_changed.wait()
 
+    # --- the admin operations' changes (cluster/launch/admin.py) ----------------------------------
+    def add(self, name: str, role: str, client: WorkerClient) -> None:
+        """A worker added to a running cluster: routed to once its stats say it is ready."""
+        self.clients[name] = client
+        self.records[name] = self._record(name, role)
+
+    def remove(self, name: str) -> None:
+        """A drained worker leaves: no record, no client, nothing of it in the KV index."""
+        self.records.pop(name, None)
+        self.clients.pop(name, None)
+        self.kv_index.forget(name)
+        self._wake()
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        record = self.records[name]
+        record.draining = draining
+        self._set_routable(record)
+
+    def set_role(self, name: str, role: str) -> None:
+        """A worker's new role (a role switch; it keeps its name); its prefix cache stays valid."""
+        self.records[name].view.role = role
+        self._wake()
+
     def _set_routable(self, record: WorkerRecord) -> None:
-        routable = record.health.routable
+        routable = record.health.routable and not record.draining
         if routable != record.view.healthy:
             record.view.healthy = routable
             self._wake()

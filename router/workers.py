@@ -77,5 +77,13 @@ class WorkerClient:
         """A prefill worker's decode peers, by name: the Ray actor handles it hands requests on to."""
         await self._control(self.handle.hand_on_to).remote(decode_workers)
 
+    async def set_role(self, role: str) -> str:
+        """A switchable worker's new role (cluster/launch/switchable.py; the admin drained it first)."""
+        return await self._control(self.handle.set_role).remote(role)
+
+    async def export_running(self, request_id: str, streamed: int) -> bytes | None:
+        """A drained switchable worker's running request as a KV handle for a peer (None: recompute it)."""
+        return await self._control(self.handle.export_running).remote(request_id, streamed)
+
     async def set_ready(self, incarnation: str) -> bool:
         return await self._control(self.handle.set_ready).remote(incarnation)

@@ -13,8 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import EngineConfig, WorkerConfig
+from cluster.launch.admin import AdminWiring, ClusterAdmin
 from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
+from cluster.launch.switchable import SwitchableWorker
 from cluster.metrics import ClusterMetrics, merged_registry
 from cluster.model.tokenizer import load_tokenizer
 from cluster.model.kernel_choice import resolved_engine_config
@@ -138,6 +140,7 @@ class RunningCluster:
     max_model_len: int = 0          # the longest prompt plus completion a request may have
     online_trainer: object = None   # --spec-online: the trainer actor (decode/spec/online/service.py)
     models: tuple = ()              # the other models' clusters, served through this one's ports (models.py)
+    admin: ClusterAdmin | None = None   # the admin operations (None: colocated, or --frontends N)
 
     @property
     def router(self):
@@ -153,6 +156,8 @@ class RunningCluster:
 
     async def stop(self) -> None:
         self.supervisor.cancel()
+        if self.admin is not None:
+            await self.admin.close()
         if self.frontend is not None:
             await self.frontend.stop()
         ray = _ray()
@@ -297,7 +302,7 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
     log.info("starting Ray", extra={"phase": "starting Ray"})
     started = _start_ray(cfg)
     ray = _ray()
-    workers, roster = await _start_workers(cfg)
+    workers, roster, spawn = await _start_workers(cfg)
     log.info("starting %d workers", len(workers), extra={"phase": f"loading the model in {len(workers)} workers"})
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
@@ -307,9 +312,10 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
     metas: dict[str, bytes] = {}
     first_stats = await _first_bring_up(workers, roster, metas, frontend, actors)
     cadence = StatsCadence()     # the driver's one stats poll (actor frontends run their own)
+    supervision = _Supervisor(pool, workers, roster, metas, alive_s=2 * cadence.idle_s)
     supervisor = asyncio.ensure_future(run_stats_poll(
-        pool, cadence, fcfg.poll_timeout_s, demand=frontend.router if frontend else None,
-        on_round=_Supervisor(pool, workers, roster, metas, alive_s=2 * cadence.idle_s)))
+        pool, cadence, fcfg.poll_timeout_s, demand=frontend.router if frontend else None, on_round=supervision))
+    admin = _admin(cfg, spawn, workers, metas, supervision, pool, frontend, metrics)
     served = merged_registry([metrics.registry, *(f.metrics.registry for f in (peers or {}).values())])
     metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host, served if peers else None)
                       if cfg.metrics_port is not None and not attached else None)
@@ -317,7 +323,31 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
         await actors[0].http_port.remote() if actors else None)
     trainer = await _start_online_trainer(cfg, workers, roster) if cfg.engine.speculative.spec_online else None
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port,
-                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len, trainer)
+                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len, trainer, admin=admin)
+
+
+def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: dict, supervision: _Supervisor,
+           pool: WorkerPool, frontend: Frontend | None, metrics) -> ClusterAdmin | None:
+    """The admin operations, served by the in-process frontend's Admin RPCs (an actor frontend's
+    router is not the driver's: none there)."""
+    if frontend is None or cfg.colocated:
+        return None
+
+    async def connect(name: str, roster: WorkerRoster) -> None:
+        await _handshake(name, workers, roster, metas)
+
+    async def pair(name: str, peers: list[str]) -> None:     # transport peers both ways (a KV move's)
+        metas[name] = await workers[name].metadata()
+        for other in peers:
+            metas[other] = await workers[other].metadata()
+            await workers[name].add_peer(metas[other])
+            await workers[other].add_peer(metas[name])
+    wiring = AdminWiring(spawn=spawn, connect=connect, pair=pair, set_role=lambda client, role: client.set_role(role),
+                         kill=lambda client: _ray().kill(client.handle), switchable=cfg.switchable_roles)
+    admin = ClusterAdmin(wiring, workers, supervision, pool, frontend.router, metrics, cfg.drain_timeout_s)
+    frontend.service.admin.control = admin
+    pool.on_leaving = admin.leave      # at the first stats that say so, pushed or polled
+    return admin
 
 
 async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerClient], roster: WorkerRoster):
@@ -354,37 +384,62 @@ def start_local_ray(num_cpus: int) -> None:
                 num_cpus=num_cpus)
 
 
-async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster]:
+async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster, object]:
     """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
-    the cluster's kernel plan; their clients, prefill workers first, and who plays which role."""
+    the cluster's kernel plan; their clients, prefill workers first, who plays which role, and how
+    one more starts (`spawn(name, role)`, the admin's add: loaded when it returns)."""
     num_prefill = 0 if cfg.colocated else cfg.num_prefill
     shares, resolved = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
     suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
     secret = cfg.cluster_secret or Secret(os.urandom(32))
+    workers, prefill, decode = {}, [], []
+    for i, share in enumerate(shares):
+        role = "prefill" if i < num_prefill else "decode"
+        index = i if i < num_prefill else i - num_prefill
+        name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
+        workers[name] = await _start_worker(cfg, resolved, secret, suffix, name, role, share)
+        (prefill if role == "prefill" else decode).append(name)
+
+    async def spawn(name: str, role: str) -> WorkerClient:   # an added worker: the last share's threads, unpinned
+        client = await _start_worker(cfg, resolved, secret, suffix, name, role, CpuShare(shares[-1].threads, None))
+        await client.stats()
+        return client
+    return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode)), spawn
+
+
+async def _start_worker(cfg: ClusterConfig, resolved: EngineConfig, secret: Secret, suffix: str, name: str, role: str,
+                        share: CpuShare) -> WorkerClient:
+    """One worker actor of `role`: its class (both roles' with --switchable-roles), threads and cores."""
+    # Every worker's speculation comes from decode.spec; a prefill worker's never proposes.
+    cls, speculation = ((PrefillWorker, make_kv_only_speculator) if role == "prefill"
+                        else (DecodeWorker, make_speculator))
+    extra = ()
+    if cfg.switchable_roles:
+        cls, speculation, extra = SwitchableWorker, make_speculator, (role,)
+    tp = cfg.tensor_parallel_size(role)
+    engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp,
+                     eplb=replace(resolved.eplb, role=role))   # each role balances its own load
+    wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
+                        kv_host=None if cfg.ray_address else "127.0.0.1", drain_timeout_s=cfg.drain_timeout_s)
+    placement = await _rank_placement(cfg, tp)
     # Data calls (a stream lasts as long as its request) get a slot each for every request the
     # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
     data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
-    workers, prefill, decode = {}, [], []
-    for i, share in enumerate(shares):
-        # Every worker's speculation comes from decode.spec; a prefill worker's never proposes.
-        role, cls, speculation = (("prefill", PrefillWorker, make_kv_only_speculator) if i < num_prefill
-                                  else ("decode", DecodeWorker, make_speculator))
-        index = i if i < num_prefill else i - num_prefill
-        name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
-        tp = cfg.tensor_parallel_size(role)
-        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp,
-                         eplb=replace(resolved.eplb, role=role))   # each role balances its own load
-        wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
-                            kv_host=None if cfg.ray_address else "127.0.0.1")
-        placement = await _rank_placement(cfg, tp)
-        h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
-                                     num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
-                                     resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                     runtime_env={"env_vars": worker_env(share)},
-                                     **placement).remote(name, wcfg, speculation)
-        workers[name] = WorkerClient(name, h)
-        (prefill if role == "prefill" else decode).append(name)
-    return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode))
+    h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
+                                 num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
+                                 resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
+                                 runtime_env={"env_vars": {**worker_env(share), **_sigterm_drain_hook()}},
+                                 **placement).remote(name, wcfg, speculation, *extra)
+    return WorkerClient(name, h)
+
+
+def _sigterm_drain_hook() -> dict:
+    """The env var by which Ray runs a worker process's setup hook on its main thread (Ray reads a
+    `worker_process_setup_hook` of an actor's own runtime_env no further than this variable; its
+    name is Ray's, looked up, and nothing is set where this Ray has none): SIGTERM drains the
+    worker (cluster/worker_base.py `install_sigterm_drain`)."""
+    var = getattr(_ray()._private.ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None)
+    return {var: "cluster.worker_base.install_sigterm_drain"} if var else {}
 
 
 async def _rank_placement(cfg: ClusterConfig, tp: int) -> dict:

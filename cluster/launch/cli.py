@@ -151,9 +151,9 @@ def run(inv: Invocation) -> int:
     Ray, seconds to import, so neither `--help` nor a refused setting waits for them)."""
     if inv.command == "chat" and inv.args.server:
         return _chat_with_server(inv)
-    if inv.command == "generate" and inv.args.server:
-        from cluster.launch.remote_commands import cmd_generate_remote  # noqa: PLC0415 - gRPC: only against a server
-        return cmd_generate_remote(inv)
+    if (inv.command == "generate" and inv.args.server) or inv.command == "scale":
+        from cluster.launch.remote_commands import cmd_generate_remote, cmd_scale  # noqa: PLC0415 - gRPC: only against a server
+        return (cmd_scale if inv.command == "scale" else cmd_generate_remote)(inv)
     from cluster.launch.local_commands import COMMANDS  # noqa: PLC0415 - torch and Ray: only to run here
     return COMMANDS[inv.command](inv)
 

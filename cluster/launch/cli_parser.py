@@ -51,7 +51,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"splitserve {splitserve_version()}")
     parser.add_argument("--log-level", default="INFO", type=_log_level, help="log level of splitserve's own logs "
                                                                               "(stderr)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,export-hf}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,scale,export-hf}")
     parser.commands = {}
 
     def command(name: str, help_text: str) -> Parser:
@@ -67,6 +67,8 @@ def build_parser() -> Parser:
     _add_serve(command("serve", "serve the gRPC API (and the OpenAI HTTP API) from a disaggregated prefill/decode "
                                 "cluster on Ray"))
     _add_chat(command("chat", "a conversation in the terminal: a local cluster, or --server's OpenAI API"))
+    _add_scale(command("scale", "a running cluster's workers: list them, add or remove (drain) workers of a role, "
+                                "or switch one's role"))
     exp = command("export-hf", "write a GGUF file's model as a Hugging Face directory (for transformers, vLLM)")
     exp.add_argument("gguf", help="the .gguf file")
     exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
@@ -88,6 +90,17 @@ def _add_generate(gen: Parser) -> None:
                      help="send the prompt as is (default: as a user message through the model's chat template, "
                           "when it has one; with --server, when the server serves the --model this command names)")
     gen.add_argument("prompt", help="the prompt")
+
+
+def _add_scale(scale: Parser) -> None:
+    scale.add_argument("--server", required=True, metavar="HOST:PORT", help="the running `splitserve serve` (gRPC)")
+    scale.add_argument("--api-key", default=None, help="API key for --server (sent as 'authorization: Bearer')")
+    scale.add_argument("--prefill", type=int, default=None, metavar="N", help="the prefill workers to have")
+    scale.add_argument("--decode", type=int, default=None, metavar="M", help="the decode workers to have")
+    scale.add_argument("--switch", default=None, metavar="WORKER", help="switch this worker's role (its name in the "
+                                                                      "metrics' `worker` label, e.g. decode-1)")
+    scale.add_argument("--to", choices=("prefill", "decode"), default=None, help="the role --switch gives it")
+    scale.add_argument("--no-wait", action="store_true", help="answer at once instead of when the action is done")
 
 
 def _add_serve(srv: Parser) -> None:

@@ -86,6 +86,12 @@ class ClusterConfig:
                                                       default_text="--tensor-parallel-size")
     tp_placement: str = setting("STRICT_PACK", "Ray placement strategy of a tensor-parallel worker's bundles (one "
                                                "per rank)", choices=("STRICT_PACK", "PACK"))
+    switchable_roles: bool = setting(False, "start every worker with both roles' machinery (one engine, one set "
+                                            "of weights), so that `splitserve scale --switch` changes its role "
+                                            "without a reload (speculation off)")
+    drain_timeout_s: float = setting(30.0, "how long a drain (scale-down, role switch, SIGTERM) waits for a "
+                                           "worker's sequences to move or end; past it they fail over",
+                                     flag="--drain-timeout")
     max_tokens_limit: int = setting(4096, "the most tokens a request may ask for")
     default_max_tokens: int = setting(256, "a request's max_tokens when it gives none (at most --max-tokens-limit)")
     poll_timeout_s: float = setting(5.0, "a worker stats poll slower than this is skipped (slow is not dead)")
@@ -128,9 +134,16 @@ class ClusterConfig:
         require(self.max_tokens_limit >= 1, "max_tokens_limit", f"must be >= 1, got {self.max_tokens_limit}")
         require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
         require(self.poll_timeout_s > 0, "poll_timeout_s", f"must be > 0, got {self.poll_timeout_s}")
+        require(self.drain_timeout_s > 0, "drain_timeout_s", f"must be > 0, got {self.drain_timeout_s}")
+        require(not self.switchable_roles or self.engine.speculative.method == "off", "switchable_roles",
+                f"needs --speculative off (a prefill worker's speculation differs), got {self.engine.speculative.method}")
         for name in ("prefill_resources", "decode_resources"):
             parse_resources(getattr(self, name))
         self._check_tensor_parallel()
+        if self.switchable_roles:    # both roles on one engine: one rank, and roles to switch between
+            require(max(self.tensor_parallel_size("prefill"), self.tensor_parallel_size("decode")) == 1,
+                    "switchable_roles", "needs workers of one rank (--tensor-parallel-size 1)")
+            require(not self.colocated, "switchable_roles", "has no roles to switch with --colocated")
 
     def tensor_parallel_size(self, role: str) -> int:
         """The tensor-parallel size of `role`'s workers (prefill, decode; colocated workers: decode's)."""

@@ -1,5 +1,6 @@
-"""`splitserve generate --server`: a prompt streamed from a running server over gRPC (the chat
-template applied here when the server serves the model this command would load)."""
+"""Commands against a running server over gRPC: `splitserve generate --server` (a prompt streamed,
+the chat template applied here when the server serves the model this command would load) and
+`splitserve scale` (the Admin RPCs: list, scale, switch a role)."""
 from __future__ import annotations
 
 import grpc
@@ -51,3 +52,28 @@ def cmd_generate_remote(inv: Invocation) -> int:
     except grpc.RpcError as exc:
         raise CommandError(f"{args.server} answered {exc.code().name}: {exc.details()}") from None
     return printer.close()
+
+
+def cmd_scale(inv: Invocation) -> int:
+    """Lists the workers (no action given), or scales / switches and prints what was done."""
+    args = inv.args
+    if (args.switch is None) != (args.to is None):
+        raise CommandError("--switch WORKER and --to ROLE go together")
+    if args.switch is not None and (args.prefill is not None or args.decode is not None):
+        raise CommandError("--switch is one action of its own: give --prefill/--decode in another call")
+    client = Client(args.server, api_key=args.api_key)
+    try:
+        if args.switch is not None:
+            reply = client.admin("SwitchRole", pb.SwitchRoleRequest(worker=args.switch, to=args.to, no_wait=args.no_wait))
+        elif args.prefill is not None or args.decode is not None:
+            reply = client.admin("Scale", pb.ScaleRequest(prefill=args.prefill, decode=args.decode, no_wait=args.no_wait))
+        else:
+            reply = client.admin("ListWorkers", pb.ListWorkersRequest())
+    except grpc.RpcError as exc:
+        raise CommandError(f"{args.server} answered {exc.code().name}: {exc.details()}") from None
+    for action in getattr(reply, "actions", ()):
+        print(f"{'started' if args.no_wait else 'done'}: {action}")
+    print(f"{'WORKER':<14} {'ROLE':<8} {'STATE':<10} RUNNING")
+    for w in reply.workers:
+        print(f"{w.name:<14} {w.role:<8} {w.state:<10} {w.running}")
+    return 0

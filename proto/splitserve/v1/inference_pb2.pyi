@@ -240,7 +240,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "mode", "prefill_workers", "decode_workers", "kv_transport", "max_tokens_limit", "speculative", "num_speculative_tokens", "deterministic")
+    __slots__ = ("version", "mode", "prefill_workers", "decode_workers", "kv_transport", "max_tokens_limit", "speculative", "num_speculative_tokens", "deterministic", "workers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class ServerInfoResponse(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     prefill_workers: int
@@ -259,7 +260,8 @@ class ServerInfoResponse(_message.Message):
     speculative: str
     num_speculative_tokens: str
     deterministic: bool
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., kv_transport: _Optional[str] = ..., max_tokens_limit: _Optional[int] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ..., kv_transport: _Optional[str] = ..., max_tokens_limit: _Optional[int] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[str] = ..., deterministic: _Optional[bool] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens", "return_token_strs", "model")
@@ -298,3 +300,61 @@ class DetokenizeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("name", "role", "state", "running")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    state: str
+    running: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("prefill", "decode", "no_wait")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    no_wait: bool
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("actions", "workers")
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, actions: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("worker", "to", "no_wait")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    to: str
+    no_wait: bool
+    def __init__(self, worker: _Optional[str] = ..., to: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("actions", "workers")
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, actions: _Optional[_Iterable[str]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

@@ -314,3 +314,169 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Admin operations on a running cluster (served by the driver's frontend; behind the API key check
+    when keys are set). Each returns when its action is complete (drains finished) unless no_wait.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListWorkers = channel.unary_unary(
+                '/splitserve.v1.Admin/ListWorkers',
+                request_serializer=splitserve_dot_v1_dot_inference__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_inference__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/splitserve.v1.Admin/Scale',
+                request_serializer=splitserve_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/splitserve.v1.Admin/SwitchRole',
+                request_serializer=splitserve_dot_v1_dot_inference__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_inference__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Admin operations on a running cluster (served by the driver's frontend; behind the API key check
+    when keys are set). Each returns when its action is complete (drains finished) unless no_wait.
+    """
+
+    def ListWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scale(self, request, context):
+        """Sets the number of prefill and/or decode workers: adds workers, or drains and removes some.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwitchRole(self, request, context):
+        """Switches one worker's role (prefill <-> decode) without reloading its weights; it keeps its name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=splitserve_dot_v1_dot_inference__pb2.ListWorkersRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_inference__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=splitserve_dot_v1_dot_inference__pb2.ScaleRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_inference__pb2.ScaleResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=splitserve_dot_v1_dot_inference__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_inference__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Admin operations on a running cluster (served by the driver's frontend; behind the API key check
+    when keys are set). Each returns when its action is complete (drains finished) unless no_wait.
+    """
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/ListWorkers',
+            splitserve_dot_v1_dot_inference__pb2.ListWorkersRequest.SerializeToString,
+            splitserve_dot_v1_dot_inference__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/Scale',
+            splitserve_dot_v1_dot_inference__pb2.ScaleRequest.SerializeToString,
+            splitserve_dot_v1_dot_inference__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/SwitchRole',
+            splitserve_dot_v1_dot_inference__pb2.SwitchRoleRequest.SerializeToString,
+            splitserve_dot_v1_dot_inference__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
