@@ -39,7 +39,8 @@ def cmd_simulate(inv: Invocation) -> int:
     start = (args.prefill, args.decode) if args.prefill and args.decode else mean_load_split(costs, args)
     if sum(start) > args.workers:
         raise CommandError(f"--prefill {start[0]} + --decode {start[1]} is more than --workers {args.workers}")
-    trace = make_trace(args.trace, args.rate, args.duration, Shape(args.input_tokens, args.output_tokens), args.seed)
+    trace = make_trace(args.trace, args.rate, args.duration, Shape(args.input_tokens, args.output_tokens), args.seed,
+                       args.burst_period)
     print(f"simulate: {args.trace} trace, mean {args.rate:g} req/s for {args.duration:g} s ({len(trace)} requests), "
           f"budget {args.workers} workers, TTFT SLO {args.ttft_slo:g} s, ITL SLO {args.itl_slo:g} s, profile "
           f"{costs.name} ({costs.device or 'device'})", flush=True)

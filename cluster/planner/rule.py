@@ -2,8 +2,8 @@
 actions and the next state out. No clock, no I/O: the live loop and the simulator call the same one.
 
 Each interval:
-1. Forecast the next interval's arrival rate (Holt's linear smoothing: an EWMA level plus a trend),
-   never below what was just seen, plus the queued backlog to drain within one interval: a queue
+1. Forecast the arrival rate when a worker added now would serve (Holt's linear smoothing: an EWMA
+   level plus the trend over the worker's start and one interval), never below what was just seen, plus the queued backlog to drain within one interval: a queue
    that grows while the mean TTFT still looks fine (Dynamo #10528) raises the load the rule sizes for.
 2. Recalibrate the profile's costs by the workers' measured ones (prefill tokens/s, decode step).
 3. Size each pool (capacity.choose_split): up to `margin` x SLO when growing, at once; down only to
@@ -37,8 +37,8 @@ class RuleConfig:
     margin: float = 0.8            # grow to meet this share of each SLO
     down_margin: float = 0.6       # shrink only to what still meets this share
     down_intervals: int = 3        # intervals in a row wanting fewer before shrinking
-    alpha: float = 0.5             # EWMA weight of the newest rate
-    beta: float = 0.3              # weight of the newest trend
+    alpha: float = 0.7            # EWMA weight of the newest rate
+    beta: float = 0.5             # weight of the newest trend
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,14 @@ class Decision:
     split: Split
 
 
-def forecast(state: PlannerState, observed: float, cfg: RuleConfig) -> tuple[float, PlannerState]:
-    """The next interval's rate: Holt's level + trend, at least the rate just observed."""
+def forecast(state: PlannerState, observed: float, cfg: RuleConfig, lead: float = 1.0) -> tuple[float, PlannerState]:
+    """The rate `lead` intervals ahead (Holt's level + lead x trend), at least the rate just observed."""
     if state.level is None:
         level, trend = observed, 0.0
     else:
         level = cfg.alpha * observed + (1 - cfg.alpha) * (state.level + state.trend)
         trend = cfg.beta * (level - state.level) + (1 - cfg.beta) * state.trend
-    return max(observed, level + trend, 0.0), replace(state, level=level, trend=trend)
+    return max(observed, level + lead * trend, 0.0), replace(state, level=level, trend=trend)
 
 
 def calibration(snap: MetricsSnapshot, costs: DeviceProfile, load: Load) -> tuple[float, float]:
@@ -81,7 +81,9 @@ def calibration(snap: MetricsSnapshot, costs: DeviceProfile, load: Load) -> tupl
 def decide(snap: MetricsSnapshot, state: PlannerState, cfg: RuleConfig, costs: DeviceProfile) -> Decision:
     if snap.arrival_rate > 0 and snap.mean_input_tokens > 0:
         state = replace(state, input_tokens=snap.mean_input_tokens, output_tokens=max(snap.mean_output_tokens, 1.0))
-    rate, state = forecast(state, snap.arrival_rate, cfg)
+    # A worker added now serves after its start: size for the load then, not for the next interval's.
+    lead = 1.0 + costs.worker_start_s / max(snap.interval_s, 1e-9)
+    rate, state = forecast(state, snap.arrival_rate, cfg, lead)
     backlog = snap.queued_requests / max(snap.interval_s, 1e-9)
     load = Load(rate + backlog, state.input_tokens, state.output_tokens)
     pre_scale, dec_scale = calibration(snap, costs, load)

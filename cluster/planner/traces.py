@@ -60,7 +60,7 @@ def poisson(rate: float, duration_s: float, shape: Shape = Shape(), seed: int = 
 
 
 def bursty(rate: float, duration_s: float, shape: Shape = Shape(), seed: int = 0, amplitude: float = 0.9,
-           period_s: float = 120.0) -> list[TraceRequest]:
+           period_s: float = 300.0) -> list[TraceRequest]:
     """Mean `rate`, swinging sinusoidally between (1 - amplitude) and (1 + amplitude) times it
     (amplitude 0.9: 0.1x to 1.9x, Dynamo #10528's 1-24 req/s around a mean of 12.5)."""
     rng = random.Random(seed)
@@ -99,7 +99,11 @@ def agent(rate: float, duration_s: float, shape: Shape = Shape(), seed: int = 0,
 TRACES = {"poisson": poisson, "bursty": bursty, "agent": agent}
 
 
-def make_trace(name: str, rate: float, duration_s: float, shape: Shape = Shape(), seed: int = 0) -> list[TraceRequest]:
+def make_trace(name: str, rate: float, duration_s: float, shape: Shape = Shape(), seed: int = 0,
+               period_s: float = 300.0) -> list[TraceRequest]:
+    """`period_s`: the bursty trace's period (the others ignore it)."""
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; choose one of {', '.join(TRACES)}")
+    if name == "bursty":
+        return bursty(rate, duration_s, shape, seed, period_s=period_s)
     return TRACES[name](rate, duration_s, shape, seed)
