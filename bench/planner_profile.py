@@ -1,6 +1,6 @@
 """Measure a worker's step costs for the planner and the simulator: a device profile (JSON).
 
-    python bench/planner_profile.py [--model DIR|FILE.gguf] [--out cluster/planner/profiles/cpu-default.json]
+    python bench/planner_profile.py [--model DIR|FILE.gguf] [--out cluster/planner/cpu-default.json]
         [--prefill 16,128,512,2048] [--batches 1,4,16,32] [--contexts 64,512] [--kv-bandwidth BYTES/S]
         [--dtype D] [--quantization Q] [--threads N] [--worker-start S] [--switch S]
 
@@ -51,7 +51,7 @@ def copy_bandwidth() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--out", type=Path, default=REPO / "cluster" / "planner" / "profiles" / "cpu-default.json")
+    ap.add_argument("--out", type=Path, default=REPO / "cluster" / "planner" / "cpu-default.json")
     ap.add_argument("--prefill", type=ints, default=ints("16,128,512,2048"))
     ap.add_argument("--batches", type=ints, default=ints("1,4,16,32"))
     ap.add_argument("--contexts", type=ints, default=ints("64,512"))

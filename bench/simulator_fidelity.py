@@ -1,8 +1,8 @@
 """The simulator against real clusters here: predicted vs measured TTFT and ITL, p50 and p99.
 
-    python bench/simulator_fidelity.py [--profile cluster/planner/profiles/cpu-default.json]
+    python bench/simulator_fidelity.py [--profile cluster/planner/cpu-default.json]
         [--modes pd,colocated] [--levels 1,2,4] [--requests 8] [--prompt-tokens 128] [--max-tokens 32]
-        [--out bench/results/simulator_fidelity.json]
+        [--out bench/results/simulator_fidelity.json] [--reuse]
 
 For each mode (`pd`: `splitserve serve --prefill 1 --decode 1`; `colocated`), bench/servers.py
 starts the cluster (bf16, no quantization, one torch thread per worker: the settings the default
@@ -10,9 +10,14 @@ profile was measured with, `bench/planner_profile.py --dtype bfloat16 --quantiza
 and bench/loadgen.py drives it over gRPC: at each level, that many streams send random prompts back
 to back (greedy, eos ignored, each exactly --max-tokens tokens). The simulator runs the same
 closed loop (same streams, prompt and completion lengths) on the profile. A request's ITL is its
-mean gap between tokens after the first, in both. Prints one row per mode, level and metric, with
-the error (predicted / measured - 1); the goal is p50 within 15%, p99 within 30%. The machine's
-load average is printed beside: figures from a busy machine are noisy.
+mean gap between tokens after the first, in both. Two predictions per row: from the profile as
+measured, and from the profile calibrated on the one-stream level (its prefill and decode costs
+scaled so that the simulator's 1-stream TTFT and ITL p50 equal the measured ones: the cluster's
+own step costs, as an online planner fits them); the levels above one stream test the model's
+queueing and batching out of sample. Prints one row per mode, level and metric, with the errors
+(predicted / measured - 1); the goal is p50 within 15%, p99 within 30%. The machine's load
+average is printed beside: figures from a busy machine are noisy. --reuse predicts again from the
+measurements --out already holds, without starting a cluster.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from cluster.planner.simulator import SimConfig, Simulator
 from cluster.planner.traces import TraceRequest
 from router.policy import WorkerView, make_policy
 
-DEFAULT_PROFILE = REPO / "cluster" / "planner" / "profiles" / "cpu-default.json"
+DEFAULT_PROFILE = REPO / "cluster" / "planner" / "cpu-default.json"
 
 
 def ints(text: str) -> list[int]:
@@ -87,6 +92,38 @@ def predict(mode: str, concurrency: int, args, costs) -> dict[str, float]:
     return figures([r.first_token_s - r.arrival_s for r in done], itl)
 
 
+def calibrated(mode: str, records: list[dict], args, costs):
+    """`costs` scaled so that one stream's predicted TTFT and ITL p50 match `records` (1 stream)."""
+    measured, predicted = measured_figures(records), predict(mode, 1, args, costs)
+    return costs.scaled(measured["ttft_p50"] / predicted["ttft_p50"], measured["itl_p50"] / predicted["itl_p50"])
+
+
+def error(predicted: float, measured: float) -> float | None:
+    return predicted / measured - 1 if measured else None
+
+
+def compare(mode: str, measured: dict, args, costs) -> list[dict]:
+    fitted = calibrated(mode, measured[1], args, costs) if 1 in measured else costs
+    rows = []
+    for c in args.levels:
+        m, p, f = measured_figures(measured[c]), predict(mode, c, args, costs), predict(mode, c, args, fitted)
+        rows += [{"mode": mode, "streams": c, "metric": key, "measured_s": m[key], "profile_s": p[key],
+                  "calibrated_s": f[key], "profile_error": error(p[key], m[key]),
+                  "calibrated_error": error(f[key], m[key])} for key in m]
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'mode':<10} {'streams':>7} {'metric':<9} {'measured':>9} {'profile':>9} {'error':>6} "
+          f"{'calibrated':>10} {'error':>6}")
+    for r in rows:
+        def pct(x):
+            return "n/a" if x is None else f"{x:+.0%}"
+        print(f"{r['mode']:<10} {r['streams']:>7} {r['metric']:<9} {r['measured_s'] * 1e3:>7.0f}ms "
+              f"{r['profile_s'] * 1e3:>7.0f}ms {pct(r['profile_error']):>6} {r['calibrated_s'] * 1e3:>8.0f}ms "
+              f"{pct(r['calibrated_error']):>6}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
@@ -96,27 +133,24 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "simulator_fidelity.json")
+    ap.add_argument("--reuse", action="store_true", help="predict from the measurements --out holds")
     args = ap.parse_args()
     costs = load_profile(args.profile)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            load_before = os.getloadavg()[0]
-            measured = measure(mode, args, Path(tmp))
-            for c in args.levels:
-                m, p = measured_figures(measured[c]), predict(mode, c, args, costs)
-                for key in m:
-                    rows.append({"mode": mode, "streams": c, "metric": key, "predicted_s": p[key],
-                                 "measured_s": m[key], "error": p[key] / m[key] - 1 if m[key] else None})
-            print(f"{mode}: load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-                  f"{os.cpu_count()} cores (CPU busy with other work: busy-machine figures)", flush=True)
-    print(f"{'mode':<10} {'streams':>7} {'metric':<9} {'predicted':>10} {'measured':>10} {'error':>7}")
-    for r in rows:
-        err = "n/a" if r["error"] is None else f"{r['error']:+.0%}"
-        print(f"{r['mode']:<10} {r['streams']:>7} {r['metric']:<9} {r['predicted_s'] * 1e3:>8.0f}ms "
-              f"{r['measured_s'] * 1e3:>8.0f}ms {err:>7}")
+    measured = {}
+    if args.reuse:
+        measured = {mode: {int(c): recs for c, recs in levels.items()}
+                    for mode, levels in json.loads(args.out.read_text())["measured"].items()}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in args.modes.split(","):
+                load_before = os.getloadavg()[0]
+                measured[mode] = measure(mode, args, Path(tmp))
+                print(f"{mode}: load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+                      f"{os.cpu_count()} cores (CPU busy with other work: busy-machine figures)", flush=True)
+    rows = [row for mode in measured for row in compare(mode, measured[mode], args, costs)]
+    print_rows(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"profile": str(args.profile), "rows": rows}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"profile": str(args.profile), "rows": rows, "measured": measured}) + "\n")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
                                          f"{', '.join(given)})")
         return None
     config = build(ClusterConfig, sub.settings, values, _file_settings(args))
+    if config.planner.mode != "off":
+        # cluster/planner/loop.py's run_planner needs an Actuator over the live admin operations.
+        raise SettingError(values.source.get(("planner", "mode"), "--planner"),
+                           f"{config.planner.mode}: the live planner needs the admin operations (add, remove, switch "
+                           "workers), not wired in this build; `splitserve simulate` runs it on a simulated cluster")
     if check_machine:
         _check_machine(config, {path: values.source[path] for path in values.given})
     return config

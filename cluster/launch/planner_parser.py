@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cluster.planner.traces import TRACES
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "planner" / "profiles" / "cpu-default.json"
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "planner" / "cpu-default.json"
 
 
 def _positive(kind):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -60,6 +60,12 @@ class DeviceProfile:
     def transfer_time(self, tokens: float) -> float:
         """Seconds to move `tokens` tokens' KV from a prefill worker to a decode worker."""
         return tokens * self.kv_bytes_per_token / self.kv_transfer_bytes_per_s
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> DeviceProfile:
+        """The same profile with prefill passes `prefill` times and decode steps `decode` times as long
+        (costs refitted to measurements: the planner's calibration, the fidelity bench's)."""
+        return replace(self, prefill_seconds=tuple(s * prefill for s in self.prefill_seconds),
+                       decode_step_s=tuple(tuple(s * decode for s in row) for row in self.decode_step_s))
 
     def to_json(self) -> str:
         body = asdict(self)

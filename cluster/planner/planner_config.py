@@ -19,7 +19,7 @@ class PlannerConfig:
     interval_s: float = setting(30.0, "how often the planner decides", flag="--planner-interval")
     profile: str | None = setting(None, "the workers' step costs as a device profile (JSON, bench/planner_profile.py)",
                                   flag="--planner-profile", metavar="FILE",
-                                  default_text="cluster/planner/profiles/cpu-default.json, rescaled by the workers' "
+                                  default_text="cluster/planner/cpu-default.json, rescaled by the workers' "
                                                "measured costs")
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.launch.cli import main
+from cluster.launch.cli import load, main
 from cluster.planner.costs import DeviceProfile
 from cluster.planner.rule import FixedRule, RuleConfig, SlaRule
 from cluster.planner.simulator import SimConfig, Simulator
@@ -106,3 +106,12 @@ def test_refused_planner_flags_exit_2(argv):
     with pytest.raises(SystemExit) as err:
         main(argv)
     assert err.value.code == 2
+
+
+def test_the_planner_settings_reach_the_config_and_sla_is_refused_until_wired(capsys):
+    cfg = load(["serve", "--ttft-slo", "1.5", "--itl-slo", "0.05", "--max-workers", "4", "--planner-interval", "10"],
+               check_machine=False).config.planner
+    assert (cfg.mode, cfg.ttft_slo_s, cfg.itl_slo_s, cfg.max_workers, cfg.interval_s) == ("off", 1.5, 0.05, 4, 10.0)
+    assert main(["serve", "--planner", "sla"]) == 2
+    assert "--planner sla: the live planner needs the admin operations" in capsys.readouterr().err
+    assert main(["serve", "--max-workers", "1"]) == 2
