@@ -13,10 +13,12 @@ from cluster.planner.traces import Shape, make_trace
 from router.policy import WorkerView, make_policy
 
 
-def mean_load_split(costs: DeviceProfile, args) -> tuple[int, int]:
-    """The split sized for the trace's mean load (the fixed baseline), within the budget."""
-    split = choose_split(costs, Load(args.rate, args.input_tokens, args.output_tokens), args.ttft_slo, args.itl_slo,
-                         args.workers)
+def mean_load_split(costs: DeviceProfile, args, trace) -> tuple[int, int]:
+    """The split sized for the trace's mean load and lengths (the fixed baseline), within the budget."""
+    n = max(len(trace), 1)
+    load = Load(len(trace) / args.duration, sum(r.input_tokens for r in trace) / n,
+                sum(r.output_tokens for r in trace) / n)
+    split = choose_split(costs, load, args.ttft_slo, args.itl_slo, args.workers)
     return split.prefill, split.decode
 
 
@@ -36,11 +38,11 @@ def cmd_simulate(inv: Invocation) -> int:
         costs = load_profile(args.profile)
     except (OSError, ValueError) as exc:
         raise CommandError(f"--profile: {exc}") from None
-    start = (args.prefill, args.decode) if args.prefill and args.decode else mean_load_split(costs, args)
-    if sum(start) > args.workers:
-        raise CommandError(f"--prefill {start[0]} + --decode {start[1]} is more than --workers {args.workers}")
     trace = make_trace(args.trace, args.rate, args.duration, Shape(args.input_tokens, args.output_tokens), args.seed,
                        args.burst_period)
+    start = (args.prefill, args.decode) if args.prefill and args.decode else mean_load_split(costs, args, trace)
+    if sum(start) > args.workers:
+        raise CommandError(f"--prefill {start[0]} + --decode {start[1]} is more than --workers {args.workers}")
     print(f"simulate: {args.trace} trace, mean {args.rate:g} req/s for {args.duration:g} s ({len(trace)} requests), "
           f"budget {args.workers} workers, TTFT SLO {args.ttft_slo:g} s, ITL SLO {args.itl_slo:g} s, profile "
           f"{costs.name} ({costs.device or 'device'})", flush=True)

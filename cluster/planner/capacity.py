@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cluster.planner.costs import DeviceProfile
 
 INFEASIBLE = math.inf
+STABLE_UTILIZATION = 0.7     # where no pool size meets an SLO: size for a queue that stays short
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,16 @@ def _smallest(predict, target: float, limit: int) -> int:
 
 def choose_split(costs: DeviceProfile, load: Load, ttft_slo: float, itl_slo: float, max_workers: int,
                  margin: float = 0.8, prefill_scale: float = 1.0, decode_scale: float = 1.0) -> Split:
-    """The fewest workers of each role predicted to meet `margin` times each SLO; past the budget,
-    the budget shared in proportion to what each role needs (at least one each)."""
+    """The fewest workers of each role predicted to meet `margin` times each SLO (where none can, the
+    fewest that keep its queue stable); past the budget, the budget shared in proportion to what
+    each role needs (at least one each)."""
     p = _smallest(lambda n: prefill_ttft(costs, load, n, prefill_scale), margin * ttft_slo, max_workers)
+    if p > max_workers:     # no pool meets it (one prompt's prefill alone is too long): a stable queue
+        service = costs.prefill_time(load.input_tokens) * prefill_scale
+        p = _smallest(lambda n: load.rate * service / n, STABLE_UTILIZATION, max_workers)
     d = _smallest(lambda n: decode_itl(costs, load, n, decode_scale), margin * itl_slo, max_workers)
+    if d > max_workers:     # no pool meets it (a step alone is too long): the fewest with a stable batch
+        d = _smallest(lambda n: decode_itl(costs, load, n, decode_scale), INFEASIBLE / 2, max_workers)
     fits = p + d <= max_workers
     if not fits:
         p = min(max(1, round(max_workers * p / (p + d))), max_workers - 1)

@@ -39,6 +39,7 @@ class RuleConfig:
     down_intervals: int = 3        # intervals in a row wanting fewer before shrinking
     alpha: float = 0.7            # EWMA weight of the newest rate
     beta: float = 0.5             # weight of the newest trend
+    length_alpha: float = 0.3     # EWMA weight of the newest interval's mean prompt and completion lengths
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PlannerState:
     trend: float = 0.0
     input_tokens: float = 256.0    # last seen means (an idle interval has none)
     output_tokens: float = 128.0
+    lengths_seen: bool = False
     down_streak: tuple[int, int] = (0, 0)    # (prefill, decode)
 
 
@@ -79,8 +81,11 @@ def calibration(snap: MetricsSnapshot, costs: DeviceProfile, load: Load) -> tupl
 
 
 def decide(snap: MetricsSnapshot, state: PlannerState, cfg: RuleConfig, costs: DeviceProfile) -> Decision:
-    if snap.arrival_rate > 0 and snap.mean_input_tokens > 0:
-        state = replace(state, input_tokens=snap.mean_input_tokens, output_tokens=max(snap.mean_output_tokens, 1.0))
+    if snap.arrival_rate > 0 and snap.mean_input_tokens > 0:     # lengths smoothed: a few long prompts swing them
+        w = cfg.length_alpha if state.lengths_seen else 1.0
+        state = replace(state, input_tokens=w * snap.mean_input_tokens + (1 - w) * state.input_tokens,
+                        output_tokens=w * max(snap.mean_output_tokens, 1.0) + (1 - w) * state.output_tokens,
+                        lengths_seen=True)
     # A worker added now serves after its start: size for the load then, not for the next interval's.
     lead = 1.0 + costs.worker_start_s / max(snap.interval_s, 1e-9)
     rate, state = forecast(state, snap.arrival_rate, cfg, lead)

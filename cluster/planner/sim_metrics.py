@@ -32,8 +32,9 @@ class Window:
     itls: list = field(default_factory=list)
 
     def arrived(self, req: SimRequest) -> None:
+        """Counted once routed: its prompt tokens are those its worker computes (cached ones are not)."""
         self.arrivals += 1
-        self.input_tokens += req.trace.input_tokens
+        self.input_tokens += req.compute_tokens
         self.output_tokens += req.trace.output_tokens
 
     def first_token(self, req: SimRequest) -> None:

@@ -32,7 +32,7 @@ class SimConfig:
     itl_slo_s: float
     colocated: bool = False
     planner_interval_s: float = 5.0
-    candidates: int = 16
+    candidates: int = 64
     closed_loop: int | None = None     # this many streams back to back (the trace's arrival times ignored)
     max_time_s: float | None = None    # stop here even with requests left (default: trace end x 3 + 60 s)
     seed: int = 0
@@ -145,8 +145,8 @@ class Simulator:
     # -- requests
     def _arrive(self, req: SimRequest, _=None) -> None:
         self.requests.append(req)
-        self.window.arrived(req)
         self._route_prompt(req)
+        self.window.arrived(req)
 
     def _route_prompt(self, req: SimRequest) -> None:
         role = "both" if self.cfg.colocated else PREFILL
