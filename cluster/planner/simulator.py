@@ -51,7 +51,7 @@ class Simulator:
         self.seq = itertools.count()
         self.rng = random.Random(cfg.seed)
         self.workers: dict[str, SimWorker] = {}
-        self.views: dict[str, WorkerView] = {}
+        self.views: dict = {}                           # worker name -> its view (the policy reads it)
         self.names = {PREFILL: itertools.count(), DECODE: itertools.count()}   # a name per role, kept on a switch
         self.after_drain: dict[str, str | None] = {}    # draining worker -> its next role (None: leaving)
         self.switching: dict[str, str] = {}             # drained worker -> the role it is switching to
