@@ -40,7 +40,7 @@ def add_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=_positive(int), default=None,
                    help="the fixed split's (and the planner's first) prefill workers (default: sized for the mean "
                         "load)")
-    p.add_argument("--decode", type=_positive(int), default=None, help="... and decode workers")
+    p.add_argument("--decode", type=_positive(int), default=None, help="... and decode workers (give both or neither; default: sized for the mean load)")
     p.add_argument("--duration", type=_positive(float), default=600.0, metavar="SECONDS", help="trace length")
     p.add_argument("--burst-period", type=_positive(float), default=300.0, metavar="SECONDS",
                    help="the bursty trace's period (its rate swings from 0.1x to 1.9x the mean and back)")

@@ -40,7 +40,9 @@ def cmd_simulate(inv: Invocation) -> int:
         raise CommandError(f"--profile: {exc}") from None
     trace = make_trace(args.trace, args.rate, args.duration, Shape(args.input_tokens, args.output_tokens), args.seed,
                        args.burst_period)
-    start = (args.prefill, args.decode) if args.prefill and args.decode else mean_load_split(costs, args, trace)
+    if (args.prefill is None) != (args.decode is None):
+        raise CommandError("--prefill and --decode go together (neither: the split sized for the mean load)")
+    start = (args.prefill, args.decode) if args.prefill else mean_load_split(costs, args, trace)
     if sum(start) > args.workers:
         raise CommandError(f"--prefill {start[0]} + --decode {start[1]} is more than --workers {args.workers}")
     print(f"simulate: {args.trace} trace, mean {args.rate:g} req/s for {args.duration:g} s ({len(trace)} requests), "
