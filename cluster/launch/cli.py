@@ -16,23 +16,10 @@ from cluster.launch.chat_sampling import session_sampling, session_seed
 from cluster.launch.cli_parser import build_parser
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.launch.console import Console, PhaseHandler, log_file
-
 # Imported from here too (tests, scripts): what a command is, how it fails and prints.
 from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  # noqa: F401
-from cluster.launch.preflight import (
-    check_device,
-    check_model,
-    check_ports_free,
-    read_file,
-)
-from cluster.launch.settings import (
-    UNSET,
-    SettingError,
-    Values,
-    build,
-    from_args,
-    yaml_values,
-)
+from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
+from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
 from cluster.launch.simulate_command import cmd_simulate
 from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
 from kernels.cpu_build import build_in_background
@@ -51,7 +38,7 @@ def load(argv: list[str] | None = None, check_machine: bool = True) -> Invocatio
     sub = parser.commands[args.command]
     yaml_given = None
     if getattr(args, "config", None):
-        own = {a.dest for a in sub._actions if a.option_strings} - {s.dest for s in sub.settings} - {"help", "config"}
+        own = {a.dest for a in sub._actions if a.option_strings} - {s.dest for s in sub.settings} - {"help", "config"}  # noqa: SLF001
         yaml_given, others = yaml_values(args.config, sub.settings, own)
         sub.set_defaults(**others)
         args = parser.parse_args(argv)
@@ -128,7 +115,7 @@ def _check_machine(cfg, given: dict) -> None:
     """Before Ray: the model is there, the device exists, the speculative setup can work, and
     every port can be bound on its host. `given`: the path of each setting given -> the flag (or
     YAML key) it came from, so that an error names what the user wrote."""
-    from decode.spec.compat import check_speculative_models
+    from decode.spec.compat import check_speculative_models  # noqa: PLC0415 - imports torch (the model's config)
     check_model(cfg.engine.model)
     check_device(cfg.engine.device)
     gpus_per_worker(cfg)
@@ -166,9 +153,9 @@ def run(inv: Invocation) -> int:
     if inv.command == "simulate":
         return cmd_simulate(inv)
     if inv.command == "generate" and inv.args.server:
-        from cluster.launch.remote_commands import cmd_generate_remote
+        from cluster.launch.remote_commands import cmd_generate_remote  # noqa: PLC0415 - gRPC: only against a server
         return cmd_generate_remote(inv)
-    from cluster.launch.local_commands import COMMANDS
+    from cluster.launch.local_commands import COMMANDS  # noqa: PLC0415 - torch and Ray: only to run here
     return COMMANDS[inv.command](inv)
 
 

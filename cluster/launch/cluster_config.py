@@ -9,20 +9,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from cluster.config import (
-    DataPlaneConfig,
-    EngineConfig,
-    check_port,
-    derived,
-    require,
-    setting,
-)
+from cluster.config import DataPlaneConfig, EngineConfig, check_port, derived, require, setting
 from cluster.planner.planner_config import PlannerConfig
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
 from router.policy import POLICIES
 from router.router import RouterConfig
 from router.validation import RequestBounds
+
 
 _POLICIES = tuple(POLICIES)   # --policy's choices
 

@@ -1,6 +1,6 @@
 """The commands that run here: `generate` (an engine in this process), `serve` and `chat` (a
-cluster on Ray), `export-hf` (a GGUF file converted), `plan` (cluster/launch/plan_command.py). They import torch and Ray, so `cli.py`
-imports this module only when one of them runs."""
+cluster on Ray), `export-hf` (a GGUF file converted), `plan` (plan_command.py). They import torch
+and Ray, so `cli.py` imports this module only when one of them runs."""
 from __future__ import annotations
 
 import asyncio
@@ -15,20 +15,8 @@ from pathlib import Path
 from cluster.engine.engine import LLMEngine
 from cluster.launch.app import start_cluster
 from cluster.launch.banner import Endpoints, banner
-from cluster.launch.chat_cli import (
-    Cut,
-    PromptBuilder,
-    chat_loop,
-    http_completion,
-    http_reply,
-    room_left,
-)
-from cluster.launch.chat_sampling import (
-    GREEDY,
-    given_sampling,
-    session_sampling,
-    session_seed,
-)
+from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
+from cluster.launch.chat_sampling import GREEDY, given_sampling, session_sampling, session_seed
 from cluster.launch.invocation import Invocation, StreamPrinter
 from cluster.launch.plan_command import cmd_plan
 from cluster.launch.settings import SettingError
