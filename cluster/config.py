@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 # The field primitives and speculation's settings live in their own modules; imported from here
 # too, where every caller has always found them.
 from cluster.config_fields import ConfigError, check_port, derived, require, setting  # noqa: F401
+from cluster.eplb_config import ExpertBalanceConfig
 from cluster.spec_config import (AUTO, MAX_SPECULATIVE_TOKENS, QUANTSPEC_KV_VIEWS, SPEC_METHODS,  # noqa: F401
                                  SpeculativeConfig, parse_lookahead)
 
@@ -351,6 +352,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    eplb: ExpertBalanceConfig = field(default_factory=ExpertBalanceConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", resolve_model(self.model))
@@ -384,6 +386,10 @@ class EngineConfig:
         require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
         require(self.tp_collective_timeout_s > 0, "tp_collective_timeout_s",
                 f"must be > 0, got {self.tp_collective_timeout_s}")
+        eplb = self.eplb.enable_eplb or self.eplb.num_redundant_experts
+        # A worker of one rank has nothing to balance (a cluster may give only one role several).
+        require(not eplb or self.enable_expert_parallel, "enable_eplb",
+                "balances experts placed whole on the ranks: add --enable-expert-parallel")
         if tp == 1:
             return
         require(self.quantization == "none", "tensor_parallel_size",

@@ -168,6 +168,11 @@ class _WorkerCollector:
         experts = CounterMetricFamily(PREFIX + "expert_tokens", "tokens routed to each expert of a mixture-of-"
                                       "experts layer (a token counts once per chosen expert), by worker and role",
                                       labels=["worker", "role", "layer", "expert", "model_name"])
+        rank_pairs = CounterMetricFamily(PREFIX + "expert_rank_tokens", "(token, expert) pairs each rank of an "
+                                         "expert-parallel worker ran, by layer: the balance --enable-eplb improves",
+                                         labels=["worker", "role", "layer", "rank", "model_name"])
+        rebalances = CounterMetricFamily(PREFIX + "expert_rebalances", "expert placements the balancer applied "
+                                         "(--enable-eplb)", labels=["worker", "role", "model_name"])
         reports = CounterMetricFamily(PREFIX + "worker_stats_reports", "worker stats the driver read, by worker "
                                       "and source (poll: a Ray call; push: over the token stream while the "
                                       "worker steps)", labels=["model_name", "worker", "source"])
@@ -189,6 +194,11 @@ class _WorkerCollector:
             for layer, counts in s.expert_tokens:
                 for expert, count in enumerate(counts):
                     experts.add_metric([s.name, s.role, str(layer), str(expert), model], count)
+            for layer, counts in s.expert_rank_tokens:
+                for rank, count in enumerate(counts):
+                    rank_pairs.add_metric([s.name, s.role, str(layer), str(rank), model], count)
+            if s.expert_rank_tokens:
+                rebalances.add_metric([s.name, s.role, model], s.expert_rebalances)
             for head in s.spec_heads:
                 for family, field in heads:
                     family.add_metric([s.name, tenant_label(head.tenant), model], getattr(head, field))
@@ -202,7 +212,7 @@ class _WorkerCollector:
         yield queue
         yield from (f for f, _ in (*handoff, *discarded, *spec, *by_position, *heads))
         yield from tiers.values()
-        yield experts
+        yield from (experts, rank_pairs, rebalances)
         yield reports
 
 
@@ -308,6 +318,32 @@ class _FrontendCollector:
             yield m
 
 
+class _MergedCollector:
+    """Several models in one cluster: each model's registry (its series labelled with its
+    `model_name`) read as one, a family's samples from every registry under one HELP and TYPE."""
+
+    def __init__(self, registries: list[CollectorRegistry]):
+        self.registries = registries
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    merged[family.name] = family
+                else:
+                    into.samples.extend(family.samples)
+        yield from merged.values()
+
+
+def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
+    """One registry that serves all of `registries`' series (one scrape for a cluster of several models)."""
+    out = CollectorRegistry()
+    out.register(_MergedCollector(registries))
+    return out
+
+
 class ClusterMetrics:
     def __init__(self, transport: str, model_name: str, workers: WorkerStatsSource | None = None,
                  frontends: list | None = None):
@@ -405,5 +441,6 @@ class ClusterMetrics:
         """Worker -> its newest stats, as the source holds them (none without one)."""
         return self.workers.latest_stats() if self.workers is not None else {}
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1", registry: CollectorRegistry | None = None):
+        """`registry`: another to serve instead (several models' merged: `merged_registry`)."""
+        return start_http_server(port, addr=host, registry=registry or self.registry)

@@ -25,6 +25,7 @@ from cluster.engine.speculation import SpeculatorFactory
 from cluster.errors import RequestError
 from cluster.model.moe import expert_token_counts
 from cluster.kv.kv_events import KVEventBatch, KVEventLog
+from cluster.parallel.expert_balancer import rank_token_counts
 from cluster.token_stream import TokenSender, encode_stats
 from cluster.transfer.auth import Sealer
 from cluster.transfer.base import PeerMetadata, TransferError
@@ -154,6 +155,8 @@ class EngineWorker:
             spec_heads=heads.versions() if heads is not None else (),
             tiers=self.engine.tiers.stats() if self.engine.tiers is not None else None,
             expert_tokens=expert_token_counts(self.engine.model),
+            expert_rank_tokens=rank_token_counts(self.engine.model),
+            expert_rebalances=self.engine.runner.balancer.rebalances if self.engine.runner.balancer else 0,
             taken_at=time.monotonic(),
             **self._role_stats())
 

@@ -252,6 +252,10 @@ class WorkerStats:
     # A mixture-of-experts model's load: (layer, tokens routed to each expert) per sparse layer,
     # counted since the worker started (cluster/model/moe.py); () for a dense model.
     expert_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # With --enable-expert-parallel: (layer, (token, expert) pairs run on each rank) per sparse
+    # layer, and the expert balancer's applied placements (--enable-eplb).
+    expert_rank_tokens: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    expert_rebalances: int = 0
     # The worker's time.monotonic() when these were read: a push and a poll of one incarnation can
     # arrive out of order (a poll answered before a push is read after it); this orders them.
     taken_at: float = 0.0
@@ -332,11 +336,11 @@ def stats_from_wire(body) -> WorkerStats:
         elif name == "spec_heads":
             _need(type(value) is list, "WorkerStats.spec_heads: a list")
             out[name] = tuple(_record(SpecHeadStats, v) for v in value)
-        elif name == "expert_tokens":
+        elif name in ("expert_tokens", "expert_rank_tokens"):
             _need(type(value) is list and all(type(e) is list and len(e) == 2 and type(e[0]) is int
                                               and type(e[1]) is list and all(type(c) is int for c in e[1])
                                               for e in value),
-                  "WorkerStats.expert_tokens: [layer, [tokens per expert]] pairs")
+                  f"WorkerStats.{name}: [layer, [counts]] pairs")
             out[name] = tuple((layer, tuple(counts)) for layer, counts in value)
         elif name == "queue_time_buckets":
             _need(type(value) is list and all(type(b) is list and len(b) == 2 and type(b[0]) in (int, float)

@@ -39,7 +39,7 @@ MLA_SOURCE = SOURCE.with_name("mla.c")               # absorbed latent-attention
 PREFILL_SOURCE = SOURCE.with_name("prefill_attn.c")  # causal prefill attention (AVX-512 only)
 QUANT_DOT_SOURCE = SOURCE.with_name("quant_dot.c")   # quantized linear for bf16 batches (AVX512_BF16 only)
 C_SOURCES = (SOURCE, QUANT_SOURCE, KV_QUANT_SOURCE, DEQUANT_SOURCE, MLA_SOURCE, PREFILL_SOURCE, QUANT_DOT_SOURCE)
-HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "vexp.h"))   # included by the C files
+HEADERS = tuple(SOURCE.with_name(h) for h in ("bf16.h", "f16.h", "kv_quant.h", "quant_bh.h", "vexp.h"))   # included by the C files
 # No FMA contraction: products and sums round where the torch code they replace rounds.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-fno-math-errno")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -37,8 +37,9 @@ def tokenize_request(text: str, add_special_tokens: bool = True, return_token_st
     return pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs)
 
 
-def build_request(prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+def build_request(prompt: str | Sequence[int], request_id: str = "", model: str = "", **sampling) -> pb.GenerateRequest:
+    """`model`: a served model's name ("": the server's default; "auto": skill routing)."""
+    req = pb.GenerateRequest(request_id=request_id, model=model, sampling=pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -90,6 +91,10 @@ class Client:
 
     def server_info(self):
         return self.stub.ServerInfo(pb.ServerInfoRequest(), metadata=_metadata(self.api_key))
+
+    def list_models(self):
+        """The served models' `ModelInfo`s."""
+        return list(self.stub.ListModels(pb.ListModelsRequest(), metadata=_metadata(self.api_key)).models)
 
     def tokenize(self, text: str, add_special_tokens: bool = True, return_token_strs: bool = False,
                  timeout: float | None = None) -> Tokens:

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from cluster.metrics import ClusterMetrics, SampleFamily
+from cluster.metrics import ClusterMetrics, SampleFamily, merged_registry
 from cluster.model.tokenizer import load_tokenizer
 from cluster.token_stream import TokenReceiver
 from router.admission import AdmissionConfig
@@ -31,6 +31,8 @@ from router.openai.http_server import OpenAIServer
 from router.policy import make_policy
 from router.router import Router
 from router.router_config import RouterConfig
+from router.served_models import ModelEntry, ServedModels
+from router.skills import SkillClassifier, load_skill_routes
 from router.server import InferenceService, ServerInfo, start_grpc_server
 from router.tokenization import TokenCodec
 from router.validation import Limits
@@ -66,15 +68,19 @@ class FrontendConfig:
     http_port: int | None = None        # the OpenAI-compatible HTTP API (router/openai/http_server.py)
     http_reuse_port: bool = False       # several frontend processes share the HTTP port
     chat_template: str | None = None    # a Jinja file that overrides the model's chat template
+    attached: bool = False              # served through another model's frontend (router/served_models.py)
+    skill_routes: str | None = None     # --skill-routes: a YAML file (router/skills.py)
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, handles: Mapping[str, object], metrics=None,
-                 workers: WorkerPool | None = None):
+                 workers: WorkerPool | None = None, peers: Mapping[str, "Frontend"] | None = None):
         """`handles`: worker name -> its Ray actor handle. `workers`: the driver's pool, when this
         frontend runs in the driver's process (the driver's stats poll feeds it, and its metrics
-        read it); an actor frontend builds its own and polls for it (`cfg.poll_stats_s`)."""
+        read it); an actor frontend builds its own and polls for it (`cfg.poll_stats_s`). `peers`:
+        the frontends of the other models this one's ports serve, by served name."""
         self.cfg = cfg
+        self.peers = dict(peers or {})
         self.handles = handles
         self.metrics = metrics
         self.workers = workers
@@ -101,11 +107,16 @@ class Frontend:
         if cfg.port is not None:
             self.server, self.port = await start_grpc_server(self.service, cfg.host, cfg.port, tls=cfg.tls,
                                                              client_ca=cfg.tls_client_ca, connections=cfg.connections)
-        if cfg.http_port is not None:
+        if cfg.http_port is not None or cfg.attached:
             template = ChatTemplate.load(cfg.model_dir, cfg.chat_template)
             registry = self.metrics.registry if self.metrics.has_workers else None
+            if self.peers and registry is not None:
+                registry = merged_registry([registry, *(p.metrics.registry for p in self.peers.values())])
             self.http = OpenAIServer(self.service, tokenizer, template, metrics_registry=registry,
                                      connections=cfg.connections)
+        if self.peers:
+            self._serve_models()
+        if cfg.http_port is not None:
             await self.http.start(cfg.host, cfg.http_port, reuse_port=cfg.http_reuse_port, tls=cfg.tls,
                                   client_ca=cfg.tls_client_ca)
         if cfg.poll_stats_s is not None:     # an actor frontend: the stats poll of its own process
@@ -122,10 +133,27 @@ class Frontend:
         gc.freeze()
         return self.port
 
+    def _serve_models(self) -> None:
+        """This frontend's ports serve its peers' models too: each request to the stack of the model it names."""
+        frontends = [self, *self.peers.values()]
+        entries = [ModelEntry(f.cfg.limits.model_id, f.service, f.http, f.http is not None and
+                              f.http.chat_template is not None) for f in frontends]
+        routes = load_skill_routes(self.cfg.skill_routes) if self.cfg.skill_routes else None
+        if routes:
+            unknown = {r.model for r in routes} - {e.name for e in entries}
+            if unknown:
+                raise ValueError(f"--skill-routes names models not served: {', '.join(sorted(unknown))}; served: "
+                                 f"{', '.join(e.name for e in entries)}")
+        models = ServedModels(entries, SkillClassifier(routes) if routes else None)
+        self.service.served = models
+        if self.http is not None:
+            self.http.served = models
+
     async def _serve_when_ready(self) -> None:
         """gRPC health turns SERVING once every worker is routable for the first time."""
-        while not self.router.ready:
-            await self.router.routing_changed()
+        for router in [self.router, *(p.router for p in self.peers.values())]:
+            while not router.ready:
+                await router.routing_changed()
         await self.service.set_serving(True)
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:

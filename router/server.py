@@ -30,6 +30,10 @@ from router.connections import ConnectionLimits, grpc_options
 from router.finish_reasons import to_proto as reason_to_proto
 from router.offload import Offload
 from router.router import Router
+from router.served_models import ServedModels, UnknownModel
+from router.skills import AUTO
+from router.test_time import TestTimeOutcome, run_test_time, sample_requests
+from router.test_time_policy import TestTimeSpec, spec_from_proto
 from router.tokenization import TokenCodec, detokenize_message, tokenize_message
 from router.validation import Limits, ValidationError, client_id, cut_message, scoped_id, validate
 
@@ -75,6 +79,23 @@ def to_proto(delta: TokenDelta, usage_tokens: int) -> pb.GenerateResponse:
     return msg
 
 
+def test_time_message(outcome: TestTimeOutcome, request_id: str, with_logprobs: bool) -> pb.GenerateResponse:
+    """A test-time request's one message: the chosen sample as a whole response, usage counting
+    every sample's tokens, the candidates under `test_time`."""
+    best = outcome.best
+    delta = TokenDelta(request_id, best.token_ids, best.text, best.finish_reason,
+                       best.logprobs if with_logprobs else (), outcome.prompt_tokens, len(best.token_ids),
+                       outcome.cached_tokens)
+    msg = to_proto(delta, outcome.completion_tokens)
+    for c in outcome.candidates:
+        msg.test_time.candidates.add(text=c.text, answer=c.answer, tokens=len(c.token_ids), score=c.score,
+                                     finish_reason=reason_to_proto(c.finish_reason))
+    msg.test_time.chosen = outcome.chosen
+    msg.test_time.stopped_early = outcome.stopped_early
+    msg.test_time.samples_run = outcome.samples_run
+    return msg
+
+
 class InferenceService:
     def __init__(self, router: Router, limits: Limits, codec: TokenCodec, info: ServerInfo, api_keys: tuple = (),
                  metrics=None, siblings=None, admission: AdmissionConfig = AdmissionConfig(),
@@ -94,6 +115,7 @@ class InferenceService:
         self.metrics = metrics
         self.siblings = siblings
         self.health = None          # the grpc.health.v1 servicer (start_grpc_server)
+        self.served: ServedModels | None = None     # set when this port serves several models
 
     async def set_serving(self, serving: bool) -> None:
         if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
@@ -117,12 +139,44 @@ class InferenceService:
 
     async def Generate(self, request, context):
         tenant = await self._authorize(context)
+        service, request = await self._target(request, context)
+        async for msg in service._admitted(request, context, tenant):
+            yield msg
+
+    async def _target(self, request, context):
+        """The service of the model the request names, and the request (its `model` the chosen
+        one for "auto"); this service when it serves one model."""
+        if self.served is None:
+            return self, request
         try:
-            ticket = await self.admission.admit(tenant, 1, self.router.closing)
+            if request.model == AUTO:
+                entry = self.served.route(request.text, chat=False)
+                chosen = pb.GenerateRequest()
+                chosen.CopyFrom(request)
+                chosen.model = entry.name
+                return entry.service, chosen
+            return self.served.find(request.model).service, request
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+    async def _admitted(self, request, context, tenant: str):
+        spec = None
+        if request.HasField("test_time"):       # checked before admission: its samples are its slots
+            try:
+                spec = spec_from_proto(request.test_time, self.limits.bounds, (self.limits.model_id,))
+            except ValidationError as exc:
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            ticket = await self.admission.admit(tenant, spec.samples if spec else 1, self.router.closing)
         except Refused as exc:
             await _abort(context, grpc.StatusCode[exc.why.grpc_code], str(exc))
         try:
-            async for msg in self._generate(request, context, tenant):
+            first = self.served is not None or request.model == self.limits.model_id
+            run = self._generate(request, context, tenant) if spec is None else \
+                self._test_time(request, context, tenant, spec)
+            async for msg in run:
+                if first:           # the first message names the model that answers
+                    msg.model, first = self.limits.model_id, False
                 yield msg
         finally:
             self.admission.release(ticket)
@@ -180,18 +234,55 @@ class InferenceService:
         if timed_out:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
 
+    async def _test_time(self, request, context, tenant: str, spec: TestTimeSpec):
+        """Test-time compute (router/test_time.py): the samples run, then one message, the chosen
+        sample's, with the candidates under `test_time` and every sample's tokens in its usage."""
+        req = await self._validated(context, tenant, validate, request, self.limits, self.tokenize, tenant)
+        samples = sample_requests(req, spec)
+        if any(s.request_id in self.router.active for s in samples):
+            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, "request_id is already running")
+        trackers = {s.request_id: self.metrics.track(s) for s in samples} if self.metrics else {}
+
+        def observe(d: TokenDelta) -> None:
+            if d.request_id in trackers:
+                trackers[d.request_id].tokens(len(d.token_ids), d)
+        ended = "abort"          # the client left (the task was cancelled)
+        try:
+            async with asyncio.timeout(context.time_remaining()):
+                outcome = await run_test_time(self.router, samples, spec, observe)
+        except TimeoutError:
+            ended = "deadline"
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        except RequestError as exc:
+            ended = "error"
+            await _abort(context, grpc.StatusCode[getattr(exc, "code", "INVALID_ARGUMENT")], error_message(exc))
+        except Exception as exc:  # noqa: BLE001 - no worker could serve it, or the server is stopping
+            ended = "error"
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, error_message(exc))
+        finally:
+            for t in trackers.values():      # cut short, or never started (no series: nothing streamed)
+                if t.last is not None and not t.done:
+                    t.finish(ended)
+        yield test_time_message(outcome, client_id(tenant, req.request_id), req.sampling.logprobs is not None)
+
     async def Abort(self, request, context):
         """Only the owner's tenant may abort a request; another's is answered as an unknown id."""
         tenant = await self._authorize(context)
         rid = scoped_id(tenant, request.request_id)
+        if self.served is not None:     # several models (one frontend): the request is on one model's router
+            for entry in self.served.entries.values():
+                if await entry.service.router.abort(rid, tenant):
+                    return pb.AbortResponse(found=True)
+            return pb.AbortResponse(found=False)
         if self.siblings is not None:
             return pb.AbortResponse(found=await self.siblings.abort_anywhere(rid, tenant))
         return pb.AbortResponse(found=await self.router.abort(rid, tenant))
 
     async def ListModels(self, request, context):
         await self._authorize(context)
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.limits.model_id, max_model_len=self.limits.max_model_len,
-                                                          vocab_size=self.limits.vocab_size)])
+        services = [e.service for e in self.served.entries.values()] if self.served is not None else [self]
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=s.limits.model_id, max_model_len=s.limits.max_model_len,
+                                                          vocab_size=s.limits.vocab_size) for s in services])
 
     async def ServerInfo(self, request, context):
         await self._authorize(context)
@@ -199,11 +290,22 @@ class InferenceService:
 
     async def Tokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, tokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, tokenize_message, request, service.limits, service.codec)
 
     async def Detokenize(self, request, context):
         tenant = await self._authorize(context)
-        return await self._validated(context, tenant, detokenize_message, request, self.limits, self.codec)
+        service = await self._named(request.model, context)
+        return await service._validated(context, tenant, detokenize_message, request, service.limits, service.codec)
+
+    async def _named(self, name: str, context):
+        """The service of the model `name` names (several models; NOT_FOUND naming them otherwise)."""
+        if self.served is None:
+            return self
+        try:
+            return self.served.find(name).service
+        except UnknownModel as exc:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
 
 _METHODS = {"Generate": (pb.GenerateRequest, True), "Abort": (pb.AbortRequest, False),

@@ -35,6 +35,7 @@ class RequestBounds:
     max_stop_token_ids: int = setting(64, "stop token ids per request")
     max_n: int = setting(64, "samples per prompt (n)")
     max_samples_per_request: int = setting(64, "prompts x n: the in-flight slots one request takes")
+    max_test_time_samples: int = setting(16, "samples of one test_time request (majority or best_of)")
     max_logprobs: int = setting(20, "top logprobs per token (OpenAI's limit, and the engine's)")
     max_body_bytes: int = setting(4 << 20, "bytes of an HTTP body")
     max_message_bytes: int = setting(4 << 20, "bytes of a gRPC message")

@@ -34,6 +34,7 @@ from cluster.model.loader import load_generation_defaults, load_model, load_toke
 from cluster.model.mla_engine import latent_layout, make_mla_backend
 from cluster.model.model_config import ModelConfig
 from cluster.model.quantize import Quantization, quantize_model
+from cluster.parallel.expert_balancer import ExpertBalancer
 from cluster.parallel.group import RankGroup
 from cluster.parallel.kv_export import full_layout
 from cluster.parallel.sharding import rank_shard, shard_model
@@ -68,7 +69,7 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
         raise ValueError("tensor parallelism (--tensor-parallel-size > 1) is not supported with latent attention "
                          "(MLA, DeepSeek) yet: serve it on one rank")
     if group is not None:
-        mc = shard_model(model, mc, group, config.enable_expert_parallel)
+        mc = shard_model(model, mc, group, config.enable_expert_parallel, config.eplb.num_redundant_experts)
     dtype = model.embed_tokens.weight.dtype
     quant = quantize_model(model, mc, Quantization(config.quantization), config.model,
                            act_int8=config.quantized_activations == "int8")
@@ -180,9 +181,12 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     if replay is not None and hidden is None:   # a pass over every token's hidden states runs eager
         graphs = decode_graphs(config, models, replay, models.model, kv_cache.arena, backend, plan.num_blocks,
                                device, rows_per_seq=1 + footprint.max_draft_tokens)
+    sender = StepSender(group) if group is not None else None
+    balancer = ExpertBalancer(config.eplb, group, sender, models.model) \
+        if sender is not None and config.enable_expert_parallel and config.eplb.enable_eplb else None
     runner = ModelRunner(models.model, kv_cache.arena, backend, cc.block_size, device,
                          hidden_hook=hidden and hidden.after_forward, hidden_layers=footprint.hidden_layers,
-                         graphs=graphs, step_sender=StepSender(group) if group is not None else None)
+                         graphs=graphs, step_sender=sender, balancer=balancer)
     return Core(backend, replay, kv_cache, pool, scheduler, runner, tiers)
 
 

@@ -16,6 +16,7 @@ from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
 from cluster.model.llama import CausalLM
+from cluster.parallel.expert_balancer import ExpertBalancer
 from cluster.parallel.step_message import StepMessage, StepSender
 
 # (plan, input_ids, positions, hidden, meta): a pass over the target's hidden states of a step.
@@ -87,7 +88,8 @@ class BatchLayout:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_arena: torch.Tensor, backend: AttentionBackend,
                  block_size: int, device: torch.device, hidden_hook: HiddenHook | None = None,
-                 hidden_layers: tuple[int, ...] = (), graphs=None, step_sender: StepSender | None = None):
+                 hidden_layers: tuple[int, ...] = (), graphs=None, step_sender: StepSender | None = None,
+                 balancer: ExpertBalancer | None = None):
         self.model = model
         self.kv_arena = kv_arena
         self.backend = backend
@@ -100,6 +102,8 @@ class ModelRunner:
         self.graphs = graphs     # DecodeGraphs: pure-decode steps replayed from static buffers, or None
         # Tensor parallel rank 0: each pass's inputs go to the other ranks first (they run it too).
         self.step_sender = step_sender
+        # Expert parallelism with --enable-eplb: experts moved between the ranks between two passes.
+        self.balancer = balancer
 
     def _forward(self, ids_t: torch.Tensor, pos_t: torch.Tensor, batch: AttentionBatch, rows: list[int], **kw):
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -109,6 +113,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> ForwardOutput:
         """The plan's forward pass: its logits rows and the sequences they belong to (see `ForwardOutput`)."""
+        if self.balancer is not None:
+            self.balancer.between_steps()
         prompt_rows = [c for c in plan.chunks if c.seq.wants_prompt_logprobs and not c.draft]
         if self.graphs is not None and self.hidden_hook is None and not prompt_rows:
             bucket = self.graphs.bucket_for(plan)

@@ -15,7 +15,7 @@ from pathlib import Path
 from cluster.config import EngineConfig, WorkerConfig
 from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
-from cluster.metrics import ClusterMetrics
+from cluster.metrics import ClusterMetrics, merged_registry
 from cluster.model.tokenizer import load_tokenizer
 from cluster.model.kernel_choice import resolved_engine_config
 from cluster.model.model_config import load_model_config
@@ -137,6 +137,7 @@ class RunningCluster:
     first_stats: tuple[WorkerStats, ...] = ()   # every worker's first WorkerStats, once loaded (its KV pool as planned)
     max_model_len: int = 0          # the longest prompt plus completion a request may have
     online_trainer: object = None   # --spec-online: the trainer actor (decode/spec/online/service.py)
+    models: tuple = ()              # the other models' clusters, served through this one's ports (models.py)
 
     @property
     def router(self):
@@ -172,6 +173,8 @@ class RunningCluster:
         if self.config.engine.cache.kv_host_shared:
             # The node's shared host tier outlives killed workers (a restarted one finds it), not the cluster.
             segment_path(self.config.engine.cache.kv_host_shared).unlink(missing_ok=True)
+        for other in self.models:       # the other models' clusters (Ray ends below, with this one)
+            await other.stop()
         if self.started_ray:
             ray.shutdown()
 
@@ -281,9 +284,13 @@ def _log_router_node(ray) -> None:
     (log.info if head else log.warning)("router on Ray node %s (%s)", me, "the head" if head else "not the head")
 
 
-async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
+async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached: bool = False) -> RunningCluster:
     """Ray, the workers, the frontends (their ports bound, health NOT_SERVING), then every worker
-    loaded, handshaken and ready (health SERVING), and the supervisor that keeps them so."""
+    loaded, handshaken and ready (health SERVING), and the supervisor that keeps them so.
+
+    Several models (cluster/launch/models.py): `attached`, a model served through another's ports
+    (its frontend binds none); `peers`, the attached models' frontends by served name, that the
+    frontend owning the ports hands their requests to."""
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
@@ -294,15 +301,18 @@ async def start_cluster(cfg: ClusterConfig) -> RunningCluster:
     log.info("starting %d workers", len(workers), extra={"phase": f"loading the model in {len(workers)} workers"})
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
-    frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers)
+    if attached:
+        fcfg = replace(fcfg, port=None, http_port=None, attached=True)
+    frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers, peers or {})
     metas: dict[str, bytes] = {}
     first_stats = await _first_bring_up(workers, roster, metas, frontend, actors)
     cadence = StatsCadence()     # the driver's one stats poll (actor frontends run their own)
     supervisor = asyncio.ensure_future(run_stats_poll(
         pool, cadence, fcfg.poll_timeout_s, demand=frontend.router if frontend else None,
         on_round=_Supervisor(pool, workers, roster, metas, alive_s=2 * cadence.idle_s)))
-    metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
-                      if cfg.metrics_port is not None else None)
+    served = merged_registry([metrics.registry, *(f.metrics.registry for f in (peers or {}).values())])
+    metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host, served if peers else None)
+                      if cfg.metrics_port is not None and not attached else None)
     http_port = frontend.http_port() if frontend is not None else (
         await actors[0].http_port.remote() if actors else None)
     trainer = await _start_online_trainer(cfg, workers, roster) if cfg.engine.speculative.spec_online else None
@@ -362,7 +372,8 @@ async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], W
         index = i if i < num_prefill else i - num_prefill
         name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
         tp = cfg.tensor_parallel_size(role)
-        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp)
+        engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp,
+                         eplb=replace(resolved.eplb, role=role))   # each role balances its own load
         wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
                             kv_host=None if cfg.ray_address else "127.0.0.1")
         placement = await _rank_placement(cfg, tp)
@@ -412,8 +423,8 @@ def _server_info(cfg: ClusterConfig, roster: WorkerRoster) -> ServerInfo:
                       deterministic=cfg.engine.deterministic)
 
 
-async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, workers: dict[str, WorkerClient]
-                                    ) -> tuple[Frontend | None, list, int, WorkerPool, ClusterMetrics]:
+async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, workers: dict[str, WorkerClient],
+                                    peers: dict) -> tuple[Frontend | None, list, int, WorkerPool, ClusterMetrics]:
     """The frontend in this process, or `--frontends N` actors; their port bound (health
     NOT_SERVING: requests wait); the driver's `WorkerPool` (the in-process frontend's, else its
     own) and the metrics registry this driver serves, reading the workers' series from it."""
@@ -422,7 +433,7 @@ async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, wo
     pool = WorkerPool.of_roster(fcfg.router, make_policy(fcfg.policy), workers, fcfg.roster)
     if cfg.frontends == 1:
         metrics = ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool)
-        frontend = Frontend(fcfg, handles, metrics=metrics, workers=pool)
+        frontend = Frontend(fcfg, handles, metrics=metrics, workers=pool, peers=peers)
         return frontend, [], await frontend.start(), pool, metrics
     actors, port = await _start_frontends(cfg, fcfg, handles)
     return None, actors, port, pool, ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool,
@@ -455,7 +466,8 @@ def _frontend_config(cfg: ClusterConfig, limits: Limits, info: ServerInfo, roste
                           policy=cfg.policy, admission=cfg.admission, connections=cfg.connections,
                           api_keys=as_api_keys(cfg.api_keys), tls=cfg.tls, tls_client_ca=cfg.tls_client_ca,
                           roster=roster, poll_timeout_s=cfg.poll_timeout_s, http_port=cfg.http_port,
-                          http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template)
+                          http_reuse_port=cfg.frontends > 1, chat_template=cfg.chat_template,
+                          skill_routes=cfg.skill_routes)
 
 
 async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], EngineConfig]:

@@ -155,3 +155,17 @@ def banner(cfg: ClusterConfig, model_name: str, version: str, at: Endpoints, cha
         question = QUESTION if chat else "def fibonacci(n):"
         lines.append(f"  try: splitserve generate --server {at.grpc} \"{question}\"")
     return lines
+
+
+def models_lines(models: Sequence[tuple[ClusterConfig, str]], skill_routes: str | None) -> list[str]:
+    """Several models (cluster/launch/models.py): each other model, what it is, where it runs; how
+    "auto" chooses. `models`: each one's config and served name."""
+    lines = []
+    for cfg, name in models:
+        source = cfg.engine.model.name
+        named = name if name == source else f"{name} (from {source})"
+        lines.append(f"  also serving: {named} on {topology(cfg)}; compute dtype {dtype_line(cfg)}")
+    if models:
+        lines.append("  model \"auto\": " + (f"skill routing by {skill_routes} (docs/models.md)" if skill_routes
+                                              else "off (give --skill-routes FILE)"))
+    return lines

@@ -18,11 +18,13 @@ from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.launch.console import Console, PhaseHandler, log_file
 # Imported from here too (tests, scripts): what a command is, how it fails and prints.
 from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  # noqa: F401
+from cluster.launch.model_specs import several_models
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
 from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
 from cluster.launch.simulate_command import cmd_simulate
 from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
 from kernels.cpu_build import build_in_background
+from router.skills import load_skill_routes
 
 # With --server the server's engine answers: of the engine's settings only these mean something
 # (the chat template's model, and the speculation a request may ask for).
@@ -72,7 +74,12 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
             raise SettingError(given[0], f"is a cluster setting; with --server that server's answer (drop "
                                          f"{', '.join(given)})")
         return None
-    config = build(ClusterConfig, sub.settings, values, _file_settings(args))
+    config = build(ClusterConfig, sub.settings, values, {**_file_settings(args), **several_models(args, values)})
+    if config.skill_routes:         # refused now, not once every model has loaded
+        try:
+            load_skill_routes(config.skill_routes)
+        except (OSError, ValueError) as exc:
+            raise SettingError(values.source.get(("skill_routes",), "--skill-routes"), str(exc)) from None
     if config.planner.mode != "off":
         # cluster/planner/loop.py's run_planner needs an Actuator over the live admin operations.
         raise SettingError(values.source.get(("planner", "mode"), "--planner"),

@@ -154,6 +154,9 @@ def _add_cluster_args(p: Parser) -> None:
                    help="YAML file of settings (`key: value`, keys as the flags without '--', with '_' or '-'); "
                         "flags given on the command line win")
     p.settings = add_setting_flags(p, ClusterConfig, CLUSTER_TITLES)
+    # The YAML's `models:` list (several models, cluster/launch/model_specs.py) arrives here; on the
+    # command line --model and --served-model-name repeat instead.
+    p.add_argument("--models", default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("secrets and TLS (files)")
     g.add_argument("--api-key", action="append", default=[],
                    help="require this API key (repeatable; visible in `ps`: prefer --api-key-file)")

@@ -96,6 +96,13 @@ class ClusterConfig:
                                                      "chat_template.jinja")
     served_model_name: str | None = setting(None, "the model's name in both APIs",
                                             default_text="the model directory's name")
+    # Several models in one cluster (cluster/launch/models.py, docs/models.md): the models served
+    # beside `engine.model`, each with its own workers; `model: "auto"` picks one by skill.
+    models: tuple = derived((), "--model and --served-model-name given again, or the YAML's `models:` list: the "
+                                "models served beside the first (ModelSpec)")
+    skill_routes: str | None = setting(None, "YAML file of skill routes (`routes: [{model, skills, examples}]`): a "
+                                             "request for model \"auto\" goes to the served model whose skills fit "
+                                             "(docs/models.md)", metavar="FILE", default_text="off")
     api_keys: tuple = derived((), "--api-key and --api-key-file: cluster.secrets.ApiKey, or plain key strings "
                                   "(each its own tenant)")
     # Seals the KV plane's handshakes and control messages (cluster/transfer/auth.py). None: a random
@@ -145,6 +152,17 @@ class ClusterConfig:
                     "above 1 in a cluster runs on CPU for now (a CUDA worker's ranks would not see their GPUs); "
                     "generate -tp N runs on N GPUs of one machine")
 
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One more model a cluster serves: its own engine settings (None: the cluster's) and workers."""
+    model: str
+    served_model_name: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    num_prefill: int | None = None
+    num_decode: int | None = None
 
 
 def gpus_per_worker(cfg: ClusterConfig) -> float:

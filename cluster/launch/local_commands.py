@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.engine.engine import LLMEngine
-from cluster.launch.app import start_cluster
-from cluster.launch.banner import Endpoints, banner
+from cluster.launch.models import start_models
+from cluster.launch.banner import Endpoints, banner, models_lines
 from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
 from cluster.launch.chat_sampling import GREEDY, given_sampling, session_sampling, session_seed
 from cluster.launch.invocation import Invocation, StreamPrinter
@@ -109,7 +109,7 @@ def cmd_serve(inv: Invocation) -> int:
     cfg, args, console = inv.config, inv.args, inv.console
 
     async def run() -> None:
-        cluster = await start_cluster(cfg)
+        cluster = await start_models(cfg)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -117,6 +117,7 @@ def cmd_serve(inv: Invocation) -> int:
         builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
         lines = banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template, cluster.first_stats,
                        cluster.max_model_len)
+        lines += models_lines([(c.config, c.model_name) for c in cluster.models], cfg.skill_routes)
         console.done()
         print("\n".join(lines), file=console.err, flush=True)
         if args.request is not None:
@@ -151,7 +152,7 @@ def cmd_chat(inv: Invocation) -> int:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     console.phase("starting")
-    cluster = asyncio.run_coroutine_threadsafe(start_cluster(cfg), loop).result()
+    cluster = asyncio.run_coroutine_threadsafe(start_models(cfg), loop).result()
     console.done(f"splitserve: chatting with {cluster.model_name}; {sampling.describe()}; seed {seed} "
                  f"(--seed {seed} repeats it); /exit to stop")
     at = endpoints(cfg, cluster)

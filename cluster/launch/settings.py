@@ -173,6 +173,9 @@ class _Store(argparse.Action):
         setattr(namespace, self.dest, values)
         given_as = getattr(namespace, "_given_as", {})
         namespace._given_as = {**given_as, self.dest: option_string}   # noqa: SLF001
+        # Every value in order, for the flags that may repeat (--model, --served-model-name: several models).
+        repeated = getattr(namespace, "_repeated", {})
+        namespace._repeated = {**repeated, self.dest: [*repeated.get(self.dest, []), values]}   # noqa: SLF001
 
 
 def _argparse_type(s: Setting):

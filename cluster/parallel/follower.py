@@ -15,6 +15,7 @@ from cluster.engine import builder
 from cluster.engine.speculation import SpecFootprint
 from cluster.kv.paged_cache import PagedKVCache
 from cluster.parallel import step_message
+from cluster.parallel.expert_balancer import apply_placements, placed_experts
 from cluster.parallel.group import RankGroup, join_group
 from cluster.parallel.kv_export import gather_blocks, scatter_blocks
 
@@ -46,6 +47,9 @@ class FollowerRank:
             arena = self.kv_cache.arena
             if msg.op == "gather":
                 gather_blocks(self.group, arena, self.shards, msg.blocks, None)
+                continue
+            if msg.op == "experts":
+                apply_placements(self.group, placed_experts(self.model), msg.placement)
                 continue
             if msg.op == "scatter":
                 scatter_blocks(self.group, arena, self.shards[self.group.rank], msg.blocks, None, self.full_shape)

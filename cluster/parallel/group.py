@@ -60,6 +60,14 @@ class RankGroup:
         dist.all_gather(parts, t)
         return [p.tolist() for p in parts]
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Point to point (the expert balancer moving an expert's weights to the rank that needs them)."""
+        dist.send(t.contiguous(), dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(t, src)
+        return t
+
     def wait_for_step(self, t: torch.Tensor) -> torch.Tensor:
         """A follower's receive of rank 0's next broadcast, however long the worker stays idle."""
         opts = dist.BroadcastOptions()

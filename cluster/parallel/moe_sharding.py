@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from cluster.model.moe import MoEExperts, SparseMoeBlock, moe_compute
+from cluster.parallel.expert_placement import LayerPlacement, contiguous_placement
 from cluster.parallel.group import RankGroup
 
 
@@ -31,30 +32,54 @@ class ReducedBlock(nn.Module):
 
 
 class LocalExperts(MoEExperts):
-    """Experts [start, start + count) of the layer's: routing ids stay global (the load counters
-    count every expert); pairs routed to other ranks' experts do not run here."""
+    """This rank's slots of a layer's experts under expert parallelism: which logical expert each
+    rank's slots hold is the layer's `LayerPlacement` (contiguous ranges, or the balancer's, with
+    hot experts replicated). Routing ids stay global (the load counters count every expert); a
+    pair with expert e runs on its replica `token % replicas(e)`, so each pair runs on exactly one
+    rank; pairs whose replica is elsewhere do not run here."""
 
-    def __init__(self, experts: MoEExperts, start: int, count: int):
+    def __init__(self, experts: MoEExperts, placement: LayerPlacement, rank: int):
         hidden = experts.gate_up.shape[2]
         super().__init__(0, hidden, experts.down.shape[2], experts.layer)   # no full-size scratch
         self.num_experts = experts.num_experts   # the load counters count every expert
-        self.gate_up = nn.Parameter(experts.gate_up.data[start:start + count].clone(), requires_grad=False)
-        self.down = nn.Parameter(experts.down.data[start:start + count].clone(), requires_grad=False)
-        self.start, self.count, self.path = start, count, experts.path
+        slots = list(placement.ranks[rank])
+        self.gate_up = nn.Parameter(experts.gate_up.data[slots].clone(), requires_grad=False)
+        self.down = nn.Parameter(experts.down.data[slots].clone(), requires_grad=False)
+        self.rank, self.path = rank, experts.path
+        # Pairs run on each rank since the model was built (counted on every rank: rank 0's is read).
+        self.rank_tokens = torch.zeros(placement.world, dtype=torch.int64, device=self.gate_up.device)
+        self.set_placement(placement)
+
+    def set_placement(self, placement: LayerPlacement) -> None:
+        """The routing tables of `placement` (the weights must already be its slots' on this rank)."""
+        replicas = placement.replicas(self.num_experts)
+        width = max(len(r) for r in replicas)
+        owner = torch.zeros(self.num_experts, width, dtype=torch.int64)
+        local = torch.zeros(self.num_experts, width, dtype=torch.int64)
+        for e, where in enumerate(replicas):
+            for j, (rank, slot) in enumerate(where):
+                owner[e, j], local[e, j] = rank, slot
+        device = self.gate_up.device
+        self.placement = placement
+        self.replica_count = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device=device)
+        self.replica_rank, self.replica_slot = owner.to(device), local.to(device)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Only the (token, expert) pairs routed here run: one row each (k = 1), token by token in
+        """Only the (token, expert) pairs placed here run: one row each (k = 1), token by token in
         ascending expert order, added into their tokens' rows."""
         self._count_tokens(topk_ids)
         k, flat_ids = topk_ids.shape[1], topk_ids.reshape(-1)
-        pairs = ((flat_ids >= self.start) & (flat_ids < self.start + self.count)).nonzero().squeeze(1)
+        replica = (torch.arange(flat_ids.numel(), device=flat_ids.device) // k) % self.replica_count[flat_ids]
+        owner = self.replica_rank[flat_ids, replica]
+        self.rank_tokens.index_add_(0, owner, torch.ones_like(owner))
+        pairs = (owner == self.rank).nonzero().squeeze(1)
         pairs = pairs[torch.argsort((pairs // k) * self.num_experts + flat_ids[pairs], stable=True)]
         out = torch.zeros_like(hidden)
         if pairs.numel() == 0:
             return out
         rows = pairs // k
         part = moe_compute(self.path, hidden.device)(
-            hidden.index_select(0, rows), self.gate_up, self.down, (flat_ids[pairs] - self.start)[:, None],
+            hidden.index_select(0, rows), self.gate_up, self.down, self.replica_slot[flat_ids[pairs], replica[pairs]][:, None],
             topk_weights.reshape(-1)[pairs][:, None])
         return out.index_add_(0, rows, part)
 
@@ -63,12 +88,6 @@ class LocalExperts(MoEExperts):
         if self.tokens is None or self.tokens.device != flat.device:
             self.tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device)
         self.tokens.index_add_(0, flat, torch.ones_like(flat))
-
-
-
-def _split(n: int, rank: int, world: int) -> tuple[int, int]:
-    base, extra = divmod(n, world)
-    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 def _slice_rows(weight: torch.Tensor, inter: int, a: int, b: int) -> torch.Tensor:
@@ -100,11 +119,14 @@ def _slice_shared(block: SparseMoeBlock, rank: int, world: int) -> None:
     shared.down_proj.weight = nn.Parameter(down, requires_grad=False)
 
 
-def shard_sparse_block(block: SparseMoeBlock, group: RankGroup, expert_parallel: bool) -> ReducedBlock:
-    """`block` with this rank's share of its experts, wrapped in the all-reduce of its output."""
+def shard_sparse_block(block: SparseMoeBlock, group: RankGroup, expert_parallel: bool,
+                       redundant_experts: int = 0) -> ReducedBlock:
+    """`block` with this rank's share of its experts, wrapped in the all-reduce of its output. With
+    `expert_parallel`, whole experts in contiguous ranges (the balancer moves them later) and
+    `redundant_experts` extra slots."""
     if expert_parallel:
-        start, count = _split(block.experts.num_experts, group.rank, group.world)
-        block.experts = LocalExperts(block.experts, start, count)
+        placement = contiguous_placement(block.experts.num_experts, group.world, redundant_experts)
+        block.experts = LocalExperts(block.experts, placement, group.rank)
     else:
         _slice_experts(block.experts, group.rank, group.world)
     if block.shared_expert is not None:

@@ -170,7 +170,8 @@ def _vocab_rows(weight: torch.Tensor, s: RankShard) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows.clone()   # not a view: frees the rest
 
 
-def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_parallel: bool = False) -> ModelConfig:
+def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_parallel: bool = False,
+                redundant_experts: int = 0) -> ModelConfig:
     """Keeps this rank's share of `model`'s weights (the rest freed) and returns its local config.
     A sparse layer's experts are sliced, or with `expert_parallel` placed whole (moe_sharding.py)."""
     s = rank_shard(mc, group.rank, group.world)
@@ -178,7 +179,7 @@ def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_para
     for layer in model.layers:
         _shard_attention(layer.self_attn, mc, s, group, local)
         if isinstance(layer.mlp, SparseMoeBlock):
-            layer.mlp = shard_sparse_block(layer.mlp, group, expert_parallel)
+            layer.mlp = shard_sparse_block(layer.mlp, group, expert_parallel, redundant_experts)
         else:
             _shard_mlp(layer.mlp, mc, s, group)
     tied = mc.tie_word_embeddings

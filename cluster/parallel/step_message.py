@@ -4,7 +4,8 @@ rank prepares its own backend's metadata from it) and the rows whose logits are 
 
 Encoded as one msgpack map (int64 tensors as raw bytes; never pickle), sent as its length then
 its bytes. Its `op` says what the followers do: `pass` (the forward pass), `gather` / `scatter`
-(blocks of KV to or from rank 0's full-head export arena, `kv_export.py`), `stop` (end the loop).
+(blocks of KV to or from rank 0's full-head export arena, `kv_export.py`), `experts` (the expert
+balancer's new placement, every sparse layer's, `expert_balancer.py`), `stop` (end the loop).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch
 from cluster.model.attention import AttentionBatch, PrefillSpan
 from cluster.parallel.group import RankGroup
 
-VERSION = 1
-OPS = ("pass", "gather", "scatter", "stop")
+VERSION = 2
+OPS = ("pass", "gather", "scatter", "experts", "stop")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class StepMessage:
     logits_indices: torch.Tensor   # [R] long
     op: str = "pass"
     blocks: tuple[int, ...] = ()   # gather / scatter: the block ids
+    # experts: per sparse layer, per rank, the logical expert in each slot
+    placement: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     @property
     def stop(self) -> bool:
@@ -55,7 +58,9 @@ def _unspan(v: list) -> PrefillSpan:
 def encode(msg: StepMessage) -> bytes:
     b = msg.batch
     return msgpack.packb({
-        "v": VERSION, "op": msg.op, "blocks": list(msg.blocks), "ids": _ints(msg.input_ids), "pos": _ints(msg.positions),
+        "v": VERSION, "op": msg.op, "blocks": list(msg.blocks),
+        "placement": [[list(slots) for slots in layer] for layer in msg.placement],
+        "ids": _ints(msg.input_ids), "pos": _ints(msg.positions),
         "rows": _ints(msg.logits_indices), "slots": _ints(b.slot_mapping), "block_size": b.block_size,
         "num_decode": b.num_decode, "decode_lens": list(b.decode_context_lens),
         "decode_tables": [list(t) for t in b.decode_block_tables],
@@ -72,13 +77,14 @@ def decode(raw: bytes, device: torch.device) -> StepMessage:
                            slot_mapping=_tensor(m["slots"], device), block_size=m["block_size"],
                            verifies=tuple(_unspan(s) for s in m["verifies"]))
     return StepMessage(_tensor(m["ids"], device), _tensor(m["pos"], device), batch, _tensor(m["rows"], device),
-                       m["op"], tuple(m["blocks"]))
+                       m["op"], tuple(m["blocks"]),
+                       tuple(tuple(tuple(slots) for slots in layer) for layer in m["placement"]))
 
 
-def control_message(device: torch.device, op: str, blocks: tuple[int, ...] = ()) -> StepMessage:
-    """A message without a pass: stop, or a gather or scatter of `blocks`."""
+def control_message(device: torch.device, op: str, blocks: tuple[int, ...] = (), placement: tuple = ()) -> StepMessage:
+    """A message without a pass: stop, a gather or scatter of `blocks`, or the experts' `placement`."""
     empty = torch.empty(0, dtype=torch.long, device=device)
-    return StepMessage(empty, empty, AttentionBatch(0, (), (), (), empty, 1), empty, op, tuple(blocks))
+    return StepMessage(empty, empty, AttentionBatch(0, (), (), (), empty, 1), empty, op, tuple(blocks), placement)
 
 
 def stop_message(device: torch.device) -> StepMessage:

@@ -2,7 +2,8 @@
  * 8-bit or 4-bit quants and per-block scales (kernels/cpu_quant.py packs them). Decode is bound by
  * reading weights, so the quants are decoded in registers next to the FMAs that use them: no
  * dequantized copy is ever written. Activations float32 or bfloat16 (dtype 0 / 1), fp32 arithmetic,
- * one rounding to the activation dtype at the end.
+ * one rounding to the activation dtype at the end (bf16 activations of GGUF blocks on AVX512_BF16
+ * CPUs: each block's x . q as one bf16 dot product, quant_bh.h).
  *
  * Packed layout (one sequential stream per tile of QT output columns, no stream per column):
  *   quants: [N/QT tiles][K/32 blocks][QT columns][32 int8 | 16 nibble bytes]
@@ -366,6 +367,8 @@ static inline int64_t qtile8_rows(const int8_t *xq, int64_t nb, const uint8_t *q
 }
 #endif
 
+#include "quant_bh.h"   /* Q_BH: the bf16-dot tiles for bf16 activations (AVX512_BF16) */
+
 static inline float load_x(const void *p, int64_t i, int bf) {
     return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -400,6 +403,11 @@ static inline ALWAYS void qlinear_block(const void *x, int64_t x_stride, const u
         for (int64_t r0 = 0, nr; r0 < rows; r0 += nr) {
             if (act8)
                 nr = qtile8_rows(xq + r0 * k_dim, nb, quants + t * nb * QT * bpb, dd + r0 * nb * QT, rows - r0, total);
+#ifdef Q_BH
+            else if (bf && fmt != QF_INT8)
+                nr = qtile_bh_rows((const uint16_t *)x + r0 * x_stride, x_stride, nb, quants + t * nb * QT * bpb, db,
+                                   rows - r0, fmt, total);
+#endif
             else
                 nr = qtile_rows(xf + r0 * k_dim, k_dim, quants + t * nb * QT * bpb, db, rows - r0, fmt, total);
             for (int64_t r = 0; r < nr; r++) {

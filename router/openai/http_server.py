@@ -28,6 +28,7 @@ import os
 import socket
 import ssl
 import tempfile
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import uvicorn
@@ -42,7 +43,10 @@ from router.offload import Offload
 from router.openai.protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
     parse_completion, samples_needed
 from router.openai.responses import JobResponse
+from router.openai.test_time import parse_test_time
 from router.openai.tokenization import TokenizationRoutes
+from router.served_models import ServedModels, UnknownModel
+from router.skills import AUTO
 from router.validation import clip
 
 log = logging.getLogger(__name__)
@@ -90,6 +94,7 @@ class OpenAIServer:
         self.max_body_bytes = service.limits.bounds.max_body_bytes
         self.connections = connections
         self.metrics_registry = metrics_registry
+        self.served: ServedModels | None = None     # set when this port serves several models
         self._token_text: dict[int, str] = {}
         self.logprobs = LogprobFormatter(self.token_text)
         self.server: uvicorn.Server | None = None
@@ -222,30 +227,62 @@ class OpenAIServer:
         return {"id": self.limits.model_id, "object": "model", "created": 0, "owned_by": "splitserve",
                 "max_model_len": self.limits.max_model_len}
 
+    def _servers(self) -> list:
+        """This model's server, or every served model's (several models on this port)."""
+        if self.served is None:
+            return [self]
+        return [e.http for e in self.served.entries.values()]
+
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [s._model_card() for s in self._servers()]})
 
     async def model(self, request: Request) -> Response:
         self._authorize(request)
-        if request.path_params["model"] != self.limits.model_id:
-            raise ApiError(404, f"The model {clip(request.path_params['model'])} does not exist", param="model",
-                           code="model_not_found")
-        return JSONResponse(self._model_card())
+        for server in self._servers():
+            if request.path_params["model"] == server.limits.model_id:
+                return JSONResponse(server._model_card())
+        raise ApiError(404, f"The model {clip(request.path_params['model'])} does not exist", param="model",
+                       code="model_not_found")
+
+    def _target(self, body, endpoint: Endpoint):
+        """The server of the model the body names, and the body (its `model` the chosen one for
+        "auto"); this server when it serves one model."""
+        if self.served is None or not isinstance(body, dict) or not isinstance(body.get("model", ""), str):
+            return self, body
+        name = body.get("model", "")
+        try:
+            if name == AUTO:
+                entry = self.served.route(prompt_text(body, endpoint), chat=endpoint is Endpoint.CHAT)
+                return entry.http, {**body, "model": entry.name}
+            return self.served.find(name).http, body
+        except UnknownModel as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
     async def completions(self, request: Request) -> Response:
         tenant = self._authorize(request)
-        body = await self._body(request, tenant)
-        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.COMPLETIONS))
+        server, body = self._target(await self._body(request, tenant), Endpoint.COMPLETIONS)
+        return await server._complete(tenant, request, body)
+
+    async def _complete(self, tenant: str, request: Request, body) -> Response:
+        ticket = await self._admit(tenant, self._slots(body, Endpoint.COMPLETIONS))
         return await self._parse_and_serve(tenant, ticket, request, parse_completion, body, self.limits,
                                            self.service.tokenize, self._detokenize, tenant)
 
     async def chat(self, request: Request) -> Response:
         tenant = self._authorize(request)
-        body = await self._body(request, tenant)
-        ticket = await self._admit(tenant, samples_needed(body, self.limits, Endpoint.CHAT))
+        server, body = self._target(await self._body(request, tenant), Endpoint.CHAT)
+        return await server._chat(tenant, request, body)
+
+    async def _chat(self, tenant: str, request: Request, body) -> Response:
+        ticket = await self._admit(tenant, self._slots(body, Endpoint.CHAT))
         return await self._parse_and_serve(tenant, ticket, request, parse_chat, body, self.limits,
                                            self.chat_template, self.tokenize_rendered, tenant)
+
+    def _slots(self, body, endpoint: Endpoint) -> int:
+        """The in-flight slots a body asks for: its samples (prompts x n, or test_time's)."""
+        spec = parse_test_time(body, self.limits, endpoint) if isinstance(body, dict) else None
+        return spec.samples if spec is not None else samples_needed(body, self.limits, endpoint)
 
     async def _parse_and_serve(self, tenant: str, ticket: Ticket, request: Request, parse, *args) -> Response:
         """Tokenize and render off the loop, then serve; the ticket's slots go back when the last
@@ -253,6 +290,8 @@ class OpenAIServer:
         handed_over = False
         try:
             job = await self._offload(tenant, parse, *args)
+            if (spec := parse_test_time(args[0], self.limits, job.endpoint)) is not None:
+                job = replace(job, test_time=spec)
             response = await self._serve(job, request, ticket)
             handed_over = isinstance(response, _StreamWithSlots)
             return response
@@ -300,6 +339,20 @@ class _StreamWithSlots(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+
+
+def prompt_text(body: dict, endpoint: Endpoint) -> str:
+    """What skill routing reads of a body: a completion's (first) prompt, a chat's last user message."""
+    if endpoint is Endpoint.COMPLETIONS:
+        prompt = body.get("prompt", "")
+        prompt = prompt[0] if isinstance(prompt, list) and prompt else prompt
+        return prompt if isinstance(prompt, str) else ""
+    messages = body.get("messages")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"] if isinstance(messages, list) else []
+    content = users[-1].get("content", "") if users else ""
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
 
 
 def _parse_json(data: bytes, max_depth: int):

@@ -24,6 +24,7 @@ from router.chat_template import ChatTemplate, ChatTemplateError
 from router.finish_reasons import to_openai
 from router.openai.tool_calls import ToolError, ToolSpec, parse_tools, prepare_messages
 from router.structured import ConstraintError, openai_constraint
+from router.test_time_policy import TestTimeSpec
 from router.validation import Limits, ValidationError, clip, cut_message, validate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's documented default for /v1/completions
@@ -72,6 +73,7 @@ class Job:
     echo: bool
     return_token_ids: bool
     tools: ToolSpec | None = None  # chat with tools: calls are parsed out of the replies (router/openai/tool_calls.py)
+    test_time: TestTimeSpec | None = None  # its samples run, one is chosen (router/openai/test_time.py)
 
     @property
     def num_requests(self) -> int:
@@ -274,7 +276,8 @@ def _memo(tokenize):
 def _groups(body: dict, prompts: list, limits: Limits, tokenize, detokenize,
             max_tokens_default, logprobs, echo: bool, prompt_param: str, tenant: str,
             constraint: pb.StructuredOutput | None = None) -> tuple[PromptGroup, ...]:
-    n = _samples_per_prompt(body, len(prompts), limits)
+    # test_time's samples are made from the one request (router/test_time.py `sample_requests`).
+    n = 1 if body.get("test_time") is not None else _samples_per_prompt(body, len(prompts), limits)
     base = _sampling(body, max_tokens_default, logprobs, limits, constraint)
     tokenize = _memo(tokenize) if tokenize is not None else None
     rid = uuid.uuid4().hex

@@ -16,7 +16,9 @@ from cluster.errors import RequestError, error_message
 from cluster.types import TokenDelta
 from router.merging import merge_streams
 from router.openai.protocol import ApiError, Choice, Endpoint, Job, LogprobFormatter, PromptGroup, usage
+from router.openai.test_time import test_time_body, test_time_usage
 from router.openai.tool_calls import ToolCallParser, parse_text
+from router.test_time import run_test_time, sample_requests
 
 _STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "NOT_FOUND": 404, "ALREADY_EXISTS": 400,
            "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400}
@@ -32,6 +34,7 @@ class JobResponse:
         # Internal to this job: request id -> its choice's index, and -> its tracker.
         self._index = {r.request_id: g.first_index + j for g in job.groups for j, r in enumerate(g.requests)}
         self._groups = {g.first_index + j: g for g in job.groups for j in range(len(g.requests))}
+        self._metrics = metrics
         self._trackers = {r.request_id: metrics.track(r) if metrics else None for g in job.groups for r in g.requests}
         self._choices = {i: Choice(i) for i in self._index.values()}
         # With tools: each streamed choice's text is taken apart into content and calls as it comes.
@@ -58,6 +61,8 @@ class JobResponse:
 
     # --- a whole response ---------------------------------------------------------------------
     async def collect(self) -> dict:
+        if self.job.test_time is not None:
+            return await self._test_time()
         stream = self._deltas()
         try:
             async for d in stream:
@@ -68,6 +73,31 @@ class JobResponse:
         finally:
             await stream.aclose()
         return self._response()
+
+    async def _test_time(self) -> dict:
+        """The job's one prompt's samples (router/test_time.py); the chosen one is the one choice."""
+        lead = self.job.groups[0].requests[0]
+        samples = sample_requests(lead, self.job.test_time)
+        trackers = {r.request_id: self._trackers[lead.request_id] if j == 0 else
+                    (self._metrics.track(r) if self._metrics else None) for j, r in enumerate(samples)}
+        self._trackers = trackers
+
+        def observe(d: TokenDelta) -> None:
+            if (t := trackers[d.request_id]) is not None:
+                t.tokens(len(d.token_ids), d)
+        try:
+            outcome = await run_test_time(self.router, samples, self.job.test_time, observe)
+        except Exception as exc:  # noqa: BLE001 - the router's refusal or failure, as an HTTP status
+            self.finish_trackers("error")
+            raise as_api_error(exc) from None
+        for t in trackers.values():       # cut short by early stop (those never started made no series)
+            if t is not None and t.last is not None and not t.done:
+                t.finish("abort")
+        best = outcome.best
+        self._choices[0].add(TokenDelta(lead.request_id, best.token_ids, best.text, best.finish_reason,
+                                        best.logprobs, outcome.prompt_tokens, len(best.token_ids),
+                                        outcome.cached_tokens))
+        return {**self._response(), "usage": test_time_usage(outcome), "test_time": test_time_body(outcome)}
 
     def _response(self) -> dict:
         job, choices, out = self.job, self._choices, []

@@ -16,7 +16,10 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.eplb_config import ExpertBalanceConfig
 from cluster.model.moe import MoEExperts
+from cluster.parallel.expert_balancer import placed_experts
+from cluster.parallel.expert_placement import contiguous_placement
 from cluster.types import SamplingParams
 from tests.integration.test_model_families import family_prompts
 
@@ -68,6 +71,26 @@ def test_mixtures_of_experts_equal_the_single_engine(kind, expert_parallel, tiny
             assert ours.gate_up.shape[0] * 2 == full.gate_up.shape[0] == len(ours.token_counts())
         else:                 # every expert, half of its intermediate rows
             assert ours.down.shape == (*full.down.shape[:2], full.down.shape[2] // 2)
+    finally:
+        engine.close()
+
+
+def test_the_expert_balancer_moves_experts_between_passes_and_tokens_stay_equal(tiny_model_dir, single_engine):
+    """--enable-eplb with 2 redundant slots, a look every 2 passes and any gain applied: experts move
+    between the ranks mid-generation (rank 0 sends the placement, both ranks exchange weights) and
+    the tokens still equal the single engine's; every pair ran on exactly one rank."""
+    model = tiny_model_dir("qwen3moe")
+    eplb = ExpertBalanceConfig(enable_eplb=True, num_redundant_experts=2, eplb_step_interval=2, eplb_min_gain=0.0)
+    engine = LLMEngine(_config(model, tensor_parallel_size=2, enable_expert_parallel=True, eplb=eplb))
+    try:
+        _assert_equal(engine, single_engine(_config(model)), family_prompts(lengths=(13, 30)))
+        balancer = engine.runner.balancer
+        assert balancer.rebalances >= 1 and len(balancer.history) >= 3
+        layers = placed_experts(engine.model)
+        assert all(len(slots) == 5 for layer in layers for slots in layer.placement.ranks)
+        assert any(layer.placement != contiguous_placement(8, 2, 2) for layer in layers)
+        for layer in layers:   # each (token, expert) pair ran on exactly one rank
+            assert sum(layer.rank_tokens.tolist()) == sum(layer.token_counts())
     finally:
         engine.close()
 

@@ -49,3 +49,20 @@ def test_expert_tokens_cross_the_stats_frame():
     assert stats_from_wire(body).expert_tokens == stats.expert_tokens
     with pytest.raises(ValueError, match=r"WorkerStats.expert_tokens"):
         stats_from_wire({**body, "expert_tokens": [[0, [1.5]]]})
+
+
+def test_pairs_per_rank_and_rebalances_are_exported_for_expert_parallel_workers():
+    ep = WorkerStats(name="decode-0", role="decode", incarnation="i", ready=True, expert_tokens=((0, (4, 4)),),
+                     expert_rank_tokens=((0, (6, 2)),), expert_rebalances=3)
+    m = ClusterMetrics("nixl", MODEL, workers=_Workers(ep, _stats("prefill-0", "prefill", ((0, (1, 1)),))))
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples}
+    rank = {"model_name": MODEL, "worker": "decode-0", "role": "decode", "layer": "0"}
+    assert samples["splitserve_expert_rank_tokens_total", frozenset({**rank, "rank": "0"}.items())] == 6
+    assert samples["splitserve_expert_rank_tokens_total", frozenset({**rank, "rank": "1"}.items())] == 2
+    assert samples["splitserve_expert_rebalances_total",
+                   frozenset({"model_name": MODEL, "worker": "decode-0", "role": "decode"}.items())] == 3
+    # a worker without expert parallelism has no rank series
+    assert not [k for k in samples if k[0].startswith("splitserve_expert_rebalances") and ("worker", "prefill-0") in k[1]]
+    body = msgpack.unpackb(msgpack.packb(stats_to_wire(ep)))
+    assert stats_from_wire(body).expert_rank_tokens == ep.expert_rank_tokens

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitserve/v1/inference.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x05\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x13\n\x0bspeculative\x18\r \x01(\t\x12 \n\x16num_speculative_tokens\x18\x0e \x01(\rH\x00\x12\x18\n\x0e\x61uto_lookahead\x18\x0f \x01(\x08H\x00\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x33\n\nstructured\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x1c\n\x0fpenalize_prompt\x18\x12 \x01(\x08H\x07\x88\x01\x01\x42\x0b\n\tlookaheadB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x12\n\x10_penalize_prompt\"\xc4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x06 \x01(\tH\x00\x12\x13\n\ttool_call\x18\x07 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xad\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParamsB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x13\n\x11ServerInfoRequest\"\xe0\x01\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x18\n\x10max_tokens_limit\x18\x06 \x01(\x05\x12\x13\n\x0bspeculative\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\t\x12\x15\n\rdeterministic\x18\t \x01(\x08\"\x81\x01\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\x12\r\n\x05model\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"_\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05model\x18\x02 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe4\x03\n\tInference\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12Q\n\nServerInfo\x12 .splitserve.v1.ServerInfoRequest\x1a!.splitserve.v1.ServerInfoResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dsplitserve/v1/inference.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x05\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x13\n\x0bspeculative\x18\r \x01(\t\x12 \n\x16num_speculative_tokens\x18\x0e \x01(\rH\x00\x12\x18\n\x0e\x61uto_lookahead\x18\x0f \x01(\x08H\x00\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x06\x88\x01\x01\x12\x33\n\nstructured\x18\x11 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12\x1c\n\x0fpenalize_prompt\x18\x12 \x01(\x08H\x07\x88\x01\x01\x42\x0b\n\tlookaheadB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x12\n\x10_penalize_prompt\"\xc4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x06 \x01(\tH\x00\x12\x13\n\ttool_call\x18\x07 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12*\n\ttest_time\x18\x1e \x01(\x0b\x32\x17.splitserve.v1.TestTimeB\x08\n\x06prompt\"\x8a\x01\n\x08TestTime\x12\x31\n\x08strategy\x18\x01 \x01(\x0e\x32\x1f.splitserve.v1.TestTimeStrategy\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x12\n\nearly_stop\x18\x03 \x01(\x08\x12\x16\n\x0e\x61nswer_pattern\x18\x04 \x01(\t\x12\x0e\n\x06scorer\x18\x05 \x01(\t\"\x94\x01\n\x11TestTimeCandidate\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x06\x61nswer\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x05\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonB\t\n\x07_answer\"\x82\x01\n\x0eTestTimeResult\x12\x34\n\ncandidates\x18\x01 \x03(\x0b\x32 .splitserve.v1.TestTimeCandidate\x12\x0e\n\x06\x63hosen\x18\x02 \x01(\r\x12\x15\n\rstopped_early\x18\x03 \x01(\x08\x12\x13\n\x0bsamples_run\x18\x04 \x01(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\xc6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x30\n\ttest_time\x18\x1e \x01(\x0b\x32\x1d.splitserve.v1.TestTimeResult\x12\r\n\x05model\x18( \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo\"\x13\n\x11ServerInfoRequest\"\xe0\x01\n\x12ServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x18\n\x10max_tokens_limit\x18\x06 \x01(\x05\x12\x13\n\x0bspeculative\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\t\x12\x15\n\rdeterministic\x18\t \x01(\x08\"\x81\x01\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x03 \x01(\x08\x12\r\n\x05model\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"_\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"5\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05model\x18\x02 \x01(\t\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*w\n\x10TestTimeStrategy\x12\"\n\x1eTEST_TIME_STRATEGY_UNSPECIFIED\x10\x00\x12\x1f\n\x1bTEST_TIME_STRATEGY_MAJORITY\x10\x01\x12\x1e\n\x1aTEST_TIME_STRATEGY_BEST_OF\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe4\x03\n\tInference\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12Q\n\nServerInfo\x12 .splitserve.v1.ServerInfoRequest\x1a!.splitserve.v1.ServerInfoResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2346
-  _globals['_FINISHREASON']._serialized_end=2466
+  _globals['_TESTTIMESTRATEGY']._serialized_start=2880
+  _globals['_TESTTIMESTRATEGY']._serialized_end=2999
+  _globals['_FINISHREASON']._serialized_start=3001
+  _globals['_FINISHREASON']._serialized_end=3121
   _globals['_TOKENIDS']._serialized_start=48
   _globals['_TOKENIDS']._serialized_end=71
   _globals['_SAMPLINGPARAMS']._serialized_start=74
@@ -42,37 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICELIST']._serialized_start=857
   _globals['_CHOICELIST']._serialized_end=886
   _globals['_GENERATEREQUEST']._serialized_start=889
-  _globals['_GENERATEREQUEST']._serialized_end=1062
-  _globals['_USAGE']._serialized_start=1064
-  _globals['_USAGE']._serialized_end=1151
-  _globals['_TOPLOGPROB']._serialized_start=1153
-  _globals['_TOPLOGPROB']._serialized_end=1200
-  _globals['_TOKENLOGPROB']._serialized_start=1202
-  _globals['_TOKENLOGPROB']._serialized_end=1291
-  _globals['_GENERATERESPONSE']._serialized_start=1294
-  _globals['_GENERATERESPONSE']._serialized_end=1555
-  _globals['_ABORTREQUEST']._serialized_start=1557
-  _globals['_ABORTREQUEST']._serialized_end=1591
-  _globals['_ABORTRESPONSE']._serialized_start=1593
-  _globals['_ABORTRESPONSE']._serialized_end=1623
-  _globals['_LISTMODELSREQUEST']._serialized_start=1625
-  _globals['_LISTMODELSREQUEST']._serialized_end=1644
-  _globals['_MODELINFO']._serialized_start=1646
-  _globals['_MODELINFO']._serialized_end=1712
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1714
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1776
-  _globals['_SERVERINFOREQUEST']._serialized_start=1778
-  _globals['_SERVERINFOREQUEST']._serialized_end=1797
-  _globals['_SERVERINFORESPONSE']._serialized_start=1800
-  _globals['_SERVERINFORESPONSE']._serialized_end=2024
-  _globals['_TOKENIZEREQUEST']._serialized_start=2027
-  _globals['_TOKENIZEREQUEST']._serialized_end=2156
-  _globals['_TOKENIZERESPONSE']._serialized_start=2158
-  _globals['_TOKENIZERESPONSE']._serialized_end=2253
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2255
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2308
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2310
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2344
-  _globals['_INFERENCE']._serialized_start=2469
-  _globals['_INFERENCE']._serialized_end=2953
+  _globals['_GENERATEREQUEST']._serialized_end=1106
+  _globals['_TESTTIME']._serialized_start=1109
+  _globals['_TESTTIME']._serialized_end=1247
+  _globals['_TESTTIMECANDIDATE']._serialized_start=1250
+  _globals['_TESTTIMECANDIDATE']._serialized_end=1398
+  _globals['_TESTTIMERESULT']._serialized_start=1401
+  _globals['_TESTTIMERESULT']._serialized_end=1531
+  _globals['_USAGE']._serialized_start=1533
+  _globals['_USAGE']._serialized_end=1620
+  _globals['_TOPLOGPROB']._serialized_start=1622
+  _globals['_TOPLOGPROB']._serialized_end=1669
+  _globals['_TOKENLOGPROB']._serialized_start=1671
+  _globals['_TOKENLOGPROB']._serialized_end=1760
+  _globals['_GENERATERESPONSE']._serialized_start=1763
+  _globals['_GENERATERESPONSE']._serialized_end=2089
+  _globals['_ABORTREQUEST']._serialized_start=2091
+  _globals['_ABORTREQUEST']._serialized_end=2125
+  _globals['_ABORTRESPONSE']._serialized_start=2127
+  _globals['_ABORTRESPONSE']._serialized_end=2157
+  _globals['_LISTMODELSREQUEST']._serialized_start=2159
+  _globals['_LISTMODELSREQUEST']._serialized_end=2178
+  _globals['_MODELINFO']._serialized_start=2180
+  _globals['_MODELINFO']._serialized_end=2246
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2248
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2310
+  _globals['_SERVERINFOREQUEST']._serialized_start=2312
+  _globals['_SERVERINFOREQUEST']._serialized_end=2331
+  _globals['_SERVERINFORESPONSE']._serialized_start=2334
+  _globals['_SERVERINFORESPONSE']._serialized_end=2558
+  _globals['_TOKENIZEREQUEST']._serialized_start=2561
+  _globals['_TOKENIZEREQUEST']._serialized_end=2690
+  _globals['_TOKENIZERESPONSE']._serialized_start=2692
+  _globals['_TOKENIZERESPONSE']._serialized_end=2787
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2789
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2842
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2844
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2878
+  _globals['_INFERENCE']._serialized_start=3124
+  _globals['_INFERENCE']._serialized_end=3608
 # @@protoc_insertion_point(module_scope)

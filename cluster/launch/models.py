@@ -1,0 +1,56 @@
+"""Several models in one cluster (docs/models.md): each model gets its own workers, router, worker
+pool and roster, as a cluster of one model would; the first model's frontend owns the ports and
+hands each request to the stack of the model it names (router/served_models.py). Nothing is
+shared between the models' workers: prefix caches, KV handoffs and layouts never mix models.
+
+`--model` given more than once (with `--served-model-name` repeated in the same order), or the
+YAML's `models:` list, makes `ClusterConfig.models`: the models beside the first, each a
+`ModelSpec` whose unset fields take the cluster's own (shared settings stay top-level).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cluster.launch.app import RunningCluster, start_cluster
+from cluster.launch.cluster_config import ClusterConfig, ModelSpec
+
+
+def model_config(cfg: ClusterConfig, spec: ModelSpec) -> ClusterConfig:
+    """The single-model cluster config of one more model: the cluster's settings, the spec's own over them."""
+    engine = cfg.engine
+    quantization = spec.quantization or ("auto" if engine.quantization_choice is not None else engine.quantization)
+    engine = replace(engine, model=spec.model, dtype=spec.dtype or engine.dtype, quantization=quantization,
+                     quantization_choice=None)
+    return replace(cfg, engine=engine, served_model_name=spec.served_model_name,
+                   num_prefill=spec.num_prefill if spec.num_prefill is not None else cfg.num_prefill,
+                   num_decode=spec.num_decode if spec.num_decode is not None else cfg.num_decode,
+                   models=(), metrics_port=None)
+
+
+async def start_models(cfg: ClusterConfig) -> RunningCluster:
+    """A cluster of `cfg`'s models: the others first (no ports of their own), then the first, whose
+    ports serve them all. One model: `start_cluster` itself."""
+    if not cfg.models:
+        return await start_cluster(cfg)
+    if cfg.frontends > 1:
+        raise ValueError("several models are served by one frontend for now: drop --frontends")
+    others = []
+    try:
+        for spec in cfg.models:
+            others.append(await start_cluster(model_config(cfg, spec), attached=True))
+        peers = {c.model_name: c.frontend for c in others}
+        main = await start_cluster(replace(cfg, models=()), peers=peers)
+    except BaseException:
+        for c in others:
+            await c.stop()
+        raise
+    if main.model_name in peers or len(peers) < len(others):
+        await main.stop()
+        for c in others:
+            await c.stop()
+        raise ValueError("two models have the same served name: give each its own --served-model-name")
+    main.models = tuple(others)
+    main.started_ray = any(c.started_ray for c in (main, *others))    # Ray ends last, with the main cluster
+    for c in others:
+        c.started_ray = False
+    return main
