@@ -58,6 +58,7 @@ class Window:
 
 
 def _worker_snapshot(w: SimWorker) -> WorkerSnapshot:
+    """The worker's interval as a live worker reports it; its interval counters start again."""
     busy = w.measured_busy_s
     tps = w.measured_prefill_tokens / busy if busy and w.role != DECODE else 0.0
     step = busy / w.measured_steps if w.measured_steps and w.role == DECODE else 0.0

@@ -57,6 +57,9 @@ class Simulator:
         self.switching: dict[str, str] = {}             # drained worker -> the role it is switching to
         self.window = Window()
         self.requests: list[SimRequest] = []
+        self.completed = 0
+        self.request_ids = itertools.count()
+        self._feed = iter(())                            # a closed loop's requests still to send
         self.worker_seconds = 0.0
         self.actions = 0
         self._serving_cache: dict[str, list[SimWorker]] | None = None
@@ -76,8 +79,8 @@ class Simulator:
             for _ in range(self.cfg.closed_loop):
                 self._next_closed_loop()
         else:
-            for i, tr in enumerate(trace):
-                self._at(tr.arrival_s, "arrive", SimRequest(i, tr, tr.arrival_s))
+            for tr in trace:
+                self._at(tr.arrival_s, "arrive", SimRequest(next(self.request_ids), tr, tr.arrival_s))
         end = trace[-1].arrival_s if trace and not self.cfg.closed_loop else 0.0
         limit = self.cfg.max_time_s or end * 3 + 60
         self._at(self.cfg.planner_interval_s, "tick")
@@ -85,20 +88,17 @@ class Simulator:
                     "transfer": self._transfer_done, "tick": self._tick, "switched": self._switched}
         while self.events:
             t, _, kind, obj, extra = heapq.heappop(self.events)
-            if t > limit or (kind == "tick" and self._all_done(len(trace))):
+            if t > limit or (kind == "tick" and self.completed >= len(trace)):
                 break
             self.now = t
             handlers[kind](obj, extra)
         return summarize(self.requests, len(trace), self.cfg.ttft_slo_s, self.cfg.itl_slo_s,
                          self.worker_seconds / max(self.now, 1e-9), self.actions, self.now)
 
-    def _all_done(self, total: int) -> bool:
-        return len(self.requests) >= total and all(r.done_s is not None for r in self.requests)
-
     def _next_closed_loop(self) -> None:
         tr = next(self._feed, None)
         if tr is not None:
-            self._at(self.now, "arrive", SimRequest(len(self.requests) + len(self.events), tr, self.now))
+            self._at(self.now, "arrive", SimRequest(next(self.request_ids), tr, self.now))
 
     # -- workers
     def _new_worker(self, role: str, state: WorkerState) -> SimWorker:
@@ -175,9 +175,11 @@ class Simulator:
         first, done = w.finish_step(self.now, duration)
         for req in first:
             self.window.first_token(req)
+            if w.role != PREFILL:       # a colocated worker's prompt joined its own batch (which finishes it)
+                continue
             if req.remaining <= 0:
                 self._finish(req)
-            elif w.role == PREFILL:
+            else:
                 self._route_sequence(req, req.trace.input_tokens)
         for req in done:
             self._finish(req)
@@ -188,6 +190,7 @@ class Simulator:
 
     def _finish(self, req: SimRequest) -> None:
         req.done_s = self.now
+        self.completed += 1
         self.window.finished(req)
         if self.cfg.closed_loop:
             self._next_closed_loop()

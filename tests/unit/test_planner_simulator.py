@@ -115,3 +115,11 @@ def test_the_planner_settings_reach_the_config_and_sla_is_refused_until_wired(ca
     assert main(["serve", "--planner", "sla"]) == 2
     assert "--planner sla: the live planner needs the admin operations" in capsys.readouterr().err
     assert main(["serve", "--max-workers", "1"]) == 2
+
+
+@pytest.mark.parametrize("output_tokens", [1, 16])
+def test_a_colocated_worker_finishes_every_request_once(output_tokens):
+    trace = poisson(2.0, 30, Shape(input_tokens=64, output_tokens=output_tokens))
+    sim, result = run(COSTS, SimConfig(0, 2, ttft_slo_s=10, itl_slo_s=1, colocated=True), trace)
+    assert result.completed == sim.completed == len(trace)
+    assert min(r.first_token_s - r.arrival_s for r in sim.requests) >= COSTS.prefill_time(32) * 0.99
