@@ -21,6 +21,7 @@ from cluster.launch.invocation import CommandError, Invocation, StreamPrinter  #
 from cluster.launch.model_specs import several_models
 from cluster.launch.preflight import check_device, check_model, check_ports_free, read_file
 from cluster.launch.settings import UNSET, SettingError, Values, build, from_args, yaml_values
+from cluster.launch.simulate_command import cmd_simulate
 from cluster.secrets import as_api_keys, read_api_key_file, read_secret_file
 from kernels.cpu_build import build_in_background
 from router.skills import load_skill_routes
@@ -79,6 +80,11 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
             load_skill_routes(config.skill_routes)
         except (OSError, ValueError) as exc:
             raise SettingError(values.source.get(("skill_routes",), "--skill-routes"), str(exc)) from None
+    if config.planner.mode != "off":
+        # cluster/planner/loop.py's run_planner needs an Actuator over the live admin operations.
+        raise SettingError(values.source.get(("planner", "mode"), "--planner"),
+                           f"{config.planner.mode}: the live planner needs the admin operations (add, remove, switch "
+                           "workers), not wired in this build; `splitserve simulate` runs it on a simulated cluster")
     if check_machine:
         _check_machine(config, {path: values.source[path] for path in values.given})
     return config
@@ -151,6 +157,8 @@ def run(inv: Invocation) -> int:
     Ray, seconds to import, so neither `--help` nor a refused setting waits for them)."""
     if inv.command == "chat" and inv.args.server:
         return _chat_with_server(inv)
+    if inv.command == "simulate":
+        return cmd_simulate(inv)
     if (inv.command == "generate" and inv.args.server) or inv.command == "scale":
         from cluster.launch.remote_commands import cmd_generate_remote, cmd_scale  # noqa: PLC0415 - gRPC: only against a server
         return (cmd_scale if inv.command == "scale" else cmd_generate_remote)(inv)

@@ -6,6 +6,7 @@ import argparse
 
 from cluster.config import EngineConfig, secret_file_from_env
 from cluster.launch.cluster_config import ClusterConfig
+from cluster.launch.planner_parser import add_plan, add_simulate
 from cluster.launch.settings import UNSET, add_setting_flags
 from cluster.version import splitserve_version
 
@@ -16,7 +17,8 @@ CLUSTER_TITLES = {"engine": "engine (model, KV cache, batching, speculative deco
                   "router": "routing and failover",
                   "bounds": "request bounds (a request past one gets 400 naming it)",
                   "admission": "admission (in-flight slots, per tenant)",
-                  "connections": "connections (HTTP and gRPC timeouts and limits)"}
+                  "connections": "connections (HTTP and gRPC timeouts and limits)",
+                  "planner": "SLA planner (sizes the prefill and decode pools; docs/planner.md)"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -51,7 +53,8 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"splitserve {splitserve_version()}")
     parser.add_argument("--log-level", default="INFO", type=_log_level, help="log level of splitserve's own logs "
                                                                               "(stderr)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,chat,scale,export-hf}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,serve,chat,scale,export-hf,simulate,plan}")
     parser.commands = {}
 
     def command(name: str, help_text: str) -> Parser:
@@ -72,6 +75,8 @@ def build_parser() -> Parser:
     exp = command("export-hf", "write a GGUF file's model as a Hugging Face directory (for transformers, vLLM)")
     exp.add_argument("gguf", help="the .gguf file")
     exp.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    add_simulate(command("simulate", "the planner and the router's policy on a simulated cluster (docs/planner.md)"))
+    add_plan(command("plan", "the P:D split, workers and memory per worker for a rate and SLOs (docs/planner.md)"))
     return parser
 
 

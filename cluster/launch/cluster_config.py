@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from cluster.config import DataPlaneConfig, EngineConfig, check_port, derived, require, setting
+from cluster.planner.planner_config import PlannerConfig
 from router.admission import AdmissionConfig
 from router.connections import ConnectionLimits
 from router.policy import POLICIES
@@ -42,6 +43,7 @@ class ClusterConfig:
     bounds: RequestBounds = RequestBounds()
     admission: AdmissionConfig = AdmissionConfig()
     connections: ConnectionLimits = ConnectionLimits()
+    planner: PlannerConfig = PlannerConfig()     # sizes the pools (cluster/planner/, docs/planner.md)
 
     num_prefill: int = setting(1, "number of prefill workers", flag="--prefill")
     num_decode: int = setting(1, "number of decode workers", flag="--decode")

@@ -1,6 +1,6 @@
 """The commands that run here: `generate` (an engine in this process), `serve` and `chat` (a
-cluster on Ray), `export-hf` (a GGUF file converted). They import torch and Ray, so `cli.py`
-imports this module only when one of them runs."""
+cluster on Ray), `export-hf` (a GGUF file converted), `plan` (plan_command.py). They import torch
+and Ray, so `cli.py` imports this module only when one of them runs."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +18,7 @@ from cluster.launch.banner import Endpoints, banner, models_lines
 from cluster.launch.chat_cli import Cut, PromptBuilder, chat_loop, http_completion, http_reply, room_left
 from cluster.launch.chat_sampling import GREEDY, given_sampling, session_sampling, session_seed
 from cluster.launch.invocation import Invocation, StreamPrinter
+from cluster.launch.plan_command import cmd_plan
 from cluster.launch.settings import SettingError
 from cluster.model.gguf_import import export_hf
 from cluster.types import FinishReason, SamplingParams
@@ -194,4 +195,5 @@ def cmd_export_hf(inv: Invocation) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "export-hf": cmd_export_hf}
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "export-hf": cmd_export_hf,
+            "plan": cmd_plan}
