@@ -69,6 +69,20 @@ class ClusterAdmin:
         plan = self._plan(prefill, decode)
         return await self._run(plan, wait)
 
+    async def add(self, role: str) -> list[str]:
+        """One more worker of `role` (the planner's add), loaded and joined when it returns."""
+        if role not in ROLES:
+            raise AdminRefused(f"a role is one of {ROLES}, got {role!r}")
+        return await self._run([("add", self._new_name(role), role)], wait=True)
+
+    async def remove(self, worker: str) -> list[str]:
+        """`worker` drained and removed (the planner's remove), done when it returns."""
+        if worker not in self.pool.records:
+            raise AdminRefused(f"no worker {worker!r}; the workers: {', '.join(sorted(self.pool.records))}")
+        role = self.pool.records[worker].view.role
+        self._keep_one(role, 1)
+        return await self._run([("remove", worker, role)], wait=True)
+
     async def switch(self, worker: str, to: str, wait: bool = True) -> list[str]:
         if not self.wiring.switchable:
             raise AdminRefused("switching a role needs workers that hold both roles: serve with --switchable-roles")

@@ -16,6 +16,7 @@ from cluster.config import EngineConfig, WorkerConfig
 from cluster.launch.admin import AdminWiring, ClusterAdmin
 from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
+from cluster.launch.planner_live import LivePlanner, start_live_planner
 from cluster.launch.switchable import SwitchableWorker
 from cluster.metrics import ClusterMetrics, merged_registry
 from cluster.model.tokenizer import load_tokenizer
@@ -141,6 +142,7 @@ class RunningCluster:
     online_trainer: object = None   # --spec-online: the trainer actor (decode/spec/online/service.py)
     models: tuple = ()              # the other models' clusters, served through this one's ports (models.py)
     admin: ClusterAdmin | None = None   # the admin operations (None: colocated, or --frontends N)
+    planner: LivePlanner | None = None  # --planner sla (cluster/launch/planner_live.py)
 
     @property
     def router(self):
@@ -156,6 +158,8 @@ class RunningCluster:
 
     async def stop(self) -> None:
         self.supervisor.cancel()
+        if self.planner is not None:
+            await asyncio.to_thread(self.planner.stop)
         if self.admin is not None:
             await self.admin.close()
         if self.frontend is not None:
@@ -316,6 +320,7 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
     supervisor = asyncio.ensure_future(run_stats_poll(
         pool, cadence, fcfg.poll_timeout_s, demand=frontend.router if frontend else None, on_round=supervision))
     admin = _admin(cfg, spawn, workers, metas, supervision, pool, frontend, metrics)
+    planner = start_live_planner(cfg.planner, admin, metrics)
     served = merged_registry([metrics.registry, *(f.metrics.registry for f in (peers or {}).values())])
     metrics_server = (metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host, served if peers else None)
                       if cfg.metrics_port is not None and not attached else None)
@@ -323,7 +328,8 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
         await actors[0].http_port.remote() if actors else None)
     trainer = await _start_online_trainer(cfg, workers, roster) if cfg.engine.speculative.spec_online else None
     return RunningCluster(cfg, frontend, actors, port, workers, started, supervisor, metrics, metrics_server, http_port,
-                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len, trainer, admin=admin)
+                          fcfg.limits.model_id, first_stats, fcfg.limits.max_model_len, trainer, admin=admin,
+                          planner=planner)
 
 
 def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: dict, supervision: _Supervisor,

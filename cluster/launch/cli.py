@@ -80,11 +80,11 @@ def _cluster_config(args, sub, values: Values, check_machine: bool):
             load_skill_routes(config.skill_routes)
         except (OSError, ValueError) as exc:
             raise SettingError(values.source.get(("skill_routes",), "--skill-routes"), str(exc)) from None
-    if config.planner.mode != "off":
-        # cluster/planner/loop.py's run_planner needs an Actuator over the live admin operations.
+    if config.planner.mode != "off" and (config.colocated or config.frontends > 1):
+        # The planner acts through the driver's admin operations (cluster/launch/admin.py).
         raise SettingError(values.source.get(("planner", "mode"), "--planner"),
-                           f"{config.planner.mode}: the live planner needs the admin operations (add, remove, switch "
-                           "workers), not wired in this build; `splitserve simulate` runs it on a simulated cluster")
+                           f"{config.planner.mode}: sizes a disaggregated cluster's prefill and decode pools through "
+                           "the admin operations, which need one frontend: drop --colocated / --frontends")
     if check_machine:
         _check_machine(config, {path: values.source[path] for path in values.given})
     return config

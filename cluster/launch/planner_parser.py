@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cluster.planner.costs import DEFAULT_PROFILE
 from cluster.planner.traces import TRACES
-
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "planner" / "cpu-default.json"
 
 
 def _positive(kind):

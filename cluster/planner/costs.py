@@ -15,6 +15,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+# This machine's measured costs (bench/planner_profile.py), the default where no profile is given.
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "cpu-default.json"
+
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     """Piecewise-linear through (xs, ys), extended by the end segments' slopes."""

@@ -23,6 +23,11 @@ from tiny_models import long_context_copy
 from cluster.config import CacheConfig, EngineConfig
 from cluster.launch.app import ClusterConfig
 from cluster.launch.cli import main as cli_main
+from cluster.launch.planner_live import AdminActuator, LivePlanner, LiveSnapshots
+from cluster.planner.costs import DEFAULT_PROFILE, load_profile
+from cluster.planner.loop import apply
+from cluster.planner.planner_config import PlannerConfig
+from cluster.planner.snapshot import ActionKind
 from cluster.types import SamplingParams
 from proto.splitserve.v1 import inference_pb2 as pb
 from router.client import Client
@@ -178,3 +183,28 @@ def test_scale_decode_up_then_down_under_load(cluster, reference):
                                            {"model_name": cluster.cluster.metrics.model_name, "action": a})
                for a in ("add", "remove", "switch")}
     assert actions == {"add": 1, "remove": 2, "switch": 2}     # the SIGTERM's removal is one
+
+
+def test_the_sla_planner_sizes_the_live_cluster_through_the_admin(cluster, reference):
+    """One round of `--planner sla` on this cluster under load (cluster/launch/planner_live.py): the
+    snapshot read from the driver's own measurements, SLOs no pool of one worker meets, and the
+    rule's actions carried out by the admin while the streams run: the cluster grows within
+    --max-workers and every stream still equals the undisturbed output."""
+    running = cluster.cluster
+    before = dict(_roles(cluster))
+    snapshots = LiveSnapshots(running.metrics, running.admin)
+    config = PlannerConfig(mode="sla", ttft_slo_s=0.05, itl_slo_s=0.002, max_workers=len(before) + 1)
+    planner = LivePlanner(config, load_profile(DEFAULT_PROFILE), snapshots,
+                          AdminActuator(running.admin, cluster.loop, timeout_s=120.0))
+    prompts = _prompts(6)
+    load = _Load(cluster.target, prompts)
+    load.wait_started()
+    snap = snapshots()
+    assert snap.ttft_s > 0 and snap.itl_s > 0 and snap.arrival_rate > 0
+    assert {w.name for w in snap.workers} == set(before)
+    actions = planner.rule(snap)
+    assert actions and all(a.kind is ActionKind.ADD for a in actions), actions
+    apply(actions, planner.actuator)
+    assert load.finish() == reference(prompts)
+    cluster.wait_idle(timeout=30)
+    assert len(_roles(cluster)) == len(before) + 1

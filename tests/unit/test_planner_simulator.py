@@ -108,12 +108,13 @@ def test_refused_planner_flags_exit_2(argv):
     assert err.value.code == 2
 
 
-def test_the_planner_settings_reach_the_config_and_sla_is_refused_until_wired(capsys):
+def test_the_planner_settings_reach_the_config_and_sla_is_refused_where_no_admin_can_act(capsys):
     cfg = load(["serve", "--ttft-slo", "1.5", "--itl-slo", "0.05", "--max-workers", "4", "--planner-interval", "10"],
                check_machine=False).config.planner
     assert (cfg.mode, cfg.ttft_slo_s, cfg.itl_slo_s, cfg.max_workers, cfg.interval_s) == ("off", 1.5, 0.05, 4, 10.0)
-    assert main(["serve", "--planner", "sla"]) == 2
-    assert "--planner sla: the live planner needs the admin operations" in capsys.readouterr().err
+    assert main(["serve", "--planner", "sla", "--colocated"]) == 2
+    assert "--planner sla: sizes a disaggregated cluster's prefill and decode pools" in capsys.readouterr().err
+    assert main(["serve", "--planner", "sla", "--frontends", "2"]) == 2
     assert main(["serve", "--max-workers", "1"]) == 2
 
 
