@@ -16,10 +16,16 @@ SESSION_RAY_CPUS = 64
 
 
 def session_ray() -> None:
-    """Start the session's local Ray on loopback, as `start_cluster` would, unless it runs."""
+    """Start the session's local Ray on loopback, as `start_cluster` would, unless it runs. Only
+    from the main thread: Ray's processes are started to die with the thread that starts them
+    (PR_SET_PDEATHSIG follows the creating thread), so a Ray started by a helper thread is killed
+    when that thread ends, and the next worker restart finds no raylet (the driver then exits)."""
     ray_environment()
     import ray
     if not ray.is_initialized():
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start the session's Ray from the main thread (session_ray()) before a thread "
+                               "starts a cluster: Ray's processes die with the thread that started them")
         start_local_ray(SESSION_RAY_CPUS)
 
 

@@ -21,7 +21,7 @@ from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
 from cluster.types import SamplingParams
-from cluster_harness import ClusterThread
+from cluster_harness import ClusterThread, session_ray
 from router.client import Client
 from helpers import free_port
 
@@ -61,6 +61,7 @@ class _Started:
                             port=self.port, num_prefill=1,
                             num_decode=2, router=RouterConfig(local_prefill_max_tokens=4), max_tokens_limit=200)
         box: dict = {}
+        session_ray()       # here, not in the starter thread: Ray's processes die with the thread that starts them
         starter = threading.Thread(target=lambda: box.setdefault("c", ClusterThread(cfg)), daemon=True)
         starter.start()
         target = f"127.0.0.1:{self.port}"
