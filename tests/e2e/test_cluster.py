@@ -359,3 +359,19 @@ def test_every_worker_runs_the_one_kernel_plan_on_its_own_cores(cluster):
     assert all(s.threads == 1 for s in setups)
     pinned = [set(s.cpus) for s in setups if s.cpus is not None]
     assert all(not (a & b) for i, a in enumerate(pinned) for b in pinned[i + 1:])
+
+
+def test_windowed_request_through_the_handoff_equals_one_engine(cluster, reference):
+    """Attention sinks with a window per request (docs/kv_compress.md): a prompt within its window
+    is handed off and decodes past it on the decode worker as one engine would; a prompt past its
+    window is refused by name (only the live blocks would have to move: not built yet)."""
+    client = Client(cluster.target)
+    prompt = _prompts(3)[2][:10]
+    window = dict(kv_window=12, kv_sink_tokens=3)
+    out = client.generate(prompt, max_tokens=40, ignore_eos=True, **window)
+    assert list(out.token_ids) == reference([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **window))[0]
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(_prompts(4)[3], max_tokens=4, **window)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "P/D handoff" in err.value.details()
+    stats = cluster.wait_idle()
+    assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
