@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))
 
-from llama_cpp_compare import busy_s  # noqa: E402
-from quant_prefill import other_work  # noqa: E402
+from llama_cpp_compare import busy_s
+from quant_prefill import other_work
 
 
 def held_out(tokenizer, n: int, size: int) -> list[list[int]]:
