@@ -95,7 +95,12 @@ def main() -> int:
                    help="seconds the windowed generation may take (then aborted: its figures so far)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    from cluster.config import CacheConfig, EngineConfig, default_model_dir, resolve_model
+    from cluster.config import (
+        CacheConfig,
+        EngineConfig,
+        default_model_dir,
+        resolve_model,
+    )
     from cluster.engine.engine import LLMEngine
     model = resolve_model(args.model) if args.model else default_model_dir()
     busy0, own0, wall0 = busy_s(), sum(os.times()[:2]), time.monotonic()
