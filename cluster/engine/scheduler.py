@@ -369,7 +369,7 @@ class Scheduler:
             self.pool.touch(hits)
             seq.block_ids = list(hits)
             seq.num_computed_tokens = len(hits) * bs
-            self.slide_window(seq)
+        self.slide_window(seq)    # a prefix hit or a handed-off prompt may reach past the window
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
         need = self.blocks_for(seq.num_computed_tokens + n - seq.cache_offset) - len(seq.block_ids)
