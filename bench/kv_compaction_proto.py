@@ -101,7 +101,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 def contexts(tokenizer, n: int, size: int) -> list[list[int]]:
-    text = "\n\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    docs = [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "kv_compress.md"]   # not its own figures
+    text = "\n\n".join(p.read_text() for p in [REPO / "README.md", *docs])
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     step = max(size, (len(ids) - size) // max(1, n - 1))
     return [ids[i:i + size] for i in range(0, len(ids) - size + 1, step)][:n]
