@@ -100,7 +100,7 @@ class Scheduler:
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_positions = max_model_len   # a windowed sequence's limit (the engine sets the rotary table's)
+        self.max_positions = max_model_len   # a windowed sequence's limit (builder: the RoPE table's length)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -337,14 +337,10 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def slide_window(self, seq: Sequence) -> None:
-        """Free a windowed sequence's blocks that fell out of its window before its next query
-        (position `num_computed_tokens`) runs: whole blocks between the sinks and the window
-        (cluster/kv/window.py). They were published to the prefix cache when full, so they stay
-        reusable (under the window's own keys) until evicted."""
+        """Free the blocks a windowed sequence's next query (`num_computed_tokens`) no longer sees
+        (cluster/kv/window.py); published when full, they stay in the prefix cache until evicted."""
         window = seq.kv_window
-        if window is None:
-            return
-        drop = window.to_drop(seq.num_computed_tokens, seq.num_dropped_blocks)
+        drop = range(0) if window is None else window.to_drop(seq.num_computed_tokens, seq.num_dropped_blocks)
         if not drop:
             return
         first = window.sink_blocks

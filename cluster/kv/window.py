@@ -66,10 +66,15 @@ class KVWindow:
         key_block = key_pos.div(bs, rounding_mode="floor")
         return (key_pos <= query_pos) & ((key_block < self.sink_blocks) | (key_block >= first))
 
-    def span_mask(self, first_query: int, num_queries: int, context_len: int, dropped: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-        """`mask` over a compacted block table: the chunk's queries at original positions
-        first_query.., its keys at cache indices 0..context_len-1 (past the sinks, `dropped` later)."""
+    def span_mask(self, num_queries: int, context_len: int, dropped: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """`mask` for a prefill chunk over its compacted table: its keys at cache indices
+        0..context_len-1 (past the sinks, `dropped` tokens later), its queries the last
+        `num_queries`. None where that is plain causal attention (no query of the chunk has a
+        block of the table outside its window)."""
+        first_query = context_len - num_queries + dropped
+        if self.first_window_block(first_query + num_queries - 1) <= self.sink_blocks + dropped // self.block_size:
+            return None
         q = torch.arange(first_query, first_query + num_queries, device=device)[:, None]
         k = torch.arange(context_len, device=device)
         sink_end = self.sink_blocks * self.block_size

@@ -274,7 +274,8 @@ class TorchAttentionBackend:
         if cached:
             gather = self._slots(span.block_table, span.context_len, block_size).to(self.device)
         return _TorchPrefillMeta(span=span, gather=gather, masks={}, block_size=block_size,
-                                 kv_mask=window_span_mask(span, self.device))
+                                 kv_mask=None if span.kv_window is None else span.kv_window.span_mask(
+                                     span.query_len, span.context_len, span.dropped, self.device))
 
     def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -395,19 +396,6 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.group > 1)
         return o[0].transpose(0, 1)
-
-
-def window_span_mask(span: PrefillSpan, device: torch.device) -> torch.Tensor | None:
-    """A windowed chunk's [q, ctx] bool mask over its compacted table, or None where it is plain
-    causal attention (no query of the chunk has a block of the table outside its window)."""
-    w = span.kv_window
-    if w is None:
-        return None
-    first_query = span.context_len - span.query_len + span.dropped
-    live_from = w.sink_blocks + span.dropped // w.block_size
-    if w.first_window_block(first_query + span.query_len - 1) <= live_from:
-        return None
-    return w.span_mask(first_query, span.query_len, span.context_len, span.dropped, device)
 
 
 def make_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
