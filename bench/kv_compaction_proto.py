@@ -29,7 +29,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STATE = {"method": "full", "prompt": 0, "budget": 0, "recent": 128, "sinks": 4, "obs": 32, "pool": 7}
+STATE = {"method": "full", "prompt": 0, "budget": 0, "recent": 128, "sinks": 4, "obs": 32, "pool": 7,
+         "keep_sinks": False}
 
 
 def _select(q_obs, k_old, k_all_len, scale, m, g):
@@ -38,6 +39,8 @@ def _select(q_obs, k_old, k_all_len, scale, m, g):
     logits = torch.einsum("hqd,hkd->hqk", q_obs, k_old.repeat_interleave(g, 0)) * scale
     votes = logits.softmax(-1).view(hkv, g * q_obs.shape[1], old).sum(1)
     votes = F.avg_pool1d(votes[:, None], STATE["pool"], 1, STATE["pool"] // 2)[:, 0]
+    if STATE["keep_sinks"]:   # the first tokens always kept (the attention sinks)
+        votes[:, :STATE["sinks"]] = float("inf")
     return votes.topk(m, dim=-1).indices.sort(-1).values
 
 
@@ -115,6 +118,9 @@ def main() -> int:
     p.add_argument("--contexts", type=int, default=3)
     p.add_argument("--ratio", type=int, default=4)
     p.add_argument("--recent", type=int, default=128)
+    p.add_argument("--obs", type=int, default=32, help="observation queries (SnapKV's window)")
+    p.add_argument("--keep-sinks", action="store_true", help="selection always keeps the first 4 tokens")
+    p.add_argument("--methods", default="full,window,select,fit")
     args = p.parse_args()
     import transformers
     from transformers import AttentionInterface
@@ -126,11 +132,12 @@ def main() -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                               attn_implementation="kv_compaction_proto").eval()
     texts = contexts(load_tokenizer(path), args.contexts, args.prompt + args.continuation)
-    STATE.update(prompt=args.prompt, budget=args.prompt // args.ratio, recent=args.recent)
+    STATE.update(prompt=args.prompt, budget=args.prompt // args.ratio, recent=args.recent, obs=args.obs,
+                 keep_sinks=args.keep_sinks)
     print(f"{path.name}: {len(texts)} contexts, prompt {args.prompt}, continuation {args.continuation}, "
           f"ratio {args.ratio} ({STATE['budget']} entries per layer and KV head, {args.recent} exact)")
     full = None
-    for method in ("full", "window", "select", "fit"):
+    for method in args.methods.split(","):
         STATE["method"] = method
         nll, count, t0 = 0.0, 0, time.perf_counter()
         for ids in texts:
@@ -140,8 +147,8 @@ def main() -> int:
             nll += F.cross_entropy(logits, target, reduction="sum").item()
             count += len(target)
         ppl = math.exp(nll / count)
-        full = full or ppl
-        print(f"{method:>7}: continuation perplexity {ppl:.3f} ({100 * (ppl / full - 1):+.1f}% against full), "
+        full = full or ppl    # the first method listed is the baseline (full attention by default)
+        print(f"{method:>7}: continuation perplexity {ppl:.3f} ({100 * (ppl / full - 1):+.1f}% against the first), "
               f"{time.perf_counter() - t0:.1f} s")
     return 0
 
