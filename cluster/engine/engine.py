@@ -262,6 +262,8 @@ class LLMEngine:
             why = "speculative decoding (a verification's drafts would need the window's masks)"
         elif self.backend.name != "torch" or self.kernel_plan.batch_invariant or self.model_config.mla is not None:
             why = "this attention backend (windowed prefill masks run on --attention-backend torch, not deterministic)"
+        elif self.ranks is not None:
+            why = "tensor parallelism (the step message carries no window to the other ranks yet)"
         elif any(w is not None for w in self.model_config.layer_windows):
             why = "a model with sliding-window layers of its own"
         elif hold_kv and window.drops_within(num_prompt):
