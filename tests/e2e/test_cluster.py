@@ -366,12 +366,15 @@ def test_windowed_request_through_the_handoff_equals_one_engine(cluster, referen
     is handed off and decodes past it on the decode worker as one engine would; a prompt past its
     window is refused by name (only the live blocks would have to move: not built yet)."""
     client = Client(cluster.target)
-    prompt = _prompts(4)[3][:19]   # within its window; its first decode on the decode worker drops a block
+    fresh = _prompts(4, seed=99)[3]   # in no other test: no cached prefix routes it around the handoff
+    prompt = fresh[:19]   # within its window; its first decode on the decode worker drops a block
     window = dict(kv_window=12, kv_sink_tokens=3)
+    handed = next(s for s in cluster.wait_idle() if s.role == "decode").handoff.done
     out = client.generate(prompt, max_tokens=40, ignore_eos=True, **window)
     assert list(out.token_ids) == reference([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **window))[0]
     with pytest.raises(grpc.RpcError) as err:
-        client.generate(_prompts(4)[3], max_tokens=4, **window)
+        client.generate(fresh[::-1], max_tokens=4, **window)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "P/D handoff" in err.value.details()
     stats = cluster.wait_idle()
     assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
+    assert next(s for s in stats if s.role == "decode").handoff.done == handed + 1
