@@ -224,8 +224,21 @@ class CacheConfig:
     kv_disk_io: str = setting("auto", "how the disk tier reads and writes its files: through NIXL's POSIX backend "
                                       "(nixl), Python's file I/O (plain), or NIXL where its POSIX backend loads (auto)",
                               choices=("auto", "nixl", "plain"))
+    kv_window: int | None = setting(
+        None, "attention sinks with a window (docs/kv_compress.md): every request keeps the KV of its first "
+              "--kv-sink-tokens and its last N tokens only, freeing the blocks between as it grows, and may "
+              "generate past the context up to --kv-window-max-positions (a request's kv_window overrides it; "
+              "0 turns it off)", metavar="N", default_text="off (full attention)")
+    kv_sink_tokens: int = setting(4, "tokens kept at the start of a windowed sequence (rounded up to whole blocks)")
+    kv_window_max_positions: int = setting(
+        65536, "positions a windowed sequence may reach with --kv-window (the RoPE table's length; its original "
+               "positions, past the model's context)")
 
     def __post_init__(self) -> None:
+        require(self.kv_window is None or self.kv_window >= 0, "kv_window", f"must be >= 0, got {self.kv_window}")
+        require(self.kv_sink_tokens >= 0, "kv_sink_tokens", f"must be >= 0, got {self.kv_sink_tokens}")
+        require(self.kv_window_max_positions >= 1, "kv_window_max_positions",
+                f"must be >= 1, got {self.kv_window_max_positions}")
         for name in ("kv_host_bytes", "kv_disk_bytes"):
             value = getattr(self, name)
             require(value is None or (isinstance(value, int) and value >= 0), name,

@@ -70,6 +70,10 @@ class SamplingParams:
     speculative: str | None = None  # None: the engine's default; "off", or a method the engine has loaded
     num_speculative_tokens: int | str | None = None  # None: the engine's default; k >= 1, or "auto"
     structured: StructuredOutput | None = None   # constrained decoding (cluster/engine/grammar.py)
+    # Attention sinks with a window (cluster/kv/window.py): keep the first kv_sink_tokens and the last
+    # kv_window tokens' KV. None: the server's default; kv_window 0 turns the server's window off.
+    kv_window: int | None = None
+    kv_sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -108,6 +112,10 @@ class SamplingParams:
         _check(k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool)
                                                      and 1 <= k <= MAX_SPECULATIVE_TOKENS),
                f"num_speculative_tokens must be 'auto' or an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        _check(self.kv_window is None or (isinstance(self.kv_window, int) and self.kv_window >= 0),
+               f"kv_window must be a number of tokens >= 0 (0: off), got {self.kv_window!r}")
+        _check(self.kv_sink_tokens is None or (isinstance(self.kv_sink_tokens, int) and self.kv_sink_tokens >= 0),
+               f"kv_sink_tokens must be a number of tokens >= 0, got {self.kv_sink_tokens!r}")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
         _check(self.structured is None or not self.ignore_eos,

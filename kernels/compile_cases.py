@@ -52,6 +52,8 @@ class Span:
     context_len: int
     block_table: tuple[int, ...]
     tree: tuple[int, ...] = ()
+    kv_window: object | None = None   # a windowed chunk's KVWindow (the torch backend's masks; never set here)
+    dropped: int = 0
 
 
 @dataclass(frozen=True)

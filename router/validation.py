@@ -65,7 +65,8 @@ class Limits:
 
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                    "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens", "ignore_eos")
+                    "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens", "ignore_eos",
+                    "kv_window", "kv_sink_tokens")
 
 
 def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
@@ -98,7 +99,9 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
             logprobs=msg.logprobs if has("logprobs") else None,
             prompt_logprobs=msg.prompt_logprobs if has("prompt_logprobs") else None,
             cache_salt=tenant_salt(tenant, msg.cache_salt),
-            speculative=speculative, num_speculative_tokens=k, structured=structured)
+            speculative=speculative, num_speculative_tokens=k, structured=structured,
+            kv_window=msg.kv_window if has("kv_window") else None,
+            kv_sink_tokens=msg.kv_sink_tokens if has("kv_sink_tokens") else None)
     except ValueError as exc:
         text = str(exc)
         field = next((f for f in _SAMPLING_FIELDS if text.startswith(f) or f" {f}" in text[:30]), "sampling")

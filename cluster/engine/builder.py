@@ -89,7 +89,11 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
         shards = tuple(rank_shard(full, r, group.world) for r in range(group.world))
         layout = dataclasses.replace(layout, tp_size=group.world, tp_rank=group.rank,
                                      kv_head_start=shards[group.rank].kv_start, total_kv_heads=full.num_kv_heads)
-    return Models(mc, model, dtype, plan, max_model_len, layout, shards)
+    positions = max_model_len
+    if config.cache.kv_window:   # windowed sequences go on past the context: a longer RoPE table
+        positions = max(max_model_len, config.cache.kv_window_max_positions)
+        model.build_rotary(positions, device)
+    return Models(mc, model, dtype, plan, max_model_len, layout, shards, positions)
 
 
 def load_speculation(config: EngineConfig, models: Models, speculator: Speculator,
@@ -177,6 +181,7 @@ def build_core(config: EngineConfig, models: Models, plan: MemoryPlan, device: t
     scheduler = Scheduler(config.scheduler, pool, cc.block_size, models.max_model_len, eos_token_ids,
                           on_hold=on_hold, hit_filter=hidden and hidden.usable_hits,
                           admit_gate=admit_gate if tiers is not None and cc.enable_prefix_caching else None)
+    scheduler.max_positions = max(models.max_positions, models.max_model_len)
     graphs = None
     if replay is not None and hidden is None:   # a pass over every token's hidden states runs eager
         graphs = decode_graphs(config, models, replay, models.model, kv_cache.arena, backend, plan.num_blocks,

@@ -36,6 +36,7 @@ from cluster.engine.speculation import (Draft, NoSpeculation, Speculator, Specul
                                         choose_tokens, compact_trees)
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.kv.kv_events import KVEventLog
+from cluster.kv.window import KVWindow, resolve as resolve_window, windowed_sampling
 from cluster.parallel.kv_export import KVExport
 from cluster.parallel.local_ranks import LocalRanks
 from cluster.placement import ComputeSetup
@@ -240,11 +241,36 @@ class LLMEngine:
 
     def new_sequence(self, request_id: str, ids: list[int], sampling: SamplingParams, **fields) -> Sequence:
         """A request's record with its own generator, registered (not queued: `scheduler.add`).
-        A constrained one gets its grammar matcher, past the output tokens it already has."""
+        A constrained one gets its grammar matcher, past the output tokens it already has. A windowed
+        one (its own kv_window or the server's) runs on its windowed sampling (cluster/kv/window.py)."""
+        cc = self.config.cache
+        window = resolve_window(sampling.kv_window, sampling.kv_sink_tokens, cc.kv_window, cc.kv_sink_tokens,
+                                self.layout.block_size)
+        if window is not None:
+            self._check_windowed(sampling, window, len(ids), fields.get("hold_kv", False))
+            sampling = windowed_sampling(sampling, window)
+            fields["kv_window"] = window
         seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), **fields)
         if sampling.structured is not None:
             seq.grammar = self.grammar.matcher(sampling.structured, seq.output_token_ids)
         return self.requests.add(seq)
+
+    def _check_windowed(self, sampling: SamplingParams, window: KVWindow, num_prompt: int, hold_kv: bool) -> None:
+        """Refuse, by name, a windowed request where windows are not supported yet."""
+        why = None
+        if sampling.speculative not in (None, "off") or sampling.num_speculative_tokens is not None:
+            why = "speculative decoding (a verification's drafts would need the window's masks)"
+        elif self.backend.name != "torch" or self.kernel_plan.batch_invariant or self.model_config.mla is not None:
+            why = "this attention backend (windowed prefill masks run on --attention-backend torch, not deterministic)"
+        elif self.ranks is not None:
+            why = "tensor parallelism (the step message carries no window to the other ranks yet)"
+        elif any(w is not None for w in self.model_config.layer_windows):
+            why = "a model with sliding-window layers of its own"
+        elif hold_kv and window.drops_within(num_prompt):
+            why = (f"a P/D handoff of a prompt past its window ({num_prompt} tokens, window {window.window} + "
+                   f"{window.sink_tokens} sink tokens): only prompts within the window are handed off yet")
+        if why is not None:
+            raise ValueError(f"kv_window is not supported with {why}")
 
     @property
     def grammar(self) -> GrammarRuntime:

@@ -24,3 +24,5 @@ class Models:
     layout: KVLayout
     # Tensor parallel: every rank's share (cluster/parallel/sharding.py RankShard), in rank order.
     shards: tuple = ()
+    # Positions the RoPE table holds: max_model_len, or more for windowed sequences (--kv-window).
+    max_positions: int = 0

@@ -52,7 +52,7 @@ def reserve(sched: Scheduler, seq: Sequence, num_tokens: int, plan: StepPlan) ->
     """Make running `seq` hold blocks for `num_tokens`: preempt younger requests, and once alone
     take the blocks of handed-off waiters. False when `seq` gave way, waits or was ended."""
     pool = sched.pool
-    need = sched.blocks_for(num_tokens) - len(seq.block_ids)
+    need = sched.blocks_for(num_tokens - seq.cache_offset) - len(seq.block_ids)
     while need > pool.num_free:
         if len(sched.running) > 1:
             victim = sched.running[-1]

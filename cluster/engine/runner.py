@@ -55,23 +55,28 @@ class BatchLayout:
         self.prefills: list[PrefillSpan] = []
         self.verifies: list[PrefillSpan] = []
 
-    def add(self, tokens, start: int, blocks, kind: str = "decode", tree: tuple[int, ...] = ()) -> int:
+    def add(self, tokens, start: int, blocks, kind: str = "decode", tree: tuple[int, ...] = (),
+            seq: Sequence | None = None) -> int:
         """Tokens at positions start.. with their KV in `blocks`; kind is decode (one token),
         verify or prefill. A verification's `tree` (the drafts' parents) puts each draft at the
-        position of its depth, its KV still at the next slot. Returns the row of the first token."""
+        position of its depth, its KV still at the next slot. A windowed `seq` (cluster/kv/window.py)
+        keeps its live blocks only: its tokens sit at cache index position - cache_offset.
+        Returns the row of the first token."""
         bs, n, offset = self.block_size, len(tokens), len(self.input_ids)
         self.input_ids.extend(tokens)
         if tree:
             self.positions.extend([start, *(start + d for d in draft_tree.depths(tree))])
         else:
             self.positions.extend(range(start, start + n))
+        window, dropped = (seq.kv_window, seq.cache_offset) if seq is not None else (None, 0)
+        start -= dropped
         self.slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         if kind == "decode":
             self.decode_lens.append(start + 1)
             self.decode_tables.append(tuple(blocks))
         else:
             (self.verifies if kind == "verify" else self.prefills).append(
-                PrefillSpan(offset, n, start + n, tuple(blocks), tuple(tree)))
+                PrefillSpan(offset, n, start + n, tuple(blocks), tuple(tree), window, dropped))
         return offset
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -132,7 +137,7 @@ class ModelRunner:
                 sampled.append(seq)
                 continue
             offset = layout.add(seq.token_ids[start:start + n], start, seq.block_ids,
-                                "decode" if n == 1 else "prefill")
+                                "decode" if n == 1 else "prefill", seq=seq)
             offsets[seq] = offset
             if chunk.samples:
                 logits_rows.append(offset + n - 1)

@@ -100,6 +100,7 @@ class Scheduler:
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_positions = max_model_len   # a windowed sequence's limit (builder: the RoPE table's length)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -169,6 +170,8 @@ class Scheduler:
         (`copy_block(src, dst)`), since both go on writing into it. False when no block is free for
         the copy: the caller then queues the child to compute its prompt itself."""
         full, partial = divmod(num_prompt, self.block_size)
+        if parent.num_dropped_blocks:
+            return False   # its table is no longer the prompt's blocks in order
         own: list[int] = []
         if partial:
             if self.pool.num_free == 0:
@@ -206,6 +209,7 @@ class Scheduler:
                 n = min(n, picks.get(seq, 0))
                 if n == 0:
                     continue   # past its tenant's share this step: it waits, keeping its blocks
+            self.slide_window(seq)
             if not room.reserve(self, seq, seq.num_computed_tokens + n, plan):
                 continue
             self._add_chunk(plan, seq, n)
@@ -293,11 +297,11 @@ class Scheduler:
         if k <= 0:
             return 0
         # Slots this step writes: the pending token's and k drafts' (positions up to num_tokens + k - 1).
-        room = (len(seq.block_ids) + self.pool.num_free) * self.block_size - seq.num_tokens
+        room = (len(seq.block_ids) + self.pool.num_free) * self.block_size - seq.num_tokens + seq.cache_offset
         k = min(k, room)
         if k <= 0:
             return 0
-        need = self.blocks_for(seq.num_tokens + k) - len(seq.block_ids)
+        need = self.blocks_for(seq.num_tokens + k - seq.cache_offset) - len(seq.block_ids)
         if need > 0:
             seq.block_ids.extend(self.pool.allocate(need))
         plan.budget_left -= k
@@ -317,7 +321,7 @@ class Scheduler:
 
     def trim_blocks(self, seq: Sequence) -> None:
         """Give back blocks reserved past what the sequence's tokens need (unused lookahead)."""
-        keep = self.blocks_for(seq.num_tokens)
+        keep = self.blocks_for(seq.num_tokens - seq.cache_offset)
         if len(seq.block_ids) > keep and not seq.is_finished:
             extra = seq.block_ids[keep:]
             del seq.block_ids[keep:]
@@ -331,6 +335,19 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def slide_window(self, seq: Sequence) -> None:
+        """Free the blocks a windowed sequence's next query (`num_computed_tokens`) no longer sees
+        (cluster/kv/window.py); published when full, they stay in the prefix cache until evicted."""
+        window = seq.kv_window
+        drop = range(0) if window is None else window.to_drop(seq.num_computed_tokens, seq.num_dropped_blocks)
+        if not drop:
+            return
+        first = window.sink_blocks
+        freed = seq.block_ids[first:first + len(drop)]
+        del seq.block_ids[first:first + len(drop)]
+        seq.num_dropped_blocks += len(drop)
+        self.pool.free(reversed(freed))
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take cached prefix blocks and blocks for the first chunk; return its token count (0: not now)."""
@@ -348,9 +365,10 @@ class Scheduler:
             self.pool.touch(hits)
             seq.block_ids = list(hits)
             seq.num_computed_tokens = len(hits) * bs
+        self.slide_window(seq)    # a prefix hit or a handed-off prompt may reach past the window
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
-        need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids)
+        need = self.blocks_for(seq.num_computed_tokens + n - seq.cache_offset) - len(seq.block_ids)
         if (n < remaining and not self.config.enable_chunked_prefill) or (
                 need > self.pool.num_free and not room.make_room(self, seq, need)):
             if not handed_off:   # a handoff keeps its transferred KV while it waits
@@ -393,6 +411,7 @@ class Scheduler:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+        seq.num_dropped_blocks = 0
 
     # --- after the forward pass ------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[Sequence, list[int]]) -> None:
@@ -431,13 +450,17 @@ class Scheduler:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids[: full * self.block_size], self.block_size,
                                                   seq.sampling.cache_salt, seq.block_hashes)
         for i in range(seq.num_published_blocks, full):
-            self.pool.cache_block(seq.block_ids[i], seq.block_hashes[i])
+            self.pool.cache_block(seq.live_block(i), seq.block_hashes[i])
         seq.num_published_blocks = full
+
+    def max_len(self, seq: Sequence) -> int:
+        """Tokens a sequence may reach: the context, or for a windowed one the positions RoPE has."""
+        return self.max_model_len if seq.kv_window is None else max(self.max_model_len, self.max_positions)
 
     def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.sampling
         if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_len(seq):
             return FinishReason.LENGTH
         return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.kv.hashing import BlockHash
+from cluster.kv.window import KVWindow
 from cluster.types import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -44,11 +45,27 @@ class Sequence:
     spec_state: object | None = None
     tenant: str = ""     # the API key's tenant: per-tenant state beside the KV (decode/spec/online/)
     grammar: object | None = None   # its structured-output matcher (cluster/engine/grammar.py), or None
+    # Attention sinks with a window (cluster/kv/window.py): `block_ids` then holds the live blocks
+    # only (sinks, then the window); `num_dropped_blocks` logical blocks between them were freed.
+    kv_window: KVWindow | None = None
+    num_dropped_blocks: int = 0
     tiers_checked: bool = False   # the KV tiers were asked for its prompt's blocks (engine._prefetch_next)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_offset(self) -> int:
+        """Tokens between a windowed sequence's sinks and its window whose KV was freed: its
+        position p sits at cache index p - cache_offset (past the sinks)."""
+        return self.num_dropped_blocks * self.kv_window.block_size if self.num_dropped_blocks else 0
+
+    def live_block(self, logical: int) -> int:
+        """The block id holding logical block `logical` (one still live)."""
+        if self.num_dropped_blocks and logical >= self.kv_window.sink_blocks:
+            logical -= self.num_dropped_blocks
+        return self.block_ids[logical]
 
     @property
     def num_tokens(self) -> int:

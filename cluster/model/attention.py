@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
+from cluster.kv.window import KVWindow
 from cluster.model.kernel_plan import AttentionPath, KernelPlan
 from kernels import cpu_ops
 from kernels.rows import every_token_rows, tails_tensor, tree_depths, tree_path, tree_tails
@@ -31,6 +32,10 @@ class PrefillSpan:
     # A verification's token tree (cluster/engine/draft_tree.py): the drafts' parents; () a chain.
     # Its tokens sit at slots start.. in order but at positions start + depth.
     tree: tuple[int, ...] = ()
+    # A windowed sequence's chunk (cluster/kv/window.py): its table holds the live blocks only,
+    # `dropped` tokens freed past the sinks; each query sees its own window (a mask).
+    kv_window: KVWindow | None = None
+    dropped: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class _TorchPrefillMeta:
     gather: torch.Tensor | None   # [context_len] flat slots; None when there is no cached prefix
     masks: dict                   # (window, dtype) -> additive [q, ctx]
     block_size: int = 0
+    kv_mask: torch.Tensor | None = None   # a windowed chunk's own [q, ctx] bool mask (PrefillSpan.kv_window)
 
 
 @dataclass
@@ -267,7 +273,9 @@ class TorchAttentionBackend:
         gather = None
         if cached:
             gather = self._slots(span.block_table, span.context_len, block_size).to(self.device)
-        return _TorchPrefillMeta(span=span, gather=gather, masks={}, block_size=block_size)
+        return _TorchPrefillMeta(span=span, gather=gather, masks={}, block_size=block_size,
+                                 kv_mask=None if span.kv_window is None else span.kv_window.span_mask(
+                                     span.query_len, span.context_len, span.dropped, self.device))
 
     def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -364,6 +372,11 @@ class TorchAttentionBackend:
         if gather is not None:
             k = self._rows(k_flat, gather, q.dtype)
             v = self._rows(v_flat, gather, q.dtype)
+        if pm.kv_mask is not None:   # a windowed chunk: each query its own window (cluster/kv/window.py)
+            mask = torch.zeros(pm.kv_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~pm.kv_mask, float("-inf"))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                               attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1)
+            return o[0].transpose(0, 1)
         if self._c_prefill(q, k, v):
             return cpu_ops.prefill_attention(q, k, v, window, self.scale)
         qh = q.transpose(0, 1)[None]        # [1, Hq, q, D]

@@ -7,7 +7,8 @@ the prompt once, `Router.generate(req, forks)`); with a `seed`, sample j gets se
 samples differ and the whole response is reproducible. Extensions beside OpenAI's fields, as
 vLLM's: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, return_token_ids,
 cache_salt, speculative and num_speculative_tokens (an integer or "auto"), and ours,
-penalize_prompt (false: repetition_penalty counts the output's tokens only); for a chat,
+penalize_prompt (false: repetition_penalty counts the output's tokens only), kv_window and
+kv_sink_tokens (attention sinks with a window, docs/kv_compress.md); for a chat,
 add_generation_prompt, continue_final_message and chat_template_kwargs (`render_chat`, which
 /tokenize shares).
 """
@@ -193,6 +194,9 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, 
         sp.seed = seed
     if constraint is not None:
         sp.structured.CopyFrom(constraint)
+    for name in ("kv_window", "kv_sink_tokens"):   # attention sinks with a window (docs/kv_compress.md)
+        if (value := _int(body, name, 0, INT32_MAX)) is not None:
+            setattr(sp, name, value)
     return sp
 
 

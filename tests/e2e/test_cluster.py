@@ -359,3 +359,22 @@ def test_every_worker_runs_the_one_kernel_plan_on_its_own_cores(cluster):
     assert all(s.threads == 1 for s in setups)
     pinned = [set(s.cpus) for s in setups if s.cpus is not None]
     assert all(not (a & b) for i, a in enumerate(pinned) for b in pinned[i + 1:])
+
+
+def test_windowed_request_through_the_handoff_equals_one_engine(cluster, reference):
+    """Attention sinks with a window per request (docs/kv_compress.md): a prompt within its window
+    is handed off and decodes past it on the decode worker as one engine would; a prompt past its
+    window is refused by name (only the live blocks would have to move: not built yet)."""
+    client = Client(cluster.target)
+    fresh = _prompts(4, seed=99)[3]   # in no other test: no cached prefix routes it around the handoff
+    prompt = fresh[:19]   # within its window; its first decode on the decode worker drops a block
+    window = dict(kv_window=12, kv_sink_tokens=3)
+    handed = next(s for s in cluster.wait_idle() if s.role == "decode").handoff.done
+    out = client.generate(prompt, max_tokens=40, ignore_eos=True, **window)
+    assert list(out.token_ids) == reference([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **window))[0]
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(fresh[::-1], max_tokens=4, **window)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "P/D handoff" in err.value.details()
+    stats = cluster.wait_idle()
+    assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
+    assert next(s for s in stats if s.role == "decode").handoff.done == handed + 1

@@ -67,6 +67,10 @@ def test_extensions_reach_the_sampling_params():
     assert sp.repetition_penalty == pytest.approx(1.2) and sp.penalize_prompt is True
     assert _parse(prompt="a", repetition_penalty=1.2, penalize_prompt=False).groups[0].requests[0].sampling \
         .penalize_prompt is False
+    sp = _parse(prompt="a", kv_window=64, kv_sink_tokens=0).groups[0].requests[0].sampling   # docs/kv_compress.md
+    assert (sp.kv_window, sp.kv_sink_tokens) == (64, 0)
+    sp = _parse(prompt="a").groups[0].requests[0].sampling
+    assert (sp.kv_window, sp.kv_sink_tokens) == (None, None)     # unset: the server's default
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -82,6 +86,7 @@ def test_extensions_reach_the_sampling_params():
     ({"prompt": "a", "logit_bias": {"5": 100}}, 400, "logit_bias"),
     ({"prompt": "a", "best_of": 3}, 400, "best_of"),
     ({"prompt": "a", "speculative": "medusa"}, 400, "speculative"),
+    ({"prompt": "a", "kv_window": -1}, 400, "kv_window"),
     ({"prompt": [500]}, 400, "prompt"),                                # outside the vocabulary
     ({"prompt": "x" * 64}, 400, "prompt"),                             # longer than the context
     ({"prompt": []}, 400, "prompt"),
