@@ -8,30 +8,23 @@ import os
 import secrets
 import sys
 import time
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.config import EngineConfig, WorkerConfig
 from cluster.launch.admin import AdminWiring, ClusterAdmin
 from cluster.kv.shared_host import segment_path
 from cluster.launch.cluster_config import ClusterConfig, gpus_per_worker
 from cluster.launch.planner_live import LivePlanner, start_live_planner
-from cluster.launch.switchable import SwitchableWorker
+from cluster.launch.worker_actors import ray_module, start_workers
 from cluster.metrics import ClusterMetrics, merged_registry
 from cluster.model.tokenizer import load_tokenizer
-from cluster.model.kernel_choice import resolved_engine_config
 from cluster.model.model_config import load_model_config
 from cluster.model.quantize import Quantization, check_quantization
-from cluster.placement import CpuShare, local_worker_shares, worker_env
-from cluster.secrets import Secret, as_api_keys
+from cluster.secrets import as_api_keys
 from cluster.version import splitserve_version
 from cluster.worker_messages import WorkerStats
 from decode.spec.compat import check_speculative_models, weights_fingerprint
 from decode.spec.online.service import OnlineTrainerService
-from decode.spec.speculator import make_kv_only_speculator, make_speculator
-from decode.worker import DecodeWorker
-from prefill.worker import PrefillWorker
 from router.frontend import Frontend, FrontendConfig
 from router.health import is_actor_death
 from router.policy import make_policy
@@ -52,19 +45,6 @@ def _max_token_bytes(tokenizer) -> int:
     for token_id in range(tokenizer.get_vocab_size()):
         longest = max(longest, len(tokenizer.decode([token_id], skip_special_tokens=False).encode()))
     return longest + 1
-
-
-def _ray():
-    """Ray, imported once `ray_environment` has set its RAY_* settings (it reads them at import;
-    nothing in the serving packages imports it at module level)."""
-    import ray  # noqa: PLC0415 - Ray reads its settings at import: only after ray_environment
-    return ray
-
-
-def actor_class(cls):
-    """A worker class as a Ray actor with a "control" concurrency group (stats, abort, handshake)
-    beside the default group that the data calls use."""
-    return _ray().remote(concurrency_groups={"control": 16})(cls)
 
 
 def _check(cfg: "ClusterConfig") -> None:
@@ -154,7 +134,7 @@ class RunningCluster:
 
     def frontend_pids(self) -> list[int]:
         """The processes that serve gRPC (for benchmarks of the router's own CPU)."""
-        return [os.getpid()] if self.frontend else _ray().get([f.pid.remote() for f in self.frontends])
+        return [os.getpid()] if self.frontend else ray_module().get([f.pid.remote() for f in self.frontends])
 
     async def stop(self) -> None:
         self.supervisor.cancel()
@@ -164,7 +144,7 @@ class RunningCluster:
             await self.admin.close()
         if self.frontend is not None:
             await self.frontend.stop()
-        ray = _ray()
+        ray = ray_module()
         for f in self.frontends:
             try:
                 await f.stop.remote()
@@ -305,8 +285,8 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
     _check(cfg)
     log.info("starting Ray", extra={"phase": "starting Ray"})
     started = _start_ray(cfg)
-    ray = _ray()
-    workers, roster, spawn = await _start_workers(cfg)
+    ray = ray_module()
+    workers, roster, spawn = await start_workers(cfg)
     log.info("starting %d workers", len(workers), extra={"phase": f"loading the model in {len(workers)} workers"})
     fcfg = _frontend_config(cfg, _limits(cfg), _server_info(cfg, roster), roster,
                             stream_host=ray.util.get_node_ip_address())
@@ -349,7 +329,7 @@ def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: d
             await workers[name].add_peer(metas[other])
             await workers[other].add_peer(metas[name])
     wiring = AdminWiring(spawn=spawn, connect=connect, pair=pair, set_role=lambda client, role: client.set_role(role),
-                         kill=lambda client: _ray().kill(client.handle), switchable=cfg.switchable_roles)
+                         kill=lambda client: ray_module().kill(client.handle), switchable=cfg.switchable_roles)
     admin = ClusterAdmin(wiring, workers, supervision, pool, frontend.router, metrics, cfg.drain_timeout_s)
     frontend.service.admin.control = admin
     pool.on_leaving = admin.leave      # at the first stats that say so, pushed or polled
@@ -358,7 +338,7 @@ def _admin(cfg: ClusterConfig, spawn, workers: dict[str, WorkerClient], metas: d
 
 async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerClient], roster: WorkerRoster):
     """--spec-online's trainer: beside the decode workers, on no CPU of its own (it runs niced)."""
-    ray = _ray()
+    ray = ray_module()
     model = Path(cfg.engine.model)
     handles = {name: workers[name].handle for name in roster.decode}
     # Restarted by Ray if it dies: it starts over from the base heads (service.py `_resync`).
@@ -371,7 +351,7 @@ async def _start_online_trainer(cfg: ClusterConfig, workers: dict[str, WorkerCli
 def _start_ray(cfg: ClusterConfig) -> bool:
     """Join `--ray-address`, or start a local cluster on loopback; True when this process started it."""
     ray_environment(joining=bool(cfg.ray_address), token_file=cfg.ray_token_file)
-    ray = _ray()
+    ray = ray_module()
     if ray.is_initialized():
         return False
     if cfg.ray_address:
@@ -386,80 +366,8 @@ def _start_ray(cfg: ClusterConfig) -> bool:
 def start_local_ray(num_cpus: int) -> None:
     """A local Ray on loopback, without its dashboard (`ray_environment` first); `num_cpus` is
     logical: what the actors' `num_cpus` draw from."""
-    _ray().init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+    ray_module().init(address="local", include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                 num_cpus=num_cpus)
-
-
-async def _start_workers(cfg: ClusterConfig) -> tuple[dict[str, WorkerClient], WorkerRoster, object]:
-    """Every worker as a Ray actor (restarted by Ray when it dies), each with its threads, cores and
-    the cluster's kernel plan; their clients, prefill workers first, who plays which role, and how
-    one more starts (`spawn(name, role)`, the admin's add: loaded when it returns)."""
-    num_prefill = 0 if cfg.colocated else cfg.num_prefill
-    shares, resolved = await _worker_shares_and_plan(cfg, num_prefill + cfg.num_decode)
-    suffix = uuid.uuid4().hex[:6]   # actor names are unique per cluster; worker names stay readable
-    secret = cfg.cluster_secret or Secret(os.urandom(32))
-    workers, prefill, decode = {}, [], []
-    for i, share in enumerate(shares):
-        role = "prefill" if i < num_prefill else "decode"
-        index = i if i < num_prefill else i - num_prefill
-        name = f"colocated-{index}" if cfg.colocated else f"{role}-{index}"
-        workers[name] = await _start_worker(cfg, resolved, secret, suffix, name, role, share)
-        (prefill if role == "prefill" else decode).append(name)
-
-    async def spawn(name: str, role: str) -> WorkerClient:   # an added worker: the last share's threads, unpinned
-        client = await _start_worker(cfg, resolved, secret, suffix, name, role, CpuShare(shares[-1].threads, None))
-        await client.stats()
-        return client
-    return workers, WorkerRoster(prefill=tuple(prefill), decode=tuple(decode)), spawn
-
-
-async def _start_worker(cfg: ClusterConfig, resolved: EngineConfig, secret: Secret, suffix: str, name: str, role: str,
-                        share: CpuShare) -> WorkerClient:
-    """One worker actor of `role`: its class (both roles' with --switchable-roles), threads and cores."""
-    # Every worker's speculation comes from decode.spec; a prefill worker's never proposes.
-    cls, speculation = ((PrefillWorker, make_kv_only_speculator) if role == "prefill"
-                        else (DecodeWorker, make_speculator))
-    extra = ()
-    if cfg.switchable_roles:
-        cls, speculation, extra = SwitchableWorker, make_speculator, (role,)
-    tp = cfg.tensor_parallel_size(role)
-    engine = replace(resolved, num_threads=share.threads, cpus=share.cpus, tensor_parallel_size=tp,
-                     eplb=replace(resolved.eplb, role=role))   # each role balances its own load
-    wcfg = WorkerConfig(engine=engine, data_plane=cfg.data_plane, cluster_secret=secret,
-                        kv_host=None if cfg.ray_address else "127.0.0.1", drain_timeout_s=cfg.drain_timeout_s)
-    placement = await _rank_placement(cfg, tp)
-    # Data calls (a stream lasts as long as its request) get a slot each for every request the
-    # frontends may have in flight, and a margin for calls still ending; control calls have their own group.
-    data_slots = cfg.admission.max_in_flight * cfg.frontends + 32
-    h = actor_class(cls).options(name=f"{name}-{suffix}", num_cpus=cfg.worker_cpus,
-                                 num_gpus=gpus_per_worker(cfg), max_concurrency=data_slots, max_restarts=-1,
-                                 resources=cfg.prefill_resources if role == "prefill" else cfg.decode_resources,
-                                 runtime_env={"env_vars": {**worker_env(share), **_sigterm_drain_hook()}},
-                                 **placement).remote(name, wcfg, speculation, *extra)
-    return WorkerClient(name, h)
-
-
-def _sigterm_drain_hook() -> dict:
-    """The env var by which Ray runs a worker process's setup hook on its main thread (Ray reads a
-    `worker_process_setup_hook` of an actor's own runtime_env no further than this variable; its
-    name is Ray's, looked up, and nothing is set where this Ray has none): SIGTERM drains the
-    worker (cluster/worker_base.py `install_sigterm_drain`)."""
-    var = getattr(_ray()._private.ray_constants, "WORKER_PROCESS_SETUP_HOOK_ENV_VAR", None)
-    return {var: "cluster.worker_base.install_sigterm_drain"} if var else {}
-
-
-async def _rank_placement(cfg: ClusterConfig, tp: int) -> dict:
-    """A tensor-parallel worker's placement group: one bundle per rank (`--tp-placement`, STRICT_PACK:
-    one node), its rank 0 the actor in bundle 0; the followers are the actor's processes on that
-    node, in the bundles reserved beside it. Nothing for a worker of one rank."""
-    if tp == 1:
-        return {}
-    ray = _ray()
-    bundle = {"CPU": cfg.worker_cpus, **({"GPU": gpus_per_worker(cfg)} if gpus_per_worker(cfg) else {})}
-    group = ray.util.placement_group([bundle] * tp, strategy=cfg.tp_placement)
-    await group.ready()
-    strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-    return {"scheduling_strategy": strategy}
 
 
 def _limits(cfg: ClusterConfig) -> Limits:
@@ -531,28 +439,10 @@ def _frontend_config(cfg: ClusterConfig, limits: Limits, info: ServerInfo, roste
                           skill_routes=cfg.skill_routes)
 
 
-async def _worker_shares_and_plan(cfg: ClusterConfig, num_workers: int) -> tuple[list[CpuShare], EngineConfig]:
-    """Threads and cores per worker (cluster/placement.py), and the engine config every worker
-    runs with, its dtype and kernel plan resolved once: here for a local cluster, on a decode node
-    by a Ray task for a remote one (the driver's CPU may not be the workers')."""
-    ray = _ray()
-    if cfg.ray_address:
-        shares = [CpuShare(cfg.engine.num_threads or max(1, int(cfg.worker_cpus)), None)] * num_workers
-    else:
-        shares = local_worker_shares(num_workers, cfg.engine.num_threads)
-    if cfg.engine.kernel_plan is not None and cfg.engine.dtype != "auto":
-        return shares, cfg.engine
-    if not cfg.ray_address:
-        return shares, resolved_engine_config(cfg.engine, shares[-1].threads)
-    task = ray.remote(resolved_engine_config).options(num_cpus=cfg.worker_cpus, num_gpus=gpus_per_worker(cfg),
-                                                  resources=cfg.decode_resources)
-    return shares, await task.remote(cfg.engine, shares[-1].threads)
-
-
 async def _start_frontends(cfg: ClusterConfig, fcfg: FrontendConfig, handles: dict) -> tuple[list, int]:
     """N frontend processes on this node, one port: the first binds it (or picks it, for port 0),
     the others join it (SO_REUSEPORT)."""
-    ray = _ray()
+    ray = ray_module()
     here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actors, port, http_port = [], cfg.port, cfg.http_port
     for i in range(cfg.frontends):

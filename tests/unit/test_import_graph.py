@@ -27,7 +27,7 @@ LAZY_IMPORTS = {
     "cluster/kv/disk_io.py": "nixl is optional (the nixl extra)",
     "cluster/transfer/nixl_transport.py": "nixl is optional (the nixl extra)",
     "cluster/transfer/ucx_transport.py": "ucxx is optional (the ucx extra)",
-    "cluster/launch/app.py": "Ray reads its RAY_* settings at import: imported after ray_environment sets them",
+    "cluster/launch/worker_actors.py": "Ray reads its RAY_* settings at import: imported after ray_environment sets them",
     "cluster/worker_base.py": "Ray reads its settings at import: the driver imports the workers before it sets them",
     "cluster/metrics.py": "Ray: the router's modules import none (only the driver sums actor frontends' series)",
     "router/health.py": "Ray: the router's modules import none",
