@@ -65,9 +65,6 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     """The target on the kernel plan, and its own KV layout (with `group`: this rank's shard)."""
     mc, model = load_model(config.model, dtype=plan_dtype(config), device=device, max_positions=config.max_model_len)
     full = mc
-    if group is not None and mc.mla is not None:
-        raise ValueError("tensor parallelism (--tensor-parallel-size > 1) is not supported with latent attention "
-                         "(MLA, DeepSeek) yet: serve it on one rank")
     if group is not None:
         mc = shard_model(model, mc, group, config.enable_expert_parallel, config.eplb.num_redundant_experts)
     dtype = model.embed_tokens.weight.dtype
@@ -87,8 +84,10 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     shards = ()
     if group is not None:
         shards = tuple(rank_shard(full, r, group.world) for r in range(group.world))
+        # A latent cache is one "KV head" that every rank holds whole (mla_sharding.py).
         layout = dataclasses.replace(layout, tp_size=group.world, tp_rank=group.rank,
-                                     kv_head_start=shards[group.rank].kv_start, total_kv_heads=full.num_kv_heads)
+                                     kv_head_start=shards[group.rank].kv_start,
+                                     total_kv_heads=1 if full.mla is not None else full.num_kv_heads)
     positions = max_model_len
     if config.cache.kv_window:   # windowed sequences go on past the context: a longer RoPE table
         positions = max(max_model_len, config.cache.kv_window_max_positions)

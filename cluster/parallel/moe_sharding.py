@@ -95,7 +95,7 @@ def _slice_rows(weight: torch.Tensor, inter: int, a: int, b: int) -> torch.Tenso
     return torch.cat([weight[..., a:b, :], weight[..., inter + a:inter + b, :]], dim=-2).contiguous()
 
 
-def _slice_experts(experts: MoEExperts, rank: int, world: int) -> None:
+def slice_experts(experts: MoEExperts, rank: int, world: int) -> None:
     inter = experts.down.shape[2]
     if inter % world:
         raise ValueError(f"expert intermediate size {inter} does not split over {world} tensor-parallel ranks "
@@ -105,18 +105,19 @@ def _slice_experts(experts: MoEExperts, rank: int, world: int) -> None:
     experts.down = nn.Parameter(experts.down.data[..., a:b].contiguous(), requires_grad=False)
 
 
-def _slice_shared(block: SparseMoeBlock, rank: int, world: int) -> None:
-    shared = block.shared_expert
-    inter = shared.down_proj.in_features
+def slice_dense_mlp(mlp: nn.Module, rank: int, world: int) -> None:
+    """A shared expert (an MLP of gate_up_proj and down_proj): its intermediate rows sliced; its
+    partial output joins the block's, which the block's one all-reduce adds."""
+    inter = mlp.down_proj.in_features
     if inter % world:
         raise ValueError(f"shared expert intermediate size {inter} does not split over {world} ranks")
     a, b = rank * (inter // world), (rank + 1) * (inter // world)
-    gate_up = _slice_rows(shared.gate_up_proj.weight.data, inter, a, b)
-    shared.gate_up_proj = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False, device="meta")
-    shared.gate_up_proj.weight = nn.Parameter(gate_up, requires_grad=False)
-    down = shared.down_proj.weight.data[:, a:b].contiguous()
-    shared.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device="meta")
-    shared.down_proj.weight = nn.Parameter(down, requires_grad=False)
+    gate_up = _slice_rows(mlp.gate_up_proj.weight.data, inter, a, b)
+    mlp.gate_up_proj = nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False, device="meta")
+    mlp.gate_up_proj.weight = nn.Parameter(gate_up, requires_grad=False)
+    down = mlp.down_proj.weight.data[:, a:b].contiguous()
+    mlp.down_proj = nn.Linear(down.shape[1], down.shape[0], bias=False, device="meta")
+    mlp.down_proj.weight = nn.Parameter(down, requires_grad=False)
 
 
 def shard_sparse_block(block: SparseMoeBlock, group: RankGroup, expert_parallel: bool,
@@ -128,7 +129,7 @@ def shard_sparse_block(block: SparseMoeBlock, group: RankGroup, expert_parallel:
         placement = contiguous_placement(block.experts.num_experts, group.world, redundant_experts)
         block.experts = LocalExperts(block.experts, placement, group.rank)
     else:
-        _slice_experts(block.experts, group.rank, group.world)
+        slice_experts(block.experts, group.rank, group.world)
     if block.shared_expert is not None:
-        _slice_shared(block, group.rank, group.world)
+        slice_dense_mlp(block.shared_expert, group.rank, group.world)
     return ReducedBlock(block, group)

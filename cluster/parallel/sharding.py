@@ -22,10 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.model.deepseek_moe import DeepseekMoE
 from cluster.model.model_config import ModelConfig
 from cluster.model.moe import SparseMoeBlock
 from cluster.parallel.group import RankGroup
+from cluster.parallel.mla_sharding import shard_deepseek_moe, shard_mla_attention
 from cluster.parallel.moe_sharding import shard_sparse_block
+from cluster.parallel.parallel_linear import RowParallelLinear, linear_from
 
 
 class ShardingError(ValueError):
@@ -66,6 +69,8 @@ def rank_shard(mc: ModelConfig, rank: int, world: int) -> RankShard:
     h, k, i = mc.num_heads, mc.num_kv_heads, mc.intermediate_size
     if i % world:
         raise ShardingError(f"{mc.model_id}: {i} intermediate size do not split over {world} tensor-parallel ranks")
+    if mc.mla is not None:
+        k = 1               # one latent per token, on every rank (mla_sharding.py): its query heads split
     if k >= world:
         group = h // k
         kv_start, kv_heads = _split(k, rank, world)
@@ -87,26 +92,6 @@ def local_config(mc: ModelConfig, shard: RankShard) -> ModelConfig:
     """The config a rank's layers compute with: its heads and its slice of the MLP."""
     return dataclasses.replace(mc, num_heads=shard.q_heads, num_kv_heads=shard.kv_heads,
                                intermediate_size=shard.i_size)
-
-
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    out.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None:
-        out.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
-    return out
-
-
-class RowParallelLinear(nn.Module):
-    """A rank's input columns of a linear; the partial sums all-reduced (one collective)."""
-
-    def __init__(self, inner: nn.Linear, group: RankGroup):
-        super().__init__()
-        self.inner = inner       # a plain nn.Linear: the kernel plan may swap it for its layout
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.inner.forward(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -147,21 +132,21 @@ def _shard_attention(attn: nn.Module, mc: ModelConfig, s: RankShard, group: Rank
               (q + s.kv_start * d, q + (s.kv_start + s.kv_heads) * d),
               (q + kv + s.kv_start * d, q + kv + (s.kv_start + s.kv_heads) * d))
     qkv = attn.qkv_proj
-    attn.qkv_proj = _linear(_rows(qkv.weight.data, *ranges), None if qkv.bias is None else _rows(qkv.bias.data, *ranges))
+    attn.qkv_proj = linear_from(_rows(qkv.weight.data, *ranges), None if qkv.bias is None else _rows(qkv.bias.data, *ranges))
     o = attn.o_proj
     cols = o.weight.data[:, s.q_start * d:(s.q_start + s.q_heads) * d]
-    attn.o_proj = RowParallelLinear(_linear(cols, o.bias.data if o.bias is not None and s.rank == 0 else None), group)
+    attn.o_proj = RowParallelLinear(linear_from(cols, o.bias.data if o.bias is not None and s.rank == 0 else None), group)
     attn.cfg = local
 
 
 def _shard_mlp(mlp: nn.Module, mc: ModelConfig, s: RankShard, group: RankGroup) -> None:
     i, a, b = mc.intermediate_size, s.i_start, s.i_start + s.i_size
     gu = mlp.gate_up_proj
-    mlp.gate_up_proj = _linear(_rows(gu.weight.data, (a, b), (i + a, i + b)),
+    mlp.gate_up_proj = linear_from(_rows(gu.weight.data, (a, b), (i + a, i + b)),
                                None if gu.bias is None else _rows(gu.bias.data, (a, b), (i + a, i + b)))
     down = mlp.down_proj
     mlp.down_proj = RowParallelLinear(
-        _linear(down.weight.data[:, a:b], down.bias.data if down.bias is not None and s.rank == 0 else None), group)
+        linear_from(down.weight.data[:, a:b], down.bias.data if down.bias is not None and s.rank == 0 else None), group)
 
 
 def _vocab_rows(weight: torch.Tensor, s: RankShard) -> torch.Tensor:
@@ -177,9 +162,14 @@ def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_para
     s = rank_shard(mc, group.rank, group.world)
     local = local_config(mc, s)
     for layer in model.layers:
-        _shard_attention(layer.self_attn, mc, s, group, local)
+        if mc.mla is not None:      # DeepSeek: heads split, the latent replicated (mla_sharding.py)
+            shard_mla_attention(layer.self_attn, mc.mla, s.q_start, s.q_heads, group)
+        else:
+            _shard_attention(layer.self_attn, mc, s, group, local)
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp = shard_sparse_block(layer.mlp, group, expert_parallel, redundant_experts)
+        elif isinstance(layer.mlp, DeepseekMoE):
+            layer.mlp = shard_deepseek_moe(layer.mlp, group, expert_parallel, redundant_experts)
         else:
             _shard_mlp(layer.mlp, mc, s, group)
     tied = mc.tie_word_embeddings

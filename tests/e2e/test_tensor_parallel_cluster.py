@@ -3,7 +3,8 @@ actor, placed in a placement group of two bundles; rank 1 its process) serves gr
 to transformers'; a killed rank makes the whole worker dead, Ray restarts it and the request is
 retried on it (the client sees its tokens, as for any dead worker). 1P1D with prefill TP 2 /
 decode TP 1 (KV over TCP) and prefill TP 1 / decode TP 2 (over NIXL) equal transformers too, with
-the KV pulled (the decode worker's handoff counters). One cluster per topology."""
+the KV pulled (the decode worker's handoff counters), DeepSeek's latent cache included (heads
+split, the latent whole on each rank). One cluster per topology."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,8 @@ from integration.test_model_families import family_prompts
 
 from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig
 from cluster.launch.app import ClusterConfig
+from cluster.model.model_config import load_model_config
+from cluster.types import KVLayout
 from router.client import Client
 from router.router import RouterConfig
 
@@ -23,8 +26,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MAX_TOKENS = 10
 
 
-def _engine(tiny_model_dir) -> EngineConfig:
-    return EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1, kernels="torch",
+def _engine(tiny_model_dir, kind: str = "llama") -> EngineConfig:
+    return EngineConfig(model=tiny_model_dir(kind), dtype="float32", num_threads=1, kernels="torch",
                         cache=CacheConfig(block_size=4, num_blocks=128), tp_collective_timeout_s=5.0)
 
 
@@ -66,10 +69,20 @@ def test_tp2_worker_serves_exact_tokens_and_a_dead_rank_restarts_it(served, hf_r
     served.wait_idle()
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport"), [(2, 1, "tcp"), (1, 2, "nixl")])
-def test_handoff_between_tp_sizes_equals_the_single_engine(prefill_tp, decode_tp, transport, tiny_model_dir,
+def _block_bytes(model_dir) -> int:
+    """Every KV head of one block (4 tokens, fp32) as a single rank holds it: 2 layers of K and V,
+    2 heads of 16 for the llama; DeepSeek's latent vector per token (every rank holds it whole)."""
+    mc = load_model_config(model_dir)
+    if mc.mla is None:
+        return 2 * 2 * 4 * 2 * 16 * 4
+    return KVLayout.latent(mc.model_id, mc.num_layers, mc.mla.latent_dim, 4, "float32").bytes_per_block()
+
+
+@pytest.mark.parametrize(("kind", "prefill_tp", "decode_tp", "transport"),
+                         [("llama", 2, 1, "tcp"), ("llama", 1, 2, "nixl"), ("deepseek_v3_moe", 1, 2, "nixl")])
+def test_handoff_between_tp_sizes_equals_the_single_engine(kind, prefill_tp, decode_tp, transport, tiny_model_dir,
                                                            hf_reference):
-    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine(tiny_model_dir), port=0,
+    c = ClusterThread(ClusterConfig(http_port=None, engine=_engine(tiny_model_dir, kind), port=0,
                                     data_plane=DataPlaneConfig(transport=transport),
                                     router=RouterConfig(local_prefill_max_tokens=4),
                                     prefill_tensor_parallel_size=prefill_tp, decode_tensor_parallel_size=decode_tp,
@@ -77,11 +90,10 @@ def test_handoff_between_tp_sizes_equals_the_single_engine(prefill_tp, decode_tp
     try:
         prompts = family_prompts(lengths=(13, 30, 47))
         for prompt, out in zip(prompts, _generate_all(Client(c.target), prompts)):
-            assert list(out.token_ids) == hf_reference("llama", prompt, MAX_TOKENS)[0]
+            assert list(out.token_ids) == hf_reference(kind, prompt, MAX_TOKENS)[0]
         decode = next(s for s in c.wait_idle() if s.role == "decode")
-        # each prompt's blocks crossed once, every KV head of them (2 layers, K and V, 2 heads of 16 fp32)
-        block_bytes = 2 * 2 * 4 * 2 * 16 * 4
+        # each prompt's blocks crossed once, every KV head of them
         assert decode.handoff.done == len(prompts) and decode.handoff.failed == 0, decode.handoff
-        assert decode.handoff.bytes == sum(-(-len(p) // 4) for p in prompts) * block_bytes
+        assert decode.handoff.bytes == sum(-(-len(p) // 4) for p in prompts) * _block_bytes(tiny_model_dir(kind))
     finally:
         c.stop()

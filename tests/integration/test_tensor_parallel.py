@@ -75,6 +75,23 @@ def test_mixtures_of_experts_equal_the_single_engine(kind, expert_parallel, tiny
         engine.close()
 
 
+@pytest.mark.parametrize(("kind", "expert_parallel"), [("deepseek_v3_moe", False), ("deepseek_v2_moe", True),
+                                                     ("deepseek_v3_noq", False)])
+def test_latent_attention_models_equal_the_single_engine(kind, expert_parallel, tiny_model_dir, single_engine):
+    """DeepSeek at TP 2 (cluster/parallel/mla_sharding.py): query heads split, the latent replicated
+    (each rank caches the whole latent), experts sliced or placed whole, shared experts sliced."""
+    model = tiny_model_dir(kind)
+    single = single_engine(_config(model))
+    engine = LLMEngine(_config(model, tensor_parallel_size=2, enable_expert_parallel=expert_parallel))
+    try:
+        _assert_equal(engine, single, family_prompts(lengths=(13, 30)))
+        assert engine.model.layers[0].self_attn.num_heads * 2 == single.model.layers[0].self_attn.num_heads
+        assert engine.layout.bytes_per_block() == single.layout.bytes_per_block()   # the whole latent per rank
+        assert engine.kv_export.layout.layout_hash() == single.layout.layout_hash()  # a handoff moves it as TP 1's
+    finally:
+        engine.close()
+
+
 def test_the_expert_balancer_moves_experts_between_passes_and_tokens_stay_equal(tiny_model_dir, single_engine):
     """--enable-eplb with 2 redundant slots, a look every 2 passes and any gain applied: experts move
     between the ranks mid-generation (rank 0 sends the placement, both ranks exchange weights) and
