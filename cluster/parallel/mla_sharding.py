@@ -17,9 +17,8 @@ from torch import nn
 from cluster.model.deepseek import MLAAttention
 from cluster.model.deepseek_moe import DeepseekMoE
 from cluster.model.mla_config import MLAConfig
-from cluster.parallel.expert_placement import contiguous_placement
 from cluster.parallel.group import RankGroup
-from cluster.parallel.moe_sharding import LocalExperts, ReducedBlock, slice_dense_mlp, slice_experts
+from cluster.parallel.moe_sharding import ReducedBlock, shard_experts, slice_dense_mlp
 from cluster.parallel.parallel_linear import RowParallelLinear, linear_from
 
 
@@ -45,11 +44,7 @@ def shard_mla_attention(attn: MLAAttention, mla: MLAConfig, q_start: int, q_head
 def shard_deepseek_moe(block: DeepseekMoE, group: RankGroup, expert_parallel: bool,
                        redundant_experts: int = 0) -> ReducedBlock:
     """`block` with this rank's share of its experts and shared experts, wrapped in the all-reduce."""
-    if expert_parallel:
-        placement = contiguous_placement(block.experts.num_experts, group.world, redundant_experts)
-        block.experts = LocalExperts(block.experts, placement, group.rank)
-    else:
-        slice_experts(block.experts, group.rank, group.world)
+    block.experts = shard_experts(block.experts, group, expert_parallel, redundant_experts)
     if block.shared_experts is not None:
         slice_dense_mlp(block.shared_experts, group.rank, group.world)
     return ReducedBlock(block, group)

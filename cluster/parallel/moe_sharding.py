@@ -120,16 +120,23 @@ def slice_dense_mlp(mlp: nn.Module, rank: int, world: int) -> None:
     mlp.down_proj.weight = nn.Parameter(down, requires_grad=False)
 
 
+def shard_experts(experts: MoEExperts, group: RankGroup, expert_parallel: bool,
+                  redundant_experts: int = 0) -> MoEExperts:
+    """This rank's share of a layer's routed experts: with `expert_parallel`, whole experts in
+    contiguous ranges (the balancer moves them later) and `redundant_experts` extra slots; else
+    every expert's intermediate rows sliced, in place."""
+    if expert_parallel:
+        placement = contiguous_placement(experts.num_experts, group.world, redundant_experts)
+        return LocalExperts(experts, placement, group.rank)
+    slice_experts(experts, group.rank, group.world)
+    return experts
+
+
 def shard_sparse_block(block: SparseMoeBlock, group: RankGroup, expert_parallel: bool,
                        redundant_experts: int = 0) -> ReducedBlock:
-    """`block` with this rank's share of its experts, wrapped in the all-reduce of its output. With
-    `expert_parallel`, whole experts in contiguous ranges (the balancer moves them later) and
-    `redundant_experts` extra slots."""
-    if expert_parallel:
-        placement = contiguous_placement(block.experts.num_experts, group.world, redundant_experts)
-        block.experts = LocalExperts(block.experts, placement, group.rank)
-    else:
-        slice_experts(block.experts, group.rank, group.world)
+    """`block` with this rank's share of its experts and shared expert, wrapped in the all-reduce of
+    its output."""
+    block.experts = shard_experts(block.experts, group, expert_parallel, redundant_experts)
     if block.shared_expert is not None:
         slice_dense_mlp(block.shared_expert, group.rank, group.world)
     return ReducedBlock(block, group)
