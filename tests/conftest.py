@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPLITSERVE_MODEL", "stdlib-coder")
 
 from tiny_models import make_model  # noqa: E402
+from session_ray import stop_session_ray  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -64,20 +65,14 @@ def hf_reference(tiny_model_dir):
     return ref
 
 
-def _end_session_ray() -> None:
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-
-
 def pytest_runtest_setup(item):
-    """The session's shared Ray (tests/e2e/cluster_harness.py) is ended before a test that is not
+    """The session's shared Ray (tests/session_ray.py) is ended before a test that is not
     marked `ray`: its idle processes need not share the cores with in-process tests (the next
     cluster starts it again)."""
     if "ray" not in item.keywords:
-        _end_session_ray()
+        stop_session_ray()
 
 
 def pytest_sessionfinish(session, exitstatus):
     """... and at the session's end rather than at exit."""
-    _end_session_ray()
+    stop_session_ray()

@@ -1,40 +1,13 @@
-"""Runs a real cluster (Ray actors, gRPC on 127.0.0.1) on a background event loop for tests.
-
-The session's clusters share one local Ray (started by the first, ended with the session, as a
-long-running `ray start` serves many `splitserve serve` runs): a cluster's stop kills its actors,
-and Ray's start and stop are paid once, not per cluster."""
+"""Runs a real cluster (Ray actors, gRPC on 127.0.0.1) on a background event loop for tests, on
+the session's shared Ray (tests/session_ray.py)."""
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
 
-from cluster.launch.app import ray_environment, start_cluster, start_local_ray
-
-# Logical CPUs only: enough that actors of a cluster still being killed never hold up the next one's.
-SESSION_RAY_CPUS = 64
-
-
-def session_ray() -> None:
-    """Start the session's local Ray on loopback, as `start_cluster` would, unless it runs. Only
-    from the main thread: Ray's processes are started to die with the thread that starts them
-    (PR_SET_PDEATHSIG follows the creating thread), so a Ray started by a helper thread is killed
-    when that thread ends, and the next worker restart finds no raylet (the driver then exits)."""
-    ray_environment()
-    import ray
-    if not ray.is_initialized():
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("start the session's Ray from the main thread (session_ray()) before a thread "
-                               "starts a cluster: Ray's processes die with the thread that started them")
-        start_local_ray(SESSION_RAY_CPUS)
-
-
-def stop_session_ray() -> None:
-    """End the session's Ray (the next cluster starts it again): for tests whose own Ray nodes
-    should have the machine's ports and cores to themselves."""
-    import ray
-    if ray.is_initialized():
-        ray.shutdown()
+from cluster.launch.app import start_cluster
+from session_ray import session_ray, stop_session_ray  # noqa: F401 - the tests' one import
 
 
 class ClusterThread:

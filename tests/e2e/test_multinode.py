@@ -5,13 +5,12 @@
 Every node gets its own loopback address (127.0.0.2-4, as if on three hosts). A joining node must
 run with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1, and with it Ray rewrites a bootstrap address of
 127.0.0.1 to the host's external one; 127.0.0.2 is loopback but not rewritten. Each node is a
-`ray start --block` in its own session, so the test finds every process a node started (the worker
-actors included) by session id, and stops them all by pid."""
+`ray start --block` in its own session (tests/ray_nodes.py), so the test finds every process a node
+started (the worker actors included) by session id, and stops them all by pid."""
 from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 from served_cluster import RAY_ENV, ServeProcess, sample  # noqa: E402
 from helpers import free_port  # noqa: E402
 from cluster_harness import stop_session_ray  # noqa: E402
+from ray_nodes import RayNode  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,61 +38,11 @@ SERVED_NAME = "multinode"     # --served-model-name: the model_name of every ser
 DECODE_NIXL = {"worker": "decode-0", "transport": "nixl", "model_name": SERVED_NAME}   # the handoff series' labels
 
 
-def _session_processes(sid: int) -> dict[int, str]:
-    """pid -> command line of every live process in one session."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-            except (OSError, ProcessLookupError):
-                pass
-    return {pid: cmd for pid, cmd in out.items() if cmd}    # zombies have an empty command line
-
-
-class RayNode:
-    def __init__(self, ip: str, *args: str, joining: bool, log_dir: Path):
-        env = {**os.environ, **RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if joining else "0"}
-        self.ip = ip
-        self.log = log_dir / f"ray-{ip}.log"
-        self.proc = subprocess.Popen(
-            ["ray", "start", "--block", "--disable-usage-stats", "--node-ip-address", ip,
-             "--node-manager-port", str(free_port(ip)), "--object-manager-port", str(free_port(ip)), *args],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def processes(self) -> dict[int, str]:
-        return _session_processes(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)      # ray start --block stops its node's processes
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in self.processes():                   # whatever outlived it, by pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-
-
 def _alive_nodes(address: str) -> int:
     out = subprocess.run([sys.executable, "-c", "import ray; ray.init(address=%r, log_to_driver=False); "
                           "print(sum(n['Alive'] for n in ray.nodes()))" % address],
                          capture_output=True, text=True, env={**os.environ, **RAY_ENV}, timeout=60)
     return int(out.stdout.split()[-1]) if out.returncode == 0 else 0
-
-
-def _wait_started(node: RayNode, timeout: float = 60.0) -> None:
-    """`ray start` says so once its node has registered with the head."""
-    deadline = time.monotonic() + timeout
-    while "Ray runtime started." not in node.log.read_text():
-        if node.proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"Ray node {node.ip} did not start:\n{node.log.read_text()[-3000:]}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +55,13 @@ def ray_nodes(tmp_path_factory):
     try:
         # The head holds no CPU, so no worker can land there: it runs only Ray's own services and the router.
         nodes.append(RayNode(HEAD, "--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false",
-                             "--ray-client-server-port", str(free_port(HEAD)), joining=False, log_dir=log_dir))
-        _wait_started(nodes[0])
+                             "--ray-client-server-port", str(free_port(HEAD)), joining=False, log_dir=log_dir, env=RAY_ENV))
+        nodes[0].wait_started()
         # One node at a time: nodes started together race for the same free ports.
         for ip, role in ((PREFILL, "prefill"), (DECODE, "decode")):
             nodes.append(RayNode(ip, "--address", address, "--num-cpus", "2", "--resources", f'{{"{role}": 1}}',
-                                 joining=True, log_dir=log_dir))
-            _wait_started(nodes[-1])
+                                 joining=True, log_dir=log_dir, env=RAY_ENV))
+            nodes[-1].wait_started()
         assert _alive_nodes(address) == 3
         yield address, dict(zip(("head", "prefill", "decode"), nodes))
     finally:
