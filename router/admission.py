@@ -89,6 +89,8 @@ class Admission:
         self.by_tenant: Counter[str] = Counter()
         self.waiting: list[_Waiter] = []
         self.closed = False
+        self._none_held = asyncio.Event()    # no slot held: what a draining server waits for
+        self._none_held.set()
         for tenant in tenants:
             self._gauge(tenant)
 
@@ -169,6 +171,7 @@ class Admission:
             self.metrics.set_admission_queue_depth(tenant, sum(w.tenant == tenant for w in self.waiting))
 
     def _grant(self, tenant: str, slots: int) -> Ticket:
+        self._none_held.clear()
         self.in_use += slots
         self.by_tenant[tenant] += slots
         return Ticket(tenant, slots)
@@ -179,6 +182,19 @@ class Admission:
         if self.by_tenant[ticket.tenant] <= 0:
             del self.by_tenant[ticket.tenant]
         self._wake()
+        if self.in_use == 0:
+            self._none_held.set()
+
+    async def wait_none_held(self, timeout_s: float) -> bool:
+        """Wait until every admitted request has ended (its slots released); False if some still
+        run after `timeout_s`."""
+        if self._none_held.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._none_held.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def _wake(self) -> None:
         """Grant waiting requests while any fits: the tenant holding fewest slots first, then the oldest."""

@@ -184,6 +184,21 @@ class Frontend:
     def pid(self) -> int:
         return os.getpid()
 
+    async def drain(self, timeout_s: float) -> int:
+        """A graceful shutdown's first half: the Inference service's health turns NOT_SERVING (HTTP
+        /health 503; the server's own, "", stays SERVING: alive, draining), new and
+        queued requests are refused (UNAVAILABLE / 503, "shutting down"), and the requests in
+        flight run to their end, for up to `timeout_s`. Returns the in-flight slots still held
+        then (0: drained); `stop` ends those."""
+        if self._ready_task is not None:
+            self._ready_task.cancel()             # a server still starting never turns SERVING now
+        await self.service.set_serving(False, alive=True)   # readiness fails, liveness holds
+        admission = self.service.admission
+        admission.close()
+        log.info("draining: %d in-flight slots, up to %.0fs", admission.in_use, timeout_s)
+        await admission.wait_none_held(timeout_s)
+        return admission.in_use
+
     async def stop(self) -> None:
         """Streams in flight end with UNAVAILABLE ("shutting down"), then the server stops."""
         if self._poll_task is not None:

@@ -121,12 +121,16 @@ class InferenceService:
         self.served: ServedModels | None = None     # set when this port serves several models
         self.admin = AdminService(self._authorize)    # its actions are the driver's, given once it is up
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, alive: bool | None = None) -> None:
+        """The Inference service's health (readiness: SERVING once it can take requests) and the
+        server's own ("", liveness): `alive` as `serving` unless given (a drain is alive, not
+        serving)."""
         if self.health is None:       # no gRPC server (only the HTTP API, whose /health reads the router)
             return
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in (SERVICE_NAME, ""):
-            await self.health.set(name, status)
+        alive = serving if alive is None else alive
+        for name, up in ((SERVICE_NAME, serving), ("", alive)):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if up
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def tenant_of(self, authorization: str) -> str | None:
         """The tenant of an `authorization: Bearer <key>` value ("" when no keys are set), or None."""

@@ -136,6 +136,14 @@ class RunningCluster:
         """The processes that serve gRPC (for benchmarks of the router's own CPU)."""
         return [os.getpid()] if self.frontend else ray_module().get([f.pid.remote() for f in self.frontends])
 
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking requests and let those in flight end, within `timeout_s` (Frontend.drain,
+        on every frontend at once); the in-flight slots still held then (0: all ended)."""
+        if self.frontend is not None:
+            return await self.frontend.drain(timeout_s)
+        left = await asyncio.gather(*(f.drain.remote(timeout_s) for f in self.frontends))
+        return sum(left)
+
     async def stop(self) -> None:
         self.supervisor.cancel()
         if self.planner is not None:

@@ -92,7 +92,10 @@ class ClusterConfig:
                                             "of weights), so that `splitserve scale --switch` changes its role "
                                             "without a reload (speculation off)")
     drain_timeout_s: float = setting(30.0, "how long a drain (scale-down, role switch, SIGTERM) waits for a "
-                                           "worker's sequences to move or end; past it they fail over",
+                                           "worker's sequences to move or end; past it they fail over. "
+                                           "`serve` on SIGTERM waits as long for the requests in flight to "
+                                           "end, refusing new ones, then stops (keep Kubernetes' "
+                                           "terminationGracePeriodSeconds above it)",
                                      flag="--drain-timeout")
     max_tokens_limit: int = setting(4096, "the most tokens a request may ask for")
     default_max_tokens: int = setting(256, "a request's max_tokens when it gives none (at most --max-tokens-limit)")

@@ -110,9 +110,7 @@ def cmd_serve(inv: Invocation) -> int:
 
     async def run() -> None:
         cluster = await start_models(cfg)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        signals = ShutdownSignals(asyncio.get_running_loop())
         at = endpoints(cfg, cluster)
         builder = PromptBuilder(cfg.engine.model, cfg.chat_template)
         lines = banner(cfg, cluster.model_name, splitserve_version(), at, builder.has_template, cluster.first_stats,
@@ -122,8 +120,10 @@ def cmd_serve(inv: Invocation) -> int:
         print("\n".join(lines), file=console.err, flush=True)
         if args.request is not None:
             await _answer(cfg, at, args, builder, cluster.max_model_len, console)
-            stop.set()
-        await stop.wait()
+            signals.now.set()
+        await signals.first()
+        if signals.graceful.is_set() and not signals.now.is_set():
+            await _drain(cluster, cfg.drain_timeout_s, signals, console)
         log.info("shutting down")
         if args.request is None:
             print("splitserve: shutting down", file=console.err)
@@ -131,6 +131,41 @@ def cmd_serve(inv: Invocation) -> int:
     console.phase("starting")
     asyncio.run(run())
     return 0
+
+
+class ShutdownSignals:
+    """SIGTERM (Kubernetes, systemd, an operator) is a graceful shutdown: drain, then stop.
+    SIGINT (Ctrl-C at a terminal), or a second signal during a drain, stops at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.graceful = asyncio.Event()
+        self.now = asyncio.Event()
+        loop.add_signal_handler(signal.SIGINT, self.now.set)
+        loop.add_signal_handler(signal.SIGTERM, self._term)
+
+    def _term(self) -> None:
+        (self.now if self.graceful.is_set() else self.graceful).set()
+
+    async def first(self) -> None:
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.graceful, self.now)]
+        _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
+
+
+async def _drain(cluster, timeout_s: float, signals: ShutdownSignals, console) -> None:
+    """New requests refused, those in flight finished (or cut at `timeout_s`, or by a second signal)."""
+    print(f"splitserve: SIGTERM: finishing the requests in flight (up to {timeout_s:.0f}s; "
+          "a second signal stops at once)", file=console.err, flush=True)
+    drain = asyncio.ensure_future(cluster.drain(timeout_s))
+    interrupt = asyncio.ensure_future(signals.now.wait())
+    await asyncio.wait([drain, interrupt], return_when=asyncio.FIRST_COMPLETED)
+    interrupt.cancel()
+    if not drain.done():
+        drain.cancel()
+        log.warning("drain interrupted by a second signal")
+    elif drain.result():
+        log.warning("drain timed out after %.0fs: %d in-flight slots end now", timeout_s, drain.result())
 
 
 def _read_line(prompt: str) -> str:

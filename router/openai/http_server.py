@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.admission import Admission, Refused, RefusedWhy, Ticket
+from router.admission import SHUTTING_DOWN, Admission, Refused, RefusedWhy, Ticket
 from router.connections import ConnectionLimits, guarded_h11
 from router.offload import Offload
 from router.openai.protocol import ApiError, Endpoint, Job, LogprobFormatter, check_body, parse_chat, \
@@ -212,7 +212,9 @@ class OpenAIServer:
 
     # --- routes ---------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if self.router.ready and not self.router.closing:
+        if self.router.closing or self.admission.closed:
+            return JSONResponse(ApiError(503, SHUTTING_DOWN).body(), status_code=503)
+        if self.router.ready:
             return Response(status_code=200)
         return JSONResponse(ApiError(503, "not ready: workers are still loading or restarting").body(),
                             status_code=503)

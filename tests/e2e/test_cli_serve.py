@@ -66,23 +66,27 @@ def test_serve_answers_a_request_like_the_single_engine_and_leaves_no_ray(tiny_m
     assert not run.raylets(), "the Ray it started was left running"
 
 
-def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
-    """The suite's model on the default ports, as a vLLM user starts it (slow enough that a long
-    stream is still running when the signal lands): the banner's addresses answer (the OpenAI API
-    on vLLM's port 8000, with max_model_len in /v1/models), the stream ends with UNAVAILABLE
-    saying why, the server exits 0, and neither Ray nor a worker process it started is left."""
+def test_sigterm_finishes_streams_in_flight_refuses_new_ones_and_leaves_no_process():
+    """The suite's model on the default ports, as a vLLM user starts it: the banner's addresses
+    answer (the OpenAI API on vLLM's port 8000, with max_model_len in /v1/models). SIGTERM (a
+    Kubernetes pod deleted) is a graceful shutdown: readiness turns NOT_SERVING (liveness holds) and
+    /health 503, a new
+    request is refused with UNAVAILABLE saying why, the stream in flight runs to its last token,
+    the server exits 0, and neither Ray nor a worker process it started is left."""
+    import http.client
     import re
     import signal
     import threading
     import time
 
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from openai import OpenAI
 
     from router.client import Client
     run = Run()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--transport", "tcp"],
-                            stderr=subprocess.PIPE, text=True, env=run.env)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.launch.cli", "serve", "--transport", "tcp",
+                             "--drain-timeout", "120"], stderr=subprocess.PIPE, text=True, env=run.env)
     try:
         target, banner = None, []
         deadline = time.monotonic() + 240
@@ -92,26 +96,37 @@ def test_sigterm_ends_streams_in_flight_clearly_and_leaves_no_process():
             if match:
                 target = match.group(1)
         assert target == "127.0.0.1:50051", "".join(banner)
-        threading.Thread(target=proc.stderr.read, daemon=True).start()    # keep its pipe drained
+        later: list[str] = []
+        threading.Thread(target=lambda: later.extend(proc.stderr), daemon=True).start()   # keep its pipe drained
         assert "  OpenAI API: http://127.0.0.1:8000/v1 " in "".join(banner)
         model = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").models.list().data[0]
         from proto.splitserve.v1 import inference_pb2 as pb
         (served,) = Client(target).stub.ListModels(pb.ListModelsRequest()).models
         assert (model.id, model.max_model_len) == (served.id, served.max_model_len) and served.max_model_len > 0
         assert f"serving {model.id} on 1 prefill + 1 decode workers" in "".join(banner)
-        got, error = [], None
-        try:
-            for msg in Client(target).stream("def fibonacci(n):", max_tokens=600, ignore_eos=True, timeout=120):
-                got.extend(msg.token_ids)
-                if len(got) >= 3 and proc.poll() is None and not error:
-                    proc.send_signal(signal.SIGTERM)
-                    error = "sent"
-        except grpc.RpcError as exc:
-            error = exc
-        assert isinstance(error, grpc.RpcError), f"the stream ended without an error after {len(got)} tokens"
-        assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details()
-        assert 3 <= len(got) < 600
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+        got, finish, refused = [], None, None
+        for msg in Client(target).stream("def fibonacci(n):", max_tokens=600, ignore_eos=True, timeout=180):
+            got.extend(msg.token_ids)
+            finish = msg.finish_reason or finish
+            if len(got) >= 3 and refused is None:
+                proc.send_signal(signal.SIGTERM)
+                limit = time.monotonic() + 30
+                ready = health_pb2.HealthCheckRequest(service="splitserve.v1.Inference")
+                while health.Check(ready).status == health_pb2.HealthCheckResponse.SERVING:
+                    assert time.monotonic() < limit, "still SERVING 30 s after SIGTERM"
+                    time.sleep(0.05)
+                alive = health.Check(health_pb2.HealthCheckRequest()).status    # liveness holds while draining
+                assert alive == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.RpcError) as refused:
+                    Client(target).generate("def add(a, b):", max_tokens=4)
+                conn = http.client.HTTPConnection("127.0.0.1", 8000, timeout=10)
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 503
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+        assert len(got) == 600 and finish == pb.FINISH_REASON_LENGTH, (len(got), finish)
         assert proc.wait(timeout=60) == 0
+        assert any("finishing the requests in flight" in line for line in later), "".join(later)[-2000:]
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -57,6 +57,28 @@ def test_fair_queue_serves_the_quiet_tenant_before_the_flooder():
     _run(go())
 
 
+def test_a_drain_refuses_new_and_queued_requests_and_waits_for_those_admitted():
+    """What a SIGTERM'd server waits for: every admitted request's slots back, whatever their
+    order; waiters and newcomers are refused as shutting down."""
+    async def go():
+        a = Admission(AdmissionConfig(max_in_flight=2, queue_timeout_s=5))
+        assert await a.wait_none_held(0)                 # nothing admitted: drained at once
+        held = [await a.acquire("t", 1) for _ in range(2)]
+        queued = asyncio.ensure_future(a.acquire("u", 1))
+        await asyncio.sleep(0)
+        a.close()
+        await _refused(queued, RefusedWhy.SHUTTING_DOWN)
+        await _refused(a.admit("u", 1, closing=False), RefusedWhy.SHUTTING_DOWN)
+        assert not await a.wait_none_held(0.05)          # two still run
+        a.release(held.pop())
+        assert not await a.wait_none_held(0.05)
+        waiting = asyncio.ensure_future(a.wait_none_held(5))
+        await asyncio.sleep(0)
+        a.release(held.pop())
+        assert await waiting and a.in_use == 0
+    _run(go())
+
+
 def test_queue_bounds_timeouts_and_too_large():
     async def go():
         a = Admission(AdmissionConfig(max_in_flight=2, max_queued=1, queue_timeout_s=0.05,
