@@ -29,6 +29,9 @@ _STRMAP = {str: str}
 _GROUP = {"rayStartParams": _STRMAP, "template": dict, "labels": _STRMAP, "resources": _STRMAP}
 RAYCLUSTER_SPEC = {
     "rayVersion": str, "enableInTreeAutoscaling": bool, "suspend": bool, "headServiceAnnotations": _STRMAP,
+    "autoscalerOptions": {"idleTimeoutSeconds": int, "upscalingMode": str, "env": list, "envFrom": list,
+                          "image": str, "imagePullPolicy": str, "resources": dict, "securityContext": dict,
+                          "version": str},
     "headGroupSpec": {**_GROUP, "serviceType": str, "enableIngress": bool, "headService": dict},
     "workerGroupSpecs": [{**_GROUP, "groupName": str, "replicas": int, "minReplicas": int, "maxReplicas": int,
                           "numOfHosts": int, "idleTimeoutSeconds": int, "suspend": bool}],
@@ -105,9 +108,9 @@ def test_renders_and_validates(path):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_topology_in_the_name_is_what_runs(overlay):
-    m = re.fullmatch(r"(cpu|gpu)-(\d+)p(\d+)d", overlay)
-    assert m, f"overlays are named by topology, like cpu-1p1d: {overlay}"
-    device, n_prefill, n_decode = m.group(1), int(m.group(2)), int(m.group(3))
+    m = re.fullmatch(r"(cpu|gpu)-(\d+)p(\d+)d(-planner)?", overlay)
+    assert m, f"overlays are named by topology, like cpu-1p1d (or cpu-1p1d-planner, its start): {overlay}"
+    device, n_prefill, n_decode, planned = m.group(1), int(m.group(2)), int(m.group(3)), bool(m.group(4))
     docs = render(f"overlays/{overlay}")
     rc, cfg = one(docs, "RayCluster"), serve_config(docs)
     g = groups(rc)
@@ -115,7 +118,11 @@ def test_topology_in_the_name_is_what_runs(overlay):
     assert g["head"]["rayStartParams"].get("num-cpus") == "0", "no worker may land on the head"
     for role, n in (("prefill", n_prefill), ("decode", n_decode)):
         assert cfg[role] == n
-        assert g[role]["minReplicas"] == g[role]["replicas"] == g[role]["maxReplicas"] == n
+        if planned:     # starts at n, may grow to what the planner's budget leaves the other role
+            assert g[role]["minReplicas"] == g[role]["replicas"] == n == 1
+            assert g[role]["maxReplicas"] == cfg["max_workers"] - 1
+        else:
+            assert g[role]["minReplicas"] == g[role]["replicas"] == g[role]["maxReplicas"] == n
         # One worker per pod: each pod advertises one unit of the resource each worker asks for.
         advertised = json.loads(g[role]["rayStartParams"]["resources"].strip("'"))
         assert cfg[f"{role}_resources"] == advertised == {role: 1}
@@ -124,6 +131,8 @@ def test_topology_in_the_name_is_what_runs(overlay):
             assert limits.get("nvidia.com/gpu") == 1 and cfg["worker_gpus"] == 1 and cfg["device"] == "cuda"
         else:
             assert "nvidia.com/gpu" not in limits and cfg.get("device", "cpu") == "cpu"
+    # Only a planned cluster's pods come and go: Ray's autoscaler follows the workers the planner asks for.
+    assert rc["spec"].get("enableInTreeAutoscaling", False) is planned and (cfg.get("planner") == "sla") is planned
     assert rc["spec"]["rayVersion"] == re.search(r"ARG RAY_VERSION=(\S+)",
                                                  (DEPLOY / "docker" / "Dockerfile").read_text()).group(1)
 
@@ -170,6 +179,9 @@ def test_every_ray_node_runs_with_token_authentication():
     for overlay in OVERLAYS:
         cluster = one(render(f"overlays/{overlay}"), "RayCluster")["spec"]
         groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        if cluster.get("enableInTreeAutoscaling"):      # the autoscaler sidecar reaches the GCS too
+            groups.append({"template": {"spec": {"containers": [{"name": "autoscaler",
+                                                                  **cluster["autoscalerOptions"]}]}}})
         for group in groups:
             for c in group["template"]["spec"]["containers"]:
                 env = {e["name"]: e for e in c.get("env", [])}
