@@ -125,13 +125,16 @@ class ModelSwapGate:
         self._swap: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def register(self, model: str, loader: ModelLoader) -> None:
-        """A model whose workers have started, weights loaded (`trim` releases beyond capacity)."""
+    def register(self, model: str, loader: ModelLoader, first: bool = False) -> None:
+        """A model whose workers have started, weights loaded (`trim` releases beyond capacity).
+        `first`: it is the one kept loaded before those registered earlier."""
         self.loaders[model] = loader
         self.loaded.append(model)
+        if first:
+            self.loaded.insert(0, self.loaded.pop())
 
     async def trim(self) -> None:
-        """Release the models registered beyond the first `capacity` (at start-up, none running)."""
+        """Release the models registered beyond capacity, the latest first (at start-up, none running)."""
         while len(self.loaded) > self.capacity:
             await self.loaders[self.loaded.pop()].unload()
 
