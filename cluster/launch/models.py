@@ -34,11 +34,11 @@ def model_config(cfg: ClusterConfig, spec: ModelSpec) -> ClusterConfig:
 async def start_models(cfg: ClusterConfig) -> RunningCluster:
     """A cluster of `cfg`'s models: the others first (no ports of their own), then the first, whose
     ports serve them all. One model: `start_cluster` itself."""
+    check_model_swap(cfg)
     if not cfg.models:
         return await start_cluster(cfg)
     if cfg.frontends > 1:
         raise ValueError("several models are served by one frontend for now: drop --frontends")
-    check_model_swap(cfg)
     gate = make_gate(cfg)
     others = []
     try:
