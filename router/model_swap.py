@@ -75,7 +75,7 @@ def next_step(waiting: Sequence[Waiting], loaded: Sequence[str], running: Mappin
         admit = []
         for i, w in enumerate(waiting):
             if w.model not in loaded:
-                return _load_for(w.model, tuple(admit), loaded, running, capacity)
+                return _load_for(w.model, tuple(admit), loaded, _with(running, waiting, admit), capacity)
             admit.append(i)
         return Step(tuple(admit))
     overdue = next((w for w in waiting if w.model not in loaded and now - w.arrived >= max_wait_s), None)
@@ -89,10 +89,15 @@ def next_step(waiting: Sequence[Waiting], loaded: Sequence[str], running: Mappin
     for i, w in enumerate(waiting):
         first_seen.setdefault(w.model, i)
     target = max(others, key=lambda m: (others[m], -first_seen[m]))
+    return _load_for(target, admit, loaded, _with(running, waiting, admit), capacity)
+
+
+def _with(running: Mapping[str, int], waiting: Sequence[Waiting], admit) -> dict[str, int]:
+    """`running` with the requests let in by this step: their models are not idle."""
     busy = dict(running)
     for i in admit:
         busy[waiting[i].model] = busy.get(waiting[i].model, 0) + 1
-    return _load_for(target, admit, loaded, busy, capacity)
+    return busy
 
 
 class ModelLoader(Protocol):

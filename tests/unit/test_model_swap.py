@@ -16,6 +16,8 @@ def test_fcfs_stops_at_the_first_request_of_an_unloaded_model():
     assert step.admit == (0,) and step.load is None     # "a" runs: no idle slot for "b" yet
     step = next_step(_w("b", "a"), ["a"], {}, 1, FCFS, now=0.1, max_wait_s=5)
     assert step.admit == () and (step.load, step.evict) == ("b", "a")
+    step = next_step(_w("a", "b"), ["a"], {}, 1, FCFS, now=0.1, max_wait_s=5)
+    assert step.admit == (0,) and step.load is None      # "a" was just let in: it is not idle
 
 
 def test_grouped_serves_the_loaded_model_then_the_largest_group():
