@@ -10,8 +10,9 @@ Which waiting request goes next is `next_step`, plain functions over plain value
 - `grouped` (Symbolic MoE's grouped batching): every waiting request of a loaded model goes at
   once (one load serves them all); when none is left for the loaded models and one of them is
   idle, the model with the most waiting requests is loaded (ties: the oldest's). Fairness: once a
-  request of an unloaded model has waited `max_wait_s`, no further request of the loaded models
-  is let in until its model is loaded (the oldest such request first), so none waits forever.
+  request of an unloaded model has waited `max_wait_s`, no request of the loaded models younger
+  than it is let in until its model is loaded (the oldest such request first), so none waits
+  forever (and two overdue models never swap each other out before either serves a request).
 
 `ModelSwapGate` applies it in the frontend's loop: `Router.generate` holds `serving(model)` for the
 life of each request; the loads and releases are the workers' (`ModelLoader`, injected).
@@ -79,8 +80,9 @@ def next_step(waiting: Sequence[Waiting], loaded: Sequence[str], running: Mappin
             admit.append(i)
         return Step(tuple(admit))
     overdue = next((w for w in waiting if w.model not in loaded and now - w.arrived >= max_wait_s), None)
-    if overdue is not None:     # the fairness bound: the loaded models let nobody more in
-        return _load_for(overdue.model, (), loaded, running, capacity)
+    if overdue is not None:     # the fairness bound: only requests older than it are let in
+        admit = tuple(i for i, w in enumerate(waiting) if w.model in loaded and w.arrived <= overdue.arrived)
+        return _load_for(overdue.model, admit, loaded, _with(running, waiting, admit), capacity)
     admit = tuple(i for i, w in enumerate(waiting) if w.model in loaded)
     others = Counter(w.model for w in waiting if w.model not in loaded)
     if not others:

@@ -36,6 +36,9 @@ def test_grouped_fairness_bound_stops_letting_loaded_models_in():
     assert step.admit == () and step.load is None     # "a" lets nobody more in, and drains
     step = next_step(waiting, ["a"], {}, 1, GROUPED, now=10.0, max_wait_s=5)
     assert (step.load, step.evict) == ("b", "a")
+    # Both overdue, the loaded model's request the older: it goes first (no swapping back and forth).
+    step = next_step(_w("a", "b", "a"), ["a"], {}, 1, GROUPED, now=10.0, max_wait_s=5)
+    assert step.admit == (0,) and step.load is None
 
 
 def test_idle_victim_is_the_least_recently_used_idle_model():
