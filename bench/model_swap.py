@@ -24,7 +24,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster.config import STDLIB_CODER_DIR, CacheConfig, EngineConfig, default_model_dir  # noqa: E402
+from cluster.config import (  # noqa: E402
+    STDLIB_CODER_DIR,
+    CacheConfig,
+    EngineConfig,
+    default_model_dir,
+)
 from cluster.launch.cluster_config import ClusterConfig, ModelSpec  # noqa: E402
 from cluster.launch.models import start_models  # noqa: E402
 from router.client import AsyncClient  # noqa: E402

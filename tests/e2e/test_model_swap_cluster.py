@@ -89,7 +89,7 @@ def test_unknown_model_is_404(served):
 
 def test_refused_where_not_built(dirs):
     chat, code = dirs
-    base = dict(engine=_engine(chat), models=(ModelSpec(str(code), "coder"),), max_loaded_models=1)
+    base = {"engine": _engine(chat), "models": (ModelSpec(str(code), "coder"),), "max_loaded_models": 1}
     with pytest.raises(ValueError, match="--colocated"):
         check_model_swap(ClusterConfig(**base))
     with pytest.raises(ValueError, match="several models"):

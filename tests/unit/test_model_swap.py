@@ -2,7 +2,13 @@
 gate that applies it, with fake loaders (what a load is on real workers: tests/e2e/test_model_swap_cluster.py)."""
 import asyncio
 
-from router.model_swap import ModelScheduling, ModelSwapGate, Waiting, idle_victim, next_step
+from router.model_swap import (
+    ModelScheduling,
+    ModelSwapGate,
+    Waiting,
+    idle_victim,
+    next_step,
+)
 
 FCFS, GROUPED = ModelScheduling.FCFS, ModelScheduling.GROUPED
 
@@ -108,3 +114,35 @@ def test_gate_fairness_bound_lets_an_overdue_model_in():
         return served
     served = asyncio.run(scenario())
     assert "b" in served[:20]      # not after every "a": about max_wait_s in, "b" went
+
+
+def test_gate_forgets_a_request_cancelled_while_waiting():
+    async def scenario():
+        log = []
+        gate = ModelSwapGate(1, GROUPED, max_wait_s=5.0)
+        for m in ("a", "b"):
+            gate.register(m, _FakeLoader(m, log))
+        await gate.trim()
+        release = asyncio.Event()
+
+        async def hold_a():
+            async with gate.serving("a"):
+                await release.wait()
+
+        async def want_b():
+            async with gate.serving("b"):
+                pass
+        holder = asyncio.ensure_future(hold_a())
+        await asyncio.sleep(0)
+        waiter = asyncio.ensure_future(want_b())
+        await asyncio.sleep(0.01)
+        assert [w.waiting.model for w in gate._waiters] == ["b"]    # "a" runs: "b" waits
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        release.set()
+        await holder
+        await asyncio.sleep(0.03)
+        return gate, log
+    gate, log = asyncio.run(scenario())
+    assert not gate._waiters and not any(gate.running.values())
+    assert gate.loaded == ["a"] and ("load", "b") not in log      # nobody wants "b" any more
