@@ -31,9 +31,9 @@ def check_model_swap(cfg: ClusterConfig) -> None:
                          f"{cfg.engine.speculative.method}")
     if max(cfg.tensor_parallel_size("decode"), cfg.engine.tensor_parallel_size) > 1:
         raise ValueError("--max-loaded-models needs workers of one rank: drop --tensor-parallel-size")
-    if cfg.engine.cuda_graphs == "on":
-        raise ValueError("--max-loaded-models with --cuda-graphs on: graphs hold the weights' addresses; "
-                         "give --cuda-graphs off")
+    if cfg.engine.cuda_graphs == "on" or (cfg.engine.device.startswith("cuda") and cfg.engine.cuda_graphs != "off"):
+        raise ValueError("--max-loaded-models with CUDA graphs (on by default on CUDA): graphs hold the weights' "
+                         "addresses; give --cuda-graphs off")
     if cfg.switchable_roles:
         raise ValueError("--max-loaded-models with --switchable-roles: not built")
 

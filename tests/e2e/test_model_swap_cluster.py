@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 from test_models_cluster import _engine, _greedy, _post, _Started
@@ -94,4 +95,6 @@ def test_refused_where_not_built(dirs):
         check_model_swap(ClusterConfig(**base))
     with pytest.raises(ValueError, match="several models"):
         check_model_swap(ClusterConfig(engine=_engine(chat), colocated=True, max_loaded_models=1))
+    with pytest.raises(ValueError, match="--cuda-graphs off"):    # graphs would replay released weights
+        check_model_swap(ClusterConfig(**{**base, "engine": replace(_engine(chat), device="cuda")}, colocated=True))
     check_model_swap(ClusterConfig(**base, colocated=True))
