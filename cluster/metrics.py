@@ -388,6 +388,8 @@ class ClusterMetrics:
                                 ["model_name", "reason", "tenant"], registry=r)
         self.refused = Counter(PREFIX + "requests_refused", "requests refused before any work (router/admission.py), "
                                "by reason and tenant", ["model_name", "reason", "tenant"], registry=r)
+        self.model_loads = Counter(PREFIX + "model_loads", "times a worker loaded its model's weights again after "
+                                   "releasing them (--max-loaded-models)", ["worker", "model_name"], registry=r)
         self.queued = Gauge(PREFIX + "admission_queue_depth", "requests waiting for an in-flight slot, by tenant",
                             by_tenant, registry=r)
         self.prefills = Counter(PREFIX + "prefills", "prompts prefilled, by where and why (handoff: on a prefill "

@@ -25,7 +25,8 @@ from cluster.config import EngineConfig, WorkerConfig
 from cluster.engine.engine import HoldFactory, LLMEngine
 from cluster.engine.engine_loop import EngineLoop
 from cluster.engine.speculation import SpeculatorFactory
-from cluster.errors import RequestError
+from cluster.engine.weight_swap import release_weights, restore_weights
+from cluster.errors import RequestError, WorkerBusy
 from cluster.model.moe import expert_token_counts
 from cluster.kv.kv_events import KVEventBatch, KVEventLog
 from cluster.parallel.expert_balancer import rank_token_counts
@@ -134,6 +135,8 @@ class EngineWorker:
         self.incarnation = uuid.uuid4().hex      # a restarted actor is a new incarnation
         self.ready = False                       # set by the driver once handshaken with its peers
         self._peer_metadata: dict[str, bytes] = {}
+        self.weights_loaded = True               # --max-loaded-models: released and loaded on demand
+        self.model_loads = 0
         SIGTERM_DRAIN.grace_s = config.drain_timeout_s
         SIGTERM_DRAIN.idle = self._drained
 
@@ -204,7 +207,32 @@ class EngineWorker:
             expert_rank_tokens=rank_token_counts(self.engine.model),
             expert_rebalances=self.engine.runner.balancer.rebalances if self.engine.runner.balancer else 0,
             taken_at=time.monotonic(), leaving=SIGTERM_DRAIN.leaving.is_set(),
+            weights_loaded=self.weights_loaded, model_loads=self.model_loads,
             **self._role_stats())
+
+    async def unload_weights(self) -> int:
+        """Release the model's weights and its prefix cache (--max-loaded-models), between two steps;
+        refused while a request runs or waits here. The bytes released (0: already released)."""
+        def release(e: LLMEngine) -> int:
+            if e.scheduler.waiting or e.scheduler.running:
+                raise RequestError(f"worker {self.name} has requests: its weights stay loaded")
+            if not self.weights_loaded:
+                return 0
+            e.pool.reset_prefix_cache()
+            self.weights_loaded = False
+            return release_weights(e.model)
+        return await self.loop.acall(release)
+
+    async def load_weights(self) -> bool:
+        """Load the released weights again; False if they were loaded."""
+        def load(e: LLMEngine) -> bool:
+            if self.weights_loaded:
+                return False
+            restore_weights(e)
+            self.weights_loaded = True
+            self.model_loads += 1
+            return True
+        return await self.loop.acall(load)
 
     def _drained(self) -> bool:
         """Nothing left here for a SIGTERM's drain to wait for: no request, no lease."""
@@ -228,7 +256,10 @@ class EngineWorker:
 
     def _add_request(self, e: LLMEngine, *args, **kwargs) -> str:
         """`e.add_request`, with the engine's refusal (a bad prompt or option) typed as the
-        request's own fault, so the router answers the client and keeps this worker in routing."""
+        request's own fault, so the router answers the client and keeps this worker in routing.
+        A worker whose weights are released (--max-loaded-models) declines it as busy."""
+        if not self.weights_loaded:
+            raise WorkerBusy(f"worker {self.name}: its model's weights are not loaded")
         try:
             return e.add_request(*args, **kwargs)
         except ValueError as exc:

@@ -260,6 +260,10 @@ class WorkerStats:
     # arrive out of order (a poll answered before a push is read after it); this orders them.
     taken_at: float = 0.0
     leaving: bool = False           # it got SIGTERM: the driver drains and removes it (cluster/launch/admin.py)
+    # --max-loaded-models (cluster/engine/weight_swap.py): whether its model's weights are loaded,
+    # and how many times they were loaded again after a release.
+    weights_loaded: bool = True
+    model_loads: int = 0
     version: int = WORKER_STATS_VERSION
 
     def supersedes(self, other: "WorkerStats | None") -> bool:

@@ -74,11 +74,14 @@ class FrontendConfig:
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, handles: Mapping[str, object], metrics=None,
-                 workers: WorkerPool | None = None, peers: Mapping[str, "Frontend"] | None = None):
+                 workers: WorkerPool | None = None, peers: Mapping[str, "Frontend"] | None = None,
+                 model_slot=None):
         """`handles`: worker name -> its Ray actor handle. `workers`: the driver's pool, when this
         frontend runs in the driver's process (the driver's stats poll feeds it, and its metrics
         read it); an actor frontend builds its own and polls for it (`cfg.poll_stats_s`). `peers`:
-        the frontends of the other models this one's ports serve, by served name."""
+        the frontends of the other models this one's ports serve, by served name. `model_slot`:
+        --max-loaded-models' place for each request (router/model_swap.py), given to the router."""
+        self.model_slot = model_slot
         self.cfg = cfg
         self.peers = dict(peers or {})
         self.handles = handles
@@ -99,7 +102,7 @@ class Frontend:
                                                 {n: WorkerClient(n, h) for n, h in self.handles.items()}, cfg.roster)
         receiver = TokenReceiver(cfg.name, host=cfg.stream_host)
         await receiver.start()
-        self.router = Router(cfg.router, self.workers, receiver, metrics=self.metrics)
+        self.router = Router(cfg.router, self.workers, receiver, metrics=self.metrics, model_slot=self.model_slot)
         tokenizer = load_tokenizer(cfg.model_dir)
         self.service = InferenceService(self.router, cfg.limits, TokenCodec(tokenizer, cfg.limits.vocab_size),
                                         cfg.info, cfg.api_keys, metrics=self.metrics, siblings=self,

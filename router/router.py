@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from enum import Enum
 
 from cluster.errors import RequestError
@@ -49,9 +50,11 @@ class PrefillPlace(Enum):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, workers: WorkerPool, receiver: TokenReceiver, metrics=None):
+    def __init__(self, config: RouterConfig, workers: WorkerPool, receiver: TokenReceiver, metrics=None,
+                 model_slot: Callable[[], AbstractAsyncContextManager] | None = None):
         """`workers`: the pool of this router's workers (`WorkerPool.of_roster`, router/frontend.py);
-        the workers' pushed stats reach it through `receiver`."""
+        the workers' pushed stats reach it through `receiver`. `model_slot`: --max-loaded-models'
+        place for one request while it runs (router/model_swap.py: its model loaded and let in)."""
         self.config = config
         self.receiver = receiver
         self.metrics = metrics
@@ -63,6 +66,7 @@ class Router:
         self.active: dict[str, list[str]] = {}   # request id -> workers holding it
         self.owner: dict[str, str] = {}          # request id -> its tenant (only it may abort it)
         self.attempts = Attempts(config, self.workers, receiver, self.active, metrics)
+        self.model_slot = model_slot or nullcontext
 
     # --- the workers, as the frontend, the stats poll and the servers see them -----------------
     @property
@@ -152,11 +156,15 @@ class Router:
             self.owner[m.request_id] = m.tenant
             streamed[m.request_id] = []
         try:
-            async for delta in self._generate(req, forks, streamed):
-                streamed[delta.request_id].extend(delta.token_ids)
-                if delta.finished:
-                    self.active[delta.request_id] = []    # finished normally: nothing to abort
-                yield delta
+            async with self.model_slot():
+                try:
+                    async for delta in self._generate(req, forks, streamed):
+                        streamed[delta.request_id].extend(delta.token_ids)
+                        if delta.finished:
+                            self.active[delta.request_id] = []    # finished normally: nothing to abort
+                        yield delta
+                finally:     # ended everywhere before its model's slot frees (its weights may go)
+                    await asyncio.shield(self._end([m.request_id for m in members]))
         finally:
             self.in_flight -= len(members)
             # One shielded task ends them all: a caller cancelled again while it waits (anyio's

@@ -87,3 +87,11 @@ class WorkerClient:
 
     async def set_ready(self, incarnation: str) -> bool:
         return await self._control(self.handle.set_ready).remote(incarnation)
+
+    async def unload_weights(self) -> int:
+        """--max-loaded-models: release the model's weights and prefix cache (idle only); the bytes released."""
+        return await self._control(self.handle.unload_weights).remote()
+
+    async def load_weights(self) -> bool:
+        """Load the released weights again (True: loaded now; False: they were loaded)."""
+        return await self._control(self.handle.load_weights).remote()

@@ -281,13 +281,15 @@ def _log_router_node(ray) -> None:
     (log.info if head else log.warning)("router on Ray node %s (%s)", me, "the head" if head else "not the head")
 
 
-async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached: bool = False) -> RunningCluster:
+async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached: bool = False,
+                        model_slot=None) -> RunningCluster:
     """Ray, the workers, the frontends (their ports bound, health NOT_SERVING), then every worker
     loaded, handshaken and ready (health SERVING), and the supervisor that keeps them so.
 
     Several models (cluster/launch/models.py): `attached`, a model served through another's ports
     (its frontend binds none); `peers`, the attached models' frontends by served name, that the
-    frontend owning the ports hands their requests to."""
+    frontend owning the ports hands their requests to. `model_slot`: --max-loaded-models' place for
+    each request (cluster/launch/model_swap.py)."""
     # Refuse a speculative setup that cannot work (or cannot cross the handoff) before any model loads.
     check_speculative_models(cfg.engine, disaggregated=not cfg.colocated)
     _check(cfg)
@@ -300,7 +302,8 @@ async def start_cluster(cfg: ClusterConfig, peers: dict | None = None, attached:
                             stream_host=ray.util.get_node_ip_address())
     if attached:
         fcfg = replace(fcfg, port=None, http_port=None, attached=True)
-    frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers, peers or {})
+    frontend, actors, port, pool, metrics = await _start_frontend_processes(cfg, fcfg, workers, peers or {},
+                                                                            model_slot)
     metas: dict[str, bytes] = {}
     first_stats = await _first_bring_up(workers, roster, metas, frontend, actors)
     cadence = StatsCadence()     # the driver's one stats poll (actor frontends run their own)
@@ -401,7 +404,8 @@ def _server_info(cfg: ClusterConfig, roster: WorkerRoster) -> ServerInfo:
 
 
 async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, workers: dict[str, WorkerClient],
-                                    peers: dict) -> tuple[Frontend | None, list, int, WorkerPool, ClusterMetrics]:
+                                    peers: dict, model_slot=None
+                                    ) -> tuple[Frontend | None, list, int, WorkerPool, ClusterMetrics]:
     """The frontend in this process, or `--frontends N` actors; their port bound (health
     NOT_SERVING: requests wait); the driver's `WorkerPool` (the in-process frontend's, else its
     own) and the metrics registry this driver serves, reading the workers' series from it."""
@@ -410,7 +414,7 @@ async def _start_frontend_processes(cfg: ClusterConfig, fcfg: FrontendConfig, wo
     pool = WorkerPool.of_roster(fcfg.router, make_policy(fcfg.policy), workers, fcfg.roster)
     if cfg.frontends == 1:
         metrics = ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool)
-        frontend = Frontend(fcfg, handles, metrics=metrics, workers=pool, peers=peers)
+        frontend = Frontend(fcfg, handles, metrics=metrics, workers=pool, peers=peers, model_slot=model_slot)
         return frontend, [], await frontend.start(), pool, metrics
     actors, port = await _start_frontends(cfg, fcfg, handles)
     return None, actors, port, pool, ClusterMetrics(cfg.data_plane.transport, model_name, workers=pool,

@@ -112,6 +112,17 @@ class ClusterConfig:
     skill_routes: str | None = setting(None, "YAML file of skill routes (`routes: [{model, skills, examples}]`): a "
                                              "request for model \"auto\" goes to the served model whose skills fit "
                                              "(docs/models.md)", metavar="FILE", default_text="off")
+    # More models than memory (cluster/launch/model_swap.py): at most K models' weights loaded at once.
+    max_loaded_models: int = setting(0, "with several models (--colocated): each worker slot holds at most this many "
+                                        "models' weights; a request for another model waits while the least "
+                                        "recently used idle one is released and its own loaded (docs/models.md)",
+                                     default_text="0: off, every model loaded")
+    model_scheduling: str = setting("grouped", "with --max-loaded-models, which waiting request goes next: grouped "
+                                               "(a loaded model's requests first, one load serving a batch) or fcfs "
+                                               "(arrival order)", choices=("grouped", "fcfs"))
+    model_switch_max_wait_ms: float = setting(2000.0, "grouped: a request of an unloaded model that has waited this "
+                                                      "long stops the loaded models letting more in, so its model "
+                                                      "loads next (the fairness bound)")
     api_keys: tuple = derived((), "--api-key and --api-key-file: cluster.secrets.ApiKey, or plain key strings "
                                   "(each its own tenant)")
     # Seals the KV plane's handshakes and control messages (cluster/transfer/auth.py). None: a random
@@ -142,6 +153,9 @@ class ClusterConfig:
         require(self.drain_timeout_s > 0, "drain_timeout_s", f"must be > 0, got {self.drain_timeout_s}")
         require(not self.switchable_roles or self.engine.speculative.method == "off", "switchable_roles",
                 f"needs --speculative off (a prefill worker's speculation differs), got {self.engine.speculative.method}")
+        require(self.max_loaded_models >= 0, "max_loaded_models", f"must be >= 0, got {self.max_loaded_models}")
+        require(self.model_switch_max_wait_ms > 0, "model_switch_max_wait_ms",
+                f"must be > 0, got {self.model_switch_max_wait_ms}")
         for name in ("prefill_resources", "decode_resources"):
             parse_resources(getattr(self, name))
         self._check_tensor_parallel()
