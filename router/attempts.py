@@ -36,7 +36,7 @@ from cluster.worker_messages import (
     PrefillCall,
     PrefillResult,
 )
-from router.merging import merge_per_request, merge_streams, with_prefill_hits
+from router.merging import FirstDeltaFirst, merge_per_request, merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
 from router.worker_pool import Drained, ShuttingDown, WorkerPool
@@ -444,9 +444,15 @@ class Attempts:
         running, watch = 1 + len(forks), None
         try:
             call = make(self.receiver.address, key, forks=forks)
-            watch = asyncio.ensure_future(self._watch(self._start(client, call), queue, isinstance(call, PrefillCall)))
+            handed_on = isinstance(call, PrefillCall)
+            order = FirstDeltaFirst() if handed_on else None
+            watch = asyncio.ensure_future(self._watch(self._start(client, call), queue, handed_on))
             while True:
                 items = await queue.take()
+                if order is not None:
+                    items = order.arrange(items)
+                    if not items:
+                        continue
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item

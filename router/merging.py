@@ -58,3 +58,26 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator:
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()
+
+
+class FirstDeltaFirst:
+    """A handed-on request's deltas in stream order. Its first delta (each fork's too) comes from
+    the prefill worker and the rest from the decode worker, over two connections to the token
+    receiver: under load the decode worker's can be read first. A delta that starts past the
+    first token (`num_output_tokens` counts the whole output) waits for the first."""
+
+    def __init__(self):
+        self.started: set[str] = set()                 # requests whose first delta has been passed on
+        self.waiting: dict[str, list[TokenDelta]] = {}
+
+    def arrange(self, items: list) -> list:
+        out = []
+        for item in items:
+            if isinstance(item, BaseException) or item.request_id in self.started:
+                out.append(item)
+            elif item.num_output_tokens == len(item.token_ids):     # the first: from the prefill worker
+                self.started.add(item.request_id)
+                out += [item, *self.waiting.pop(item.request_id, ())]
+            else:
+                self.waiting.setdefault(item.request_id, []).append(item)
+        return out

@@ -28,8 +28,9 @@ class ClusterThread:
         return self.run(go())
 
     def wait_idle(self, timeout=15.0) -> list[dict]:
-        """Every worker's pool back to empty: no block held, no lease, nothing queued. Fails the
-        test (naming each worker's figures) if that does not happen within `timeout`."""
+        """Every worker's pool back to empty (no block held, no lease, nothing queued) and nothing
+        left in the frontend (no admitted slot, no request in its router). Fails the test (naming
+        each worker's figures) if that does not happen within `timeout`."""
         limit = time.monotonic() + timeout
         while True:
             try:
@@ -41,13 +42,22 @@ class ClusterThread:
                 continue
             idle = all(s.blocks_used == 0 and s.leases == 0 and s.running == 0 and s.waiting == 0
                        for s in stats)
-            if idle:
+            front = self._frontend_holds()
+            if idle and not any(front.values()):
                 return stats
             if time.monotonic() > limit:
                 busy = {s.name: {k: getattr(s, k) for k in ("blocks_used", "leases", "running", "waiting")}
-                        for s in stats}
+                        for s in stats} | {"frontend": front}
                 raise AssertionError(f"the cluster is not idle after {timeout:.0f}s: {busy}")
             time.sleep(0.1)
+
+    def _frontend_holds(self) -> dict[str, int]:
+        """What the in-process frontend still holds: admitted slots and requests in its router (a
+        request the client gave up on ends there a moment after the workers let it go)."""
+        frontend = self.cluster.frontend
+        if frontend is None:
+            return {}
+        return {"slots": frontend.service.admission.in_use, "in_flight": frontend.router.in_flight}
 
     def stop(self):
         self.run(self.cluster.stop(), timeout=60)
