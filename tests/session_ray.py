@@ -44,7 +44,8 @@ def session_ray() -> None:
         _SessionNode.log_dir = Path(tempfile.mkdtemp(prefix="splitserve-session-ray-"))
         port = free_port(_HOST)
         node = RayNode(_HOST, "--head", "--port", str(port), "--num-cpus", str(SESSION_RAY_CPUS),
-                       "--include-dashboard", "false", "--ray-client-server-port", str(free_port(_HOST)),
+                       # Ray's client server binds 127.0.0.1 whatever the node's address: a port free there.
+                       "--include-dashboard", "false", "--ray-client-server-port", str(free_port("127.0.0.1")),
                        joining=False, log_dir=_SessionNode.log_dir, env={})
         _SessionNode.node = node
         try:
