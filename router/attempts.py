@@ -7,8 +7,8 @@ answering when that has ended, with the decode call's error inside if it raised.
 first decode attempt (`_handed_on`): its errors take the same ladder as the router's own calls.
 
 A decode attempt is a Ray control call (it returns when the request ends, raises when the worker
-dies) plus the deltas that arrive over the token stream (`cluster/token_stream.py`), keyed per
-attempt, so that a late frame from a dead worker never reaches its retry. One request and the n
+dies) plus the deltas that arrive over the token stream, keyed per attempt
+(`router/attempt_stream.py`), so that a late frame from a dead worker never reaches its retry. One request and the n
 samples of a prompt take the same decode path (`Attempts.decode`), whose one exception ladder is
 `Attempts._attempt_failed`: whose fault an error is (`cluster/errors.py`) decides what follows.
 A prefill worker that fails is replaced by another (or by the decode worker itself); a decode
@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from cluster.errors import RequestError, WorkerBusy, error_message
-from cluster.token_stream import StreamBroken, StreamQueue, TokenReceiver
-from cluster.types import Fork, GenerateRequest, TokenDelta, merge_deltas
+from cluster.token_stream import TokenReceiver
+from cluster.types import Fork, GenerateRequest, TokenDelta
 from cluster.worker_messages import (
     DecodeCall,
     GenerateCall,
@@ -36,7 +36,8 @@ from cluster.worker_messages import (
     PrefillCall,
     PrefillResult,
 )
-from router.merging import FirstDeltaFirst, merge_per_request, merge_streams, with_prefill_hits
+from router.attempt_stream import AttemptStreams, CallFailed, NotHandedOn
+from router.merging import merge_streams, with_prefill_hits
 from router.policy import WorkerView
 from router.router_config import RouterConfig
 from router.worker_pool import Drained, ShuttingDown, WorkerPool
@@ -76,23 +77,6 @@ class _PrefillFailed(Exception):
     """The one call's prefill worker failed or declined before any delta: the next one is tried."""
 
 
-class _CallFailed(Exception):
-    """The one call itself raised (its prefill worker's fault, not the decode's): `cause`."""
-
-    def __init__(self, cause: BaseException):
-        super().__init__(error_message(cause))
-        self.cause = cause
-
-
-class _NotHandedOn(Exception):
-    """The prefill worker answered with its result instead of streaming it and handing the request
-    on (a worker that does not hand on): the router continues it with its own decode call."""
-
-    def __init__(self, result: PrefillResult):
-        super().__init__(result.request_id)
-        self.result = result
-
-
 class Attempts:
     def __init__(self, config: RouterConfig, workers: WorkerPool, receiver: TokenReceiver,
                  active: dict[str, list[str]], metrics=None):
@@ -105,7 +89,8 @@ class Attempts:
         self.recoveries = 0                      # streams continued on another worker after a failure
         self.busy_retries = 0                    # handoffs a full decode worker declined
         self.worker_calls = 0                    # Ray calls made on workers for requests (data calls, aborts)
-        self.live: dict[str, set[StreamQueue]] = {}  # decode worker -> its attempts' queues (what a drain stops)
+        self.streams = AttemptStreams(receiver, config.final_delta_grace_s)
+        self.live = self.streams.live            # decode worker -> its attempts' queues (what a drain stops)
 
     async def prefill(self, req: GenerateRequest, hashes, forks: tuple[GenerateRequest, ...] = ()
                       ) -> Prefilled | None:
@@ -218,7 +203,7 @@ class Attempts:
                 members = [m for m in members if m.request_id not in done]
                 moved = await self._drained(members, view, via, prefilled, streamed)
                 busy, prefilled, prefix, via = False, moved, None, None
-            except _NotHandedOn as answer:      # the router hands it on itself, as its first attempt
+            except NotHandedOn as answer:      # the router hands it on itself, as its first attempt
                 prefilled, via = self._answered(members, view, via, answer.result), None
                 firsts.update(prefilled.firsts)
                 for first in prefilled.firsts.values():
@@ -258,7 +243,7 @@ class Attempts:
             return PrefillCall(lead.request_id, lead.prompt_token_ids, lead.sampling, forks, stats_sink=sink,
                                hand_on=HandOn(dec.name, sink, key, sent_at=time.time(), tenant=lead.tenant))
         try:
-            async for d in self._stream(self.workers.clients[via.name], lead.request_id, make,
+            async for d in self.streams.run(self._start, self.workers.clients[via.name], lead.request_id, make,
                                         tuple(Fork(m.request_id, m.sampling) for m in members[1:]), firsts,
                                         drains=dec.name):
                 if prefilling:
@@ -268,7 +253,7 @@ class Attempts:
                     if self.metrics:
                         self.metrics.observe_prefill(time.perf_counter() - t0)
                 yield d
-        except _CallFailed as failed:
+        except CallFailed as failed:
             raise await self._prefill_failed(members, dec, via, failed.cause, after_first=not prefilling) from None
         finally:
             via.in_flight -= prefilling
@@ -387,7 +372,7 @@ class Attempts:
         view.in_flight += 1
         try:
             make, forks = self._call(members, prefilled, streamed, prefix)
-            async for d in self._stream(self.workers.clients[view.name], members[0].request_id, make, forks,
+            async for d in self.streams.run(self._start, self.workers.clients[view.name], members[0].request_id, make, forks,
                                         drains=view.name):
                 yield d
         finally:
@@ -427,77 +412,11 @@ class Attempts:
         client = self.workers.clients.get(worker)
         return client.abort(request_id) if client is not None else asyncio.sleep(0)   # removed: nothing held
 
-    async def _stream(self, client: WorkerClient, request_id: str,
-                      make: Callable[..., GenerateCall | DecodeCall | PrefillCall], forks: tuple[Fork, ...] = (),
-                      firsts: dict[str, TokenDelta] | None = None, drains: str | None = None
-                      ) -> AsyncIterator[TokenDelta]:
-        """One attempt on one worker: start it with a call (`make(sink, key, forks=...)`, each fork
-        given its own stream key; a `PrefillCall` is a handed-on request's one call), read its
-        deltas from the token stream, each request's first as it arrived kept in `firsts`. Several
-        deltas that arrived together leave as one (a lagging reader coalesces). The attempt ends
-        when the request and every fork have finished, or when decode worker `drains` is drained."""
-        key, queue = self.receiver.open(request_id)
-        live = self.live.setdefault(drains, set()) if drains else set()
-        live.add(queue)
-        forks = tuple(replace(f, stream_key=self.receiver.open(f.request_id, queue)[0]) for f in forks)
-        keys = [key, *(f.stream_key for f in forks)]
-        running, watch = 1 + len(forks), None
-        try:
-            call = make(self.receiver.address, key, forks=forks)
-            handed_on = isinstance(call, PrefillCall)
-            order = FirstDeltaFirst() if handed_on else None
-            watch = asyncio.ensure_future(self._watch(self._start(client, call), queue, handed_on))
-            while True:
-                items = await queue.take()
-                if order is not None:
-                    items = order.arrange(items)
-                    if not items:
-                        continue
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                    if firsts is not None:
-                        firsts.setdefault(item.request_id, item)
-                for delta in (merge_deltas(items),) if not forks else merge_per_request(items):
-                    yield delta
-                    if delta.finish_reason is not None:
-                        running -= 1
-                if running == 0:
-                    return
-        finally:
-            live.discard(queue)
-            for k in keys:
-                self.receiver.close_key(k)
-            if watch is not None:
-                watch.cancel()
-
     def _start(self, client: WorkerClient, call: GenerateCall | DecodeCall | PrefillCall):
         self.worker_calls += 1
         if isinstance(call, PrefillCall):
             return client.prefill(call)
         return client.decode(call) if isinstance(call, DecodeCall) else client.generate(call)
-
-    async def _watch(self, call, queue: StreamQueue, handed_on: bool = False) -> None:
-        """The attempt's call: it raises if the worker dies (Ray knows), and returns once the
-        request has ended, by which time its last frame is on the wire. A handed-on request's
-        answer carries the decode call's error, raised as that call's; the call's own error is
-        its prefill worker's (`_CallFailed`)."""
-        try:
-            answer = await call
-        except asyncio.CancelledError:
-            raise
-        except RequestError as exc:
-            queue.push(exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            queue.push(_CallFailed(exc) if handed_on else exc)
-            return
-        if isinstance(answer, PrefillResult) and (not answer.streamed or answer.decode_error is not None):
-            queue.push(_NotHandedOn(answer) if not answer.streamed else answer.decode_error)
-            return
-        await asyncio.sleep(self.config.final_delta_grace_s)
-        queue.push(StreamBroken("the worker ended the request but its last delta never arrived"))
-
 
 async def _quietly(coro) -> None:
     try:
