@@ -163,22 +163,18 @@ class Router:
                         if delta.finished:
                             self.active[delta.request_id] = []    # finished normally: nothing to abort
                         yield delta
-                finally:
-                    # Ended everywhere before its model's slot frees (its weights may go). One
-                    # shielded task ends them all: a caller cancelled again while it waits (anyio's
-                    # cancel scopes re-cancel at every await) must not leave a member running.
+                finally:     # ended everywhere before its model's slot frees (its weights may go)
                     await asyncio.shield(self._end([m.request_id for m in members]))
         finally:
             self.in_flight -= len(members)
-            self._forget([m.request_id for m in members])   # the gate refused it before anything ran
+            # One shielded task ends them all: a caller cancelled again while it waits (anyio's
+            # cancel scopes re-cancel at every await) must not leave a member running.
+            await asyncio.shield(self._end([m.request_id for m in members]))
 
     async def _end(self, request_ids: list[str]) -> None:
         """Abort what still runs of these requests, everywhere, and forget them."""
         await asyncio.gather(*(self.abort(rid) for rid in request_ids if self.active.get(rid)),
                              return_exceptions=True)
-        self._forget(request_ids)
-
-    def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.active.pop(rid, None)
             self.owner.pop(rid, None)
