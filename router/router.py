@@ -168,7 +168,9 @@ class Router:
         finally:
             self.in_flight -= len(members)
             # One shielded task ends them all: a caller cancelled again while it waits (anyio's
-            # cancel scopes re-cancel at every await) must not leave a member running.
+            # cancel scopes re-cancel at every await) must not leave a member running. Not a plain
+            # forget after the inner end: that end's task starts at the loop's next turn, and must
+            # still find the members active to abort them.
             await asyncio.shield(self._end([m.request_id for m in members]))
 
     async def _end(self, request_ids: list[str]) -> None:
