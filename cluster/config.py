@@ -233,10 +233,20 @@ class CacheConfig:
     kv_window_max_positions: int = setting(
         65536, "positions a windowed sequence may reach with --kv-window (the RoPE table's length; its original "
                "positions, past the model's context)")
+    kv_compaction_ratio: float | None = setting(
+        None, "KV compaction of long prompts (docs/kv_compress.md): after its prefill each request keeps "
+              "prompt/RATIO KV entries per layer and KV head (its last 128 prompt tokens exact, the first 4 "
+              "always), the rest chosen by --kv-compaction-method (a request's kv_compaction overrides it)",
+        metavar="RATIO", default_text="off (the full prompt's KV)")
+    kv_compaction_method: str = setting("select", "how --kv-compaction-ratio chooses the kept entries: select "
+                                                  "(SnapKV: by the attention of the prompt's last 32 queries)",
+                                        choices=("select",))
 
     def __post_init__(self) -> None:
         require(self.kv_window is None or self.kv_window >= 0, "kv_window", f"must be >= 0, got {self.kv_window}")
         require(self.kv_sink_tokens >= 0, "kv_sink_tokens", f"must be >= 0, got {self.kv_sink_tokens}")
+        require(self.kv_compaction_ratio is None or self.kv_compaction_ratio >= 1, "kv_compaction_ratio",
+                f"must be >= 1, got {self.kv_compaction_ratio}")
         require(self.kv_window_max_positions >= 1, "kv_window_max_positions",
                 f"must be >= 1, got {self.kv_window_max_positions}")
         for name in ("kv_host_bytes", "kv_disk_bytes"):

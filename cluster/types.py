@@ -46,6 +46,39 @@ class StructuredOutput:
                f"a {self.kind.value} constraint needs its spec")
 
 
+COMPACTION_METHODS = ("select", "off")   # KV compaction of long prompts ("off": not this request)
+
+
+@dataclass(frozen=True)
+class KVCompaction:
+    """KV compaction of a long prompt (docs/kv_compress.md): after its prefill, each layer and KV
+    head keeps `prompt / ratio` entries, the last `recent` prompt tokens exact, the rest chosen by
+    `method` ("select": SnapKV, the attention of the prompt's last `observe` queries, pooled over
+    `pool` keys; the first `sinks` tokens always kept; "off" turns a server's default off). Ratio 1
+    keeps every entry (exact)."""
+    ratio: float = 4.0
+    method: str = "select"
+    recent: int = 128
+    observe: int = 32
+    sinks: int = 4
+    pool: int = 7
+
+    def __post_init__(self) -> None:
+        _check(_finite(self.ratio) and self.ratio >= 1, f"kv_compaction.ratio must be >= 1, got {self.ratio!r}")
+        _check(self.method in COMPACTION_METHODS,
+               f"kv_compaction.method must be one of {', '.join(COMPACTION_METHODS)}, got {self.method!r}")
+        for name in ("recent", "observe", "sinks", "pool"):
+            value = getattr(self, name)
+            low = 0 if name == "sinks" else 1
+            _check(isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 20,
+                   f"kv_compaction.{name} must be an integer >= {low}, got {value!r}")
+        _check(self.pool % 2 == 1, f"kv_compaction.pool must be odd (a centred window), got {self.pool!r}")
+
+    def kept(self, num_prompt: int) -> int:
+        """Entries kept per layer and KV head of a prompt of `num_prompt` tokens."""
+        return max(1, min(num_prompt, int(num_prompt // self.ratio)))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler. Defaults are greedy decoding of 16 tokens."""
@@ -74,6 +107,8 @@ class SamplingParams:
     # kv_window tokens' KV. None: the server's default; kv_window 0 turns the server's window off.
     kv_window: int | None = None
     kv_sink_tokens: int | None = None
+    # KV compaction of a long prompt after its prefill (KVCompaction); None: the server's default.
+    kv_compaction: KVCompaction | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -116,6 +151,8 @@ class SamplingParams:
                f"kv_window must be a number of tokens >= 0 (0: off), got {self.kv_window!r}")
         _check(self.kv_sink_tokens is None or (isinstance(self.kv_sink_tokens, int) and self.kv_sink_tokens >= 0),
                f"kv_sink_tokens must be a number of tokens >= 0, got {self.kv_sink_tokens!r}")
+        _check(self.kv_compaction is None or isinstance(self.kv_compaction, KVCompaction),
+               "kv_compaction must be a KVCompaction")
         _check(self.structured is None or isinstance(self.structured, StructuredOutput),
                "structured must be a StructuredOutput")
         _check(self.structured is None or not self.ignore_eos,
@@ -285,6 +322,9 @@ class KVHandle:
     version: int = 1
     feature: bytes = b""            # EAGLE: the prompt's last hidden state (raw, the layout's dtype)
     forks: tuple[ForkFirst, ...] = ()   # the forks' first tokens (more samples continued on these blocks)
+    # Prompt positions whose KV the blocks do not hold (a compacted prompt, cluster/kv/compaction.py):
+    # the consumer lays every later position p out at cache index p - cache_offset.
+    cache_offset: int = 0
 
     def first_tokens(self) -> dict[str, int]:
         """Each sample's first token by request id: the request's and its forks'."""
@@ -330,6 +370,8 @@ class KVHandle:
         secs = raw["lease_seconds"]
         if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not 0 < secs <= 3600:
             raise ValueError("KVHandle.lease_seconds: in (0, 3600]")
+        if not _int_in(raw["cache_offset"], 0, n):
+            raise ValueError("KVHandle.cache_offset: in [0, num_tokens)")
         if not isinstance(raw["feature"], bytes):
             raise ValueError("KVHandle.feature: bytes")
         raw["forks"] = _fork_firsts(raw["forks"])

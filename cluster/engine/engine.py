@@ -23,6 +23,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import builder, offline
+from cluster.engine.compaction import Compactor, compacting_sampling, resolve as resolve_compaction
 from cluster.engine.forks import spawn_forks
 from cluster.engine.grammar import GrammarRuntime, accept_outputs, mask_plan
 from cluster.engine.graphs import DecodeGraphs
@@ -93,6 +94,9 @@ class LLMEngine:
         self.backend, self.graph_replay, self.kv_cache = core.backend, core.replay, core.kv_cache
         self.pool, self.scheduler, self.runner = core.pool, core.scheduler, core.runner
         self.tiers = core.tiers        # KV tiers below the pool (cluster/kv/tiers.py), or None
+        # KV compaction of long prompts after their prefill (cluster/engine/compaction.py).
+        self.compactor = Compactor(self.kv_cache.arena, self.pool, self.layout.block_size,
+                                   self.model_config.attention_scale)
         # Tensor parallel: rank 0's full-head arena, what a P/D handoff moves (cluster/parallel/kv_export.py).
         self.kv_export = KVExport(group, self.runner.step_sender, self.kv_cache, list(models.shards)) \
             if group is not None else None
@@ -184,7 +188,7 @@ class LLMEngine:
         if not hold_kv:   # a P/D producer only prefills: speculation is the decode worker's concern
             for sp in (sampling, *(f.sampling for f in forks)):
                 self.validate_speculation(sp)
-        seq = self.new_sequence(request_id, ids, sampling, hold_kv=hold_kv, tenant=tenant)
+        seq = self.new_sequence(request_id, ids, sampling, hold_kv=hold_kv, tenant=tenant, num_forks=len(forks))
         # The parent reports the prompt's logprobs; a fork's prompt is never computed.
         seq.forks = [self.new_sequence(f.request_id, ids, f.sampling, hold_kv=hold_kv, prompt_logprobs_sent=True,
                                        tenant=tenant)
@@ -250,6 +254,14 @@ class LLMEngine:
             self._check_windowed(sampling, window, len(ids), fields.get("hold_kv", False))
             sampling = windowed_sampling(sampling, window)
             fields["kv_window"] = window
+        compact = resolve_compaction(sampling, cc.kv_compaction_ratio, cc.kv_compaction_method)
+        num_forks = fields.pop("num_forks", 0)
+        if compact is not None:
+            why = Compactor.refusal(sampling, self._unsupported_kv_layout(), window is not None, num_forks)
+            if why is not None:
+                raise ValueError(f"kv_compaction is not supported with {why}")
+            sampling = compacting_sampling(sampling, compact)
+            fields["kv_compaction"] = compact
         seq = Sequence(request_id, tuple(ids), sampling, self._generator(sampling), **fields)
         if sampling.structured is not None:
             seq.grammar = self.grammar.matcher(sampling.structured, seq.output_token_ids)
@@ -257,20 +269,26 @@ class LLMEngine:
 
     def _check_windowed(self, sampling: SamplingParams, window: KVWindow, num_prompt: int, hold_kv: bool) -> None:
         """Refuse, by name, a windowed request where windows are not supported yet."""
-        why = None
+        why = self._unsupported_kv_layout()
         if sampling.speculative not in (None, "off") or sampling.num_speculative_tokens is not None:
             why = "speculative decoding (a verification's drafts would need the window's masks)"
-        elif self.backend.name != "torch" or self.kernel_plan.batch_invariant or self.model_config.mla is not None:
-            why = "this attention backend (windowed prefill masks run on --attention-backend torch, not deterministic)"
-        elif self.ranks is not None:
-            why = "tensor parallelism (the step message carries no window to the other ranks yet)"
-        elif any(w is not None for w in self.model_config.layer_windows):
-            why = "a model with sliding-window layers of its own"
-        elif hold_kv and window.drops_within(num_prompt):
+        elif why is None and hold_kv and window.drops_within(num_prompt):
             why = (f"a P/D handoff of a prompt past its window ({num_prompt} tokens, window {window.window} + "
                    f"{window.sink_tokens} sink tokens): only prompts within the window are handed off yet")
         if why is not None:
             raise ValueError(f"kv_window is not supported with {why}")
+
+    def _unsupported_kv_layout(self) -> str | None:
+        """Why this engine cannot lay a sequence's tokens out apart from their positions (windows,
+        compaction): its backends, MLA, tensor parallelism, sliding-window layers; None: it can."""
+        if self.backend.name != "torch" or self.kernel_plan.batch_invariant or self.model_config.mla is not None:
+            return "this attention backend (the prefill's masks and captures run on --attention-backend torch, " \
+                   "not deterministic, not MLA)"
+        if self.ranks is not None:
+            return "tensor parallelism (the step message carries no window or compaction to the other ranks yet)"
+        if any(w is not None for w in self.model_config.layer_windows):
+            return "a model with sliding-window layers of its own"
+        return None
 
     @property
     def grammar(self) -> GrammarRuntime:
@@ -384,6 +402,7 @@ class LLMEngine:
         before = {seq: seq.num_tokens for seq in result.tokens}
         forks = {seq: list(seq.forks) for seq in result.tokens if seq.forks}
         spawned = spawn_forks(self, list(forks), result.forked)   # before the update may free a parent's blocks
+        self.compactor.after_pass(plan)    # before the update: a P/D producer holds the compacted blocks
         self.scheduler.update(plan, result.tokens)
         self._advance_grammars(before, result.forked)
         self.speculator.after_update(forks)

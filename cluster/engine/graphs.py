@@ -136,8 +136,8 @@ class DecodeGraphs:
             return None
         if any(c.draft or not c.samples for c in plan.decodes) or any(c.tree for c in plan.verifies):
             return None   # a token tree's rows read their ancestors' slots: the eager path's tails
-        if any(c.seq.kv_window is not None for c in plan.decodes):
-            return None   # a windowed table's positions differ from its cache indices (cluster/kv/window.py)
+        if any(c.seq.reindexed for c in plan.decodes):
+            return None   # a windowed or compacted table's positions differ from its cache indices
         return self.fits(len(plan.decodes) + sum(1 + len(c.draft) for c in plan.verifies))
 
     def run(self, plan: StepPlan, bucket: DecodeBucket) -> tuple[torch.Tensor, list[Sequence]]:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.engine import draft_tree
+from cluster.engine.compaction import Compactor
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
@@ -56,11 +57,12 @@ class BatchLayout:
         self.verifies: list[PrefillSpan] = []
 
     def add(self, tokens, start: int, blocks, kind: str = "decode", tree: tuple[int, ...] = (),
-            seq: Sequence | None = None) -> int:
+            seq: Sequence | None = None, capture: tuple[list, int, int] | None = None) -> int:
         """Tokens at positions start.. with their KV in `blocks`; kind is decode (one token),
         verify or prefill. A verification's `tree` (the drafts' parents) puts each draft at the
         position of its depth, its KV still at the next slot. A windowed `seq` (cluster/kv/window.py)
-        keeps its live blocks only: its tokens sit at cache index position - cache_offset.
+        keeps its live blocks only: its tokens sit at cache index position - cache_offset (a
+        compacted one too). `capture`: a prefill chunk's rows whose queries the backend keeps.
         Returns the row of the first token."""
         bs, n, offset = self.block_size, len(tokens), len(self.input_ids)
         self.input_ids.extend(tokens)
@@ -76,7 +78,7 @@ class BatchLayout:
             self.decode_tables.append(tuple(blocks))
         else:
             (self.verifies if kind == "verify" else self.prefills).append(
-                PrefillSpan(offset, n, start + n, tuple(blocks), tuple(tree), window, dropped))
+                PrefillSpan(offset, n, start + n, tuple(blocks), tuple(tree), window, dropped, capture))
         return offset
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -136,8 +138,9 @@ class ModelRunner:
                 logits_rows.extend(range(offset, offset + n))
                 sampled.append(seq)
                 continue
+            capture = self._capture(seq, start, n)
             offset = layout.add(seq.token_ids[start:start + n], start, seq.block_ids,
-                                "decode" if n == 1 else "prefill", seq=seq)
+                                "decode" if n == 1 and capture is None else "prefill", seq=seq, capture=capture)
             offsets[seq] = offset
             if chunk.samples:
                 logits_rows.append(offset + n - 1)
@@ -166,6 +169,15 @@ class ModelRunner:
         if self.hidden_hook is not None:
             self.hidden_hook(plan, ids_t, pos_t, hidden, meta)
         return ForwardOutput(logits[:num_sampled] if spans else logits, sampled, prompt_logits)
+
+    @staticmethod
+    def _capture(seq: Sequence, start: int, n: int) -> tuple[list, int, int] | None:
+        """Where a compacting prompt's chunk puts its observed queries (a list on the sequence)."""
+        rows = Compactor.capture_rows(seq, start, n)
+        if rows is None:
+            return None
+        seq.captured.append([])
+        return (seq.captured[-1], *rows)
 
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is

@@ -358,7 +358,7 @@ class Scheduler:
         if not handed_off and self.pool.enable_prefix_caching and not seq.wants_prompt_logprobs:
             seq.block_hashes = hash_prefix_blocks(seq.token_ids, bs, seq.sampling.cache_salt, seq.block_hashes)
             # Never reuse the block holding the last token: its logits must be computed.
-            usable = (seq.num_tokens - 1) // bs
+            usable = seq.max_prefix_tokens // bs
             hits = self.pool.match_prefix(seq.block_hashes[:usable])
             if self.hit_filter is not None:
                 hits = self.hit_filter(hits)
@@ -412,6 +412,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
         seq.num_dropped_blocks = 0
+        seq.captured, seq.compacted, seq.compaction_offset = [], False, 0   # recomputed: compacted again
 
     # --- after the forward pass ------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[Sequence, list[int]]) -> None:
@@ -441,7 +442,7 @@ class Scheduler:
                 self.trim_blocks(seq)
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or seq.compacted:   # no key describes compacted KV
             return
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_published_blocks:

@@ -9,7 +9,7 @@ import torch
 
 from cluster.kv.hashing import BlockHash
 from cluster.kv.window import KVWindow
-from cluster.types import FinishReason, SamplingParams, TokenLogprob
+from cluster.types import FinishReason, KVCompaction, SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +49,13 @@ class Sequence:
     # only (sinks, then the window); `num_dropped_blocks` logical blocks between them were freed.
     kv_window: KVWindow | None = None
     num_dropped_blocks: int = 0
+    # KV compaction of its prompt (cluster/engine/compaction.py): what it asks for; the prompt's last
+    # queries captured per chunk (one tensor per layer); once compacted, `compaction_offset` prompt
+    # tokens' KV are not in its table (its later positions sit `compaction_offset` cache indices lower).
+    kv_compaction: KVCompaction | None = None
+    captured: list[list[torch.Tensor]] = field(default_factory=list)
+    compacted: bool = False
+    compaction_offset: int = 0
     tiers_checked: bool = False   # the KV tiers were asked for its prompt's blocks (engine._prefetch_next)
 
     def __post_init__(self) -> None:
@@ -57,9 +64,25 @@ class Sequence:
 
     @property
     def cache_offset(self) -> int:
-        """Tokens between a windowed sequence's sinks and its window whose KV was freed: its
-        position p sits at cache index p - cache_offset (past the sinks)."""
-        return self.num_dropped_blocks * self.kv_window.block_size if self.num_dropped_blocks else 0
+        """Tokens between a windowed sequence's sinks and its window whose KV was freed (its
+        position p sits at cache index p - cache_offset past the sinks), or the prompt tokens a
+        compacted sequence's table leaves out (every later position p at p - cache_offset)."""
+        dropped = self.num_dropped_blocks * self.kv_window.block_size if self.num_dropped_blocks else 0
+        return dropped + self.compaction_offset
+
+    @property
+    def max_prefix_tokens(self) -> int:
+        """Tokens a prefix-cache hit may cover: all but the last (its logits are computed), and
+        for a sequence still to compact none of the prompt's observed queries (they are captured)."""
+        spec = self.kv_compaction
+        if spec is None or self.compacted:
+            return self.num_tokens - 1
+        return max(0, min(self.num_tokens - 1, self.num_prompt_tokens - spec.observe))
+
+    @property
+    def reindexed(self) -> bool:
+        """Its cache indices may differ from its positions (windowed or compacting)."""
+        return self.kv_window is not None or self.kv_compaction is not None or self.compacted
 
     def live_block(self, logical: int) -> int:
         """The block id holding logical block `logical` (one still live)."""

@@ -36,6 +36,9 @@ class PrefillSpan:
     # `dropped` tokens freed past the sinks; each query sees its own window (a mask).
     kv_window: KVWindow | None = None
     dropped: int = 0
+    # KV compaction (cluster/engine/compaction.py): each layer's queries of rows [lo, hi) of the
+    # chunk (post-RoPE, fp32) are appended to `capture[0]`, in layer order.
+    capture: tuple[list, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -364,6 +367,8 @@ class TorchAttentionBackend:
 
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
         s = pm.span
+        if s.capture is not None:   # a compacting prompt's observation queries (cluster/engine/compaction.py)
+            s.capture[0].append(q[s.capture[1]:s.capture[2]].float().clone())
         gather = pm.gather
         if gather is None and cache_kind(k_flat).quantized:
             # A quantized cache: the chunk attends its own keys as stored, as every later token will
