@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from cluster.config import require, setting
-from cluster.types import GenerateRequest, SamplingParams
+from cluster.types import GenerateRequest, KVCompaction, SamplingParams
 from router.errors import ValidationError
 from router.structured import from_proto as structured_from_proto
 
@@ -66,7 +66,7 @@ class Limits:
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                     "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "speculative", "num_speculative_tokens", "ignore_eos",
-                    "kv_window", "kv_sink_tokens")
+                    "kv_window", "kv_sink_tokens", "kv_compaction")
 
 
 def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
@@ -101,11 +101,20 @@ def _sampling(msg, limits: Limits, tenant: str) -> SamplingParams:
             cache_salt=tenant_salt(tenant, msg.cache_salt),
             speculative=speculative, num_speculative_tokens=k, structured=structured,
             kv_window=msg.kv_window if has("kv_window") else None,
-            kv_sink_tokens=msg.kv_sink_tokens if has("kv_sink_tokens") else None)
+            kv_sink_tokens=msg.kv_sink_tokens if has("kv_sink_tokens") else None,
+            kv_compaction=_kv_compaction(msg.kv_compaction) if has("kv_compaction") else None)
     except ValueError as exc:
         text = str(exc)
         field = next((f for f in _SAMPLING_FIELDS if text.startswith(f) or f" {f}" in text[:30]), "sampling")
         raise ValidationError(f"sampling.{field}" if field != "sampling" else field, text) from exc
+
+
+def _kv_compaction(msg) -> KVCompaction:
+    """The proto's KVCompaction (docs/kv_compress.md): unset numbers take the defaults; "off" needs no ratio."""
+    method = msg.method or "select"
+    ratio = msg.ratio if msg.ratio or method != "off" else 1.0
+    return KVCompaction(ratio=ratio, method=method,
+                        **{n: getattr(msg, n) for n in ("recent", "observe", "sinks") if msg.HasField(n)})
 
 
 def _check_bounds(msg, limits: Limits) -> None:

@@ -8,7 +8,8 @@ samples differ and the whole response is reproducible. Extensions beside OpenAI'
 vLLM's: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, return_token_ids,
 cache_salt, speculative and num_speculative_tokens (an integer or "auto"), and ours,
 penalize_prompt (false: repetition_penalty counts the output's tokens only), kv_window and
-kv_sink_tokens (attention sinks with a window, docs/kv_compress.md); for a chat,
+kv_sink_tokens (attention sinks with a window, docs/kv_compress.md), kv_compaction ({"ratio": 4,
+"method": "select"}: KV compaction of the prompt, docs/kv_compress.md); for a chat,
 add_generation_prompt, continue_final_message and chat_template_kwargs (`render_chat`, which
 /tokenize shares).
 """
@@ -197,6 +198,11 @@ def _sampling(body: dict, max_tokens_default: int | None, logprobs: int | None, 
     for name in ("kv_window", "kv_sink_tokens"):   # attention sinks with a window (docs/kv_compress.md)
         if (value := _int(body, name, 0, INT32_MAX)) is not None:
             setattr(sp, name, value)
+    if (kvc := _field(body, "kv_compaction", dict)) is not None:   # {"ratio": 4, "method": "select"}
+        try:
+            sp.kv_compaction.CopyFrom(pb.KVCompaction(**kvc))
+        except (TypeError, ValueError) as exc:
+            raise _err("kv_compaction", str(exc)[:200]) from None
     return sp
 
 

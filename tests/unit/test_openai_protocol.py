@@ -71,6 +71,12 @@ def test_extensions_reach_the_sampling_params():
     assert (sp.kv_window, sp.kv_sink_tokens) == (64, 0)
     sp = _parse(prompt="a").groups[0].requests[0].sampling
     assert (sp.kv_window, sp.kv_sink_tokens) == (None, None)     # unset: the server's default
+    sp = _parse(prompt="a", kv_compaction={"ratio": 4, "method": "select", "recent": 8}).groups[0].requests[0].sampling
+    assert (sp.kv_compaction.ratio, sp.kv_compaction.method, sp.kv_compaction.recent, sp.kv_compaction.observe) \
+        == (4.0, "select", 8, 32)                                  # unset numbers: the defaults
+    assert _parse(prompt="a", kv_compaction={"method": "off"}).groups[0].requests[0].sampling.kv_compaction.method \
+        == "off"                                                   # a server's default off for this request
+    assert sp.kv_window is None and _parse(prompt="a").groups[0].requests[0].sampling.kv_compaction is None
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -87,6 +93,11 @@ def test_extensions_reach_the_sampling_params():
     ({"prompt": "a", "best_of": 3}, 400, "best_of"),
     ({"prompt": "a", "speculative": "medusa"}, 400, "speculative"),
     ({"prompt": "a", "kv_window": -1}, 400, "kv_window"),
+    ({"prompt": "a", "kv_compaction": {"ratio": 0.5}}, 400, "kv_compaction"),
+    ({"prompt": "a", "kv_compaction": {"ratio": 4, "method": "pyramid"}}, 400, "kv_compaction"),
+    ({"prompt": "a", "kv_compaction": {"ratio": 4, "budget": 3}}, 400, "kv_compaction"),
+    ({"prompt": "a", "kv_compaction": {"ratio": 4, "recent": 0}}, 400, "kv_compaction"),
+    ({"prompt": "a", "kv_compaction": 4}, 400, "kv_compaction"),
     ({"prompt": [500]}, 400, "prompt"),                                # outside the vocabulary
     ({"prompt": "x" * 64}, 400, "prompt"),                             # longer than the context
     ({"prompt": []}, 400, "prompt"),
@@ -97,6 +108,8 @@ def test_bad_fields_are_named(body, status, param):
     e = _error(**body)
     assert (e.status, e.param) == (status, param), e.message
     assert e.body()["error"]["param"] == param and e.message
+    if param == "kv_compaction" and isinstance(body[param], dict):   # the object's own field named
+        assert any(f in e.message for f in ("ratio", "method", "budget", "recent")), e.message
 
 
 def test_chat_needs_a_template_and_valid_messages():

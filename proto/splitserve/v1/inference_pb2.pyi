@@ -34,7 +34,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "repetition_penalty", "ignore_eos", "logprobs", "cache_salt", "speculative", "num_speculative_tokens", "auto_lookahead", "prompt_logprobs", "structured", "penalize_prompt", "kv_window", "kv_sink_tokens")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "repetition_penalty", "ignore_eos", "logprobs", "cache_salt", "speculative", "num_speculative_tokens", "auto_lookahead", "prompt_logprobs", "structured", "penalize_prompt", "kv_window", "kv_sink_tokens", "kv_compaction")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class SamplingParams(_message.Message):
     PENALIZE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     KV_SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPACTION_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -75,7 +76,22 @@ class SamplingParams(_message.Message):
     penalize_prompt: bool
     kv_window: int
     kv_sink_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., auto_lookahead: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., penalize_prompt: _Optional[bool] = ..., kv_window: _Optional[int] = ..., kv_sink_tokens: _Optional[int] = ...) -> None: ...
+    kv_compaction: KVCompaction
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., repetition_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., speculative: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., auto_lookahead: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., penalize_prompt: _Optional[bool] = ..., kv_window: _Optional[int] = ..., kv_sink_tokens: _Optional[int] = ..., kv_compaction: _Optional[_Union[KVCompaction, _Mapping]] = ...) -> None: ...
+
+class KVCompaction(_message.Message):
+    __slots__ = ("ratio", "method", "recent", "observe", "sinks")
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    SINKS_FIELD_NUMBER: _ClassVar[int]
+    ratio: float
+    method: str
+    recent: int
+    observe: int
+    sinks: int
+    def __init__(self, ratio: _Optional[float] = ..., method: _Optional[str] = ..., recent: _Optional[int] = ..., observe: _Optional[int] = ..., sinks: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "tool_call")
