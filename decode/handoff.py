@@ -156,7 +156,8 @@ class DecodeHandoff:
             log.warning("prefix handle for %s refused (%s); computing the prompt", call.request_id, exc)
             return None
         arena = self.peer_blocks.get(handle.producer)
-        if arena is None or max(handle.block_ids) >= arena or handle.num_tokens > len(call.prompt_ids):
+        if arena is None or max(handle.block_ids) >= arena or handle.num_tokens > len(call.prompt_ids) \
+                or handle.cache_offset:    # a compacted prompt is never an exact prefix
             self.consumer.decline(handle, "refused")
             return None
         return handle
@@ -245,7 +246,8 @@ class DecodeHandoff:
                 e.kv_export.scatter(pull.local_blocks)
             firsts = h.handle.first_tokens()
             add_prefilled(e, h.request_id, h.prompt_ids, firsts[h.request_id], h.sampling, pull.local_blocks,
-                          h.handle.feature, forks=h.forks, tenant=h.tenant, fork_firsts=firsts)
+                          h.handle.feature, forks=h.forks, tenant=h.tenant, fork_firsts=firsts,
+                          cache_offset=h.handle.cache_offset)
             joined = True
             for rid in h.members:           # a member whose stream ended meanwhile runs for nobody
                 if not self.loop.has_stream(rid):
@@ -316,7 +318,8 @@ class DecodeHandoff:
 
 def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_token: int,
                   sampling: SamplingParams, block_ids: Seq[int], feature: bytes = b"",
-                  forks: Seq[Fork] = (), tenant: str = "", fork_firsts: Mapping[str, int] | None = None) -> None:
+                  forks: Seq[Fork] = (), tenant: str = "", fork_firsts: Mapping[str, int] | None = None,
+                  cache_offset: int = 0) -> None:
     """Join a sequence whose prompt KV already sits in `block_ids` (taken from the engine's
     scheduler and filled by a transfer) and whose first token was sampled elsewhere. It decodes
     from its second token on, waiting with its blocks while the pool is full; if it is ever
@@ -324,7 +327,9 @@ def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_tok
     samples of the prompt, on the same blocks, each from its first token in `fork_firsts` (by
     request id: `KVHandle.first_tokens()`). `feature`: the proposer state the producer exported
     beside the blocks (`Speculator.export_state`; with an EAGLE head the target's hidden state at
-    the prompt's last position), checked by this engine's speculator."""
+    the prompt's last position), checked by this engine's speculator. `cache_offset`: the prompt's
+    tokens the blocks leave out (a compacted prompt, cluster/engine/compaction.py): it decodes on
+    them as its producer would have, speculation off, its blocks never published."""
     ids = e.validate_prompt(list(prompt_ids))
     fork_firsts = fork_firsts or {}
     if any(f.request_id not in fork_firsts for f in forks):
@@ -332,12 +337,18 @@ def add_prefilled(e: LLMEngine, request_id: str, prompt_ids: Seq[int], first_tok
     for sp in (sampling, *(f.sampling for f in forks)):
         e.validate_speculation(sp)
     e.requests.check_free([request_id, *(f.request_id for f in forks)])
-    need = -(-len(ids) // e.layout.block_size)
+    need = -(-(len(ids) - cache_offset) // e.layout.block_size)
     if len(block_ids) != need:
         raise ValueError(f"{len(ids)} prompt tokens need {need} blocks, got {len(block_ids)}")
+    if cache_offset and forks:
+        raise ValueError("a compacted prompt is not forked (kv_compaction with n > 1)")
+    if cache_offset:
+        sampling = replace(sampling, speculative="off", num_speculative_tokens=None)
     spec_state = e.speculator.import_state(feature, len(ids))
     lead = _prefilled_sequence(e, request_id, ids, sampling, first_token, spec_state, tenant)
     lead.block_ids, lead.num_computed_tokens = list(block_ids), len(ids)
+    lead.compaction_offset = cache_offset
+    lead.compacted = bool(cache_offset) or lead.kv_compaction is not None
     e.scheduler.add(lead)
     for fork in forks:
         child = _prefilled_sequence(e, fork.request_id, ids, fork.sampling, fork_firsts[fork.request_id], spec_state,

@@ -98,7 +98,8 @@ class PrefillHandoff:
             self.engine.kv_export.gather(held.block_ids)
         handle = producer.publish(request_id, held.block_ids, held.num_tokens, first_token)
         handle = replace(handle, feature=self.take_feature(request_id),
-                         forks=tuple(ForkFirst(d.request_id, d.token_ids[0]) for d in forks if d.token_ids))
+                         forks=tuple(ForkFirst(d.request_id, d.token_ids[0]) for d in forks if d.token_ids),
+                         cache_offset=held.seq.compaction_offset)   # a compacted prompt: fewer blocks
         held.state, held.handle = HoldState.LEASED, handle
         return handle.encode()
 
