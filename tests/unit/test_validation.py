@@ -24,6 +24,8 @@ def test_valid_text_and_ids():
     assert r.sampling.penalize_prompt is True      # unset: the penalty counts the prompt (transformers' rule)
     r = validate(_req(text="hi", sampling={"repetition_penalty": 1.1, "penalize_prompt": False}), LIMITS, _tok)
     assert r.sampling.penalize_prompt is False
+    r = validate(_req(text="hi", sampling={"kv_compaction": pb.KVCompaction(ratio=4, recent=8)}), LIMITS, _tok)
+    assert (r.sampling.kv_compaction.ratio, r.sampling.kv_compaction.recent, r.sampling.kv_compaction.observe) == (4, 8, 32)
 
 
 @pytest.mark.parametrize("kwargs, field, text", [
@@ -48,6 +50,10 @@ def test_valid_text_and_ids():
     ({"text": "x", "sampling": {"stop_token_ids": [1] * 65}}, "sampling.stop_token_ids", "at most 64"),
     ({"text": "x", "sampling": {"stop_token_ids": [10**6]}}, "sampling.stop_token_ids", "ids must be in"),
     ({"text": "x", "model": "m" * 10_000}, "model", "(10002 characters)"),
+    ({"text": "x", "sampling": {"kv_compaction": pb.KVCompaction(ratio=0.5)}}, "sampling.kv_compaction",
+     "kv_compaction.ratio must be >= 1"),
+    ({"text": "x", "sampling": {"kv_compaction": pb.KVCompaction(ratio=4, method="fit2")}},
+     "sampling.kv_compaction", "kv_compaction.method must be one of"),
 ])
 def test_every_bad_field_is_named(kwargs, field, text):
     with pytest.raises(ValidationError) as info:
