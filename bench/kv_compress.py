@@ -13,6 +13,19 @@ where the window drops something). Memory and speed: one windowed request genera
 use are recorded; decode speed per 1,000 tokens. Full attention's decode speed over the same
 prompt for --full-gen-tokens tokens for comparison. Prints "CPU busy with other work": figures
 taken on a busy machine are upper bounds on time.
+
+KV compaction of long prompts, served (cluster/engine/compaction.py), with --compaction-ratios:
+
+    python bench/kv_compress.py --compaction-ratios 2,4,8 [--tokens 2048] [--continuation 256]
+                                [--contexts 3] [--recent 128] [--observe 32] [--json out.json]
+
+Each held-out context of --tokens + --continuation tokens runs through the engine as a request
+whose prompt is the first --tokens and whose continuation is forced to the text's (each sampled
+token replaced by the true one before it is computed), scoring every continuation token from the
+logits the engine sampled from: the continuation perplexity of decoding on the compacted cache,
+through the served path (capture, selection, gather, the offset layout, the decode kernels).
+KV bytes kept = the blocks the request holds when its prefill ends (what a P/D handoff moves).
+TTFT: one prompt alone, prefix cache emptied, max_tokens 1 (the compaction included), best of two.
 """
 from __future__ import annotations
 
@@ -81,6 +94,69 @@ def generate_long(engine, prompt: list[int], n: int, kv_window: int | None, sink
             "tok_s_per_1000": marks, "positions_reached": len(prompt) + tokens, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def forced_continuation(engine, ids: list[int], prompt: int, spec) -> tuple[float, int, int]:
+    """(summed NLL, tokens scored, blocks held when the prefill ended) of `ids[prompt:]` decoded
+    on `ids[:prompt]`'s cache (compacted by `spec`, or None), the true tokens forced in."""
+    from cluster.types import SamplingParams
+    seq = engine.sequence(engine.add_request(ids[:prompt], SamplingParams(
+        max_tokens=len(ids) - prompt, ignore_eos=True, kv_compaction=spec)))
+    rows, execute = [], engine.runner.execute
+
+    def scored(plan):     # the logits row the engine samples this sequence's next token from
+        out = execute(plan)
+        rows.extend(out.logits[i].float().log_softmax(-1) for i, s in enumerate(out.sampled) if s is seq)
+        return out
+    engine.runner.execute, held = scored, None
+    try:
+        while engine.has_unfinished():
+            engine.step()
+            k = seq.num_tokens - prompt
+            held = len(seq.block_ids) if held is None and k > 0 else held
+            if k > 0 and not seq.is_finished:
+                seq.token_ids[-1] = ids[prompt + k - 1]     # the true token, before its KV is computed
+    finally:
+        engine.runner.execute = execute
+    nll = -sum(float(r[t]) for r, t in zip(rows, ids[prompt:]))
+    return nll, len(rows), held
+
+
+def ttft(engine, prompt: list[int], spec, repeats: int = 2) -> float:
+    from cluster.types import SamplingParams
+    best = float("inf")
+    for _ in range(repeats):
+        engine.pool.reset_prefix_cache()
+        t0 = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1, kv_compaction=spec))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compaction_figures(engine, args) -> dict:
+    from cluster.types import KVCompaction
+    contexts = held_out(engine.tokenizer, args.contexts, args.tokens + args.continuation)
+    per_block = engine.layout.bytes_per_block()
+    out, full = {}, None
+    for ratio in [None, *args.compaction_ratios]:
+        spec = None if ratio is None else KVCompaction(ratio=ratio, recent=args.recent, observe=args.observe)
+        nll = count = 0.0
+        held = []
+        for ids in contexts:
+            a, b, h = forced_continuation(engine, ids, args.tokens, spec)
+            nll, count, held = nll + a, count + b, held + [h]
+        name = "full" if ratio is None else f"select x{ratio:g}"
+        r = {"ppl": math.exp(nll / count), "scored": int(count), "kv_blocks_held": max(held),
+             "kv_bytes_held": max(held) * per_block, "ttft_s": round(ttft(engine, contexts[0][:args.tokens], spec), 3)}
+        full = full or r
+        r["ppl_vs_full"] = r["ppl"] / full["ppl"] - 1
+        r["bytes_vs_full"] = r["kv_bytes_held"] / full["kv_bytes_held"]
+        r["ttft_vs_full"] = r["ttft_s"] / full["ttft_s"]
+        out[name] = r
+        print(f"{name:>10}: continuation perplexity {r['ppl']:.3f} ({100 * r['ppl_vs_full']:+.1f}%), KV held/moved "
+              f"{r['kv_blocks_held']} blocks = {r['kv_bytes_held'] / 2**20:.2f} MiB ({r['bytes_vs_full']:.0%}), "
+              f"TTFT {r['ttft_s']:.2f} s ({r['ttft_vs_full']:.2f}x)", flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct)")
@@ -95,6 +171,11 @@ def main() -> int:
     p.add_argument("--time-limit", type=float, default=float("inf"),
                    help="seconds the windowed generation may take (then aborted: its figures so far)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--compaction-ratios", type=lambda t: [float(r) for r in t.split(",")], default=None,
+                   help="measure KV compaction (select) at these ratios instead of the window")
+    p.add_argument("--continuation", type=int, default=256)
+    p.add_argument("--recent", type=int, default=128)
+    p.add_argument("--observe", type=int, default=32)
     args = p.parse_args()
     from cluster.config import (
         CacheConfig,
@@ -107,7 +188,14 @@ def main() -> int:
     busy0, own0, wall0 = busy_s(), sum(os.times()[:2]), time.monotonic()
     cache = CacheConfig(kv_window=args.window, kv_sink_tokens=args.sinks,
                         kv_window_max_positions=args.gen_tokens + 1024)
+    if args.compaction_ratios:
+        cache = CacheConfig()
     engine = LLMEngine(EngineConfig(model=model, num_threads=args.threads, cache=cache))
+    if args.compaction_ratios:
+        result = {"model": model.name, "block_size": engine.layout.block_size, "tokens": args.tokens,
+                  "continuation": args.continuation, "contexts": args.contexts,
+                  "compaction": compaction_figures(engine, args)}
+        return _done(result, args, busy0, own0, wall0)
     bs = engine.layout.block_size
     result = {"model": model.name, "window": args.window, "sinks": args.sinks, "block_size": bs,
               "kv_bytes_per_block": engine.layout.bytes_per_block()}
@@ -132,6 +220,10 @@ def main() -> int:
         r = result[name]
         print(f"{name}: {r['tokens']} tokens ({r['finish']}), at most {r['max_blocks_in_use']} blocks in use "
               f"(window bound {bound}), tok/s per 1,000: {r['tok_s_per_1000']}, {r['seconds']} s")
+    return _done(result, args, busy0, own0, wall0)
+
+
+def _done(result: dict, args, busy0, own0, wall0) -> int:
     result["busy"] = round(other_work(busy0, own0, wall0), 2)
     print(f"CPU busy with other work: {result['busy']:.0%} of the machine during the run"
           + ("  <- not quiet: times are upper bounds" if result["busy"] > 0.2 else ""))
