@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 STATE = {"method": "full", "prompt": 0, "budget": 0, "recent": 128, "sinks": 4, "obs": 32, "pool": 7,
-         "keep_sinks": False}
+         "keep_sinks": False, "fit_bias": True}
 
 
 def _select(q_obs, k_old, k_all_len, scale, m, g):
@@ -72,6 +72,8 @@ def _fit(q_s, k_old, v_old, k_sel, v_sel, scale, g):
     s_full = torch.einsum("hnd,hkd->hnk", qs, k_old) * scale
     s_sel = torch.einsum("hnd,hkd->hnk", qs, k_sel) * scale
     bias = (s_full.logsumexp(-1) - s_sel.logsumexp(-1)).mean(-1)   # [Hkv]
+    if not STATE["fit_bias"]:   # values only: what the serving path fits (its kernels read no bias)
+        bias = torch.zeros_like(bias)
     target = torch.einsum("hnk,hkd->hnd", s_full.softmax(-1), v_old)
     a = s_sel.softmax(-1)                                            # [Hkv, n, m]
     ata = a.transpose(1, 2) @ a
@@ -121,6 +123,7 @@ def main() -> int:
     p.add_argument("--obs", type=int, default=32, help="observation queries (SnapKV's window)")
     p.add_argument("--keep-sinks", action="store_true", help="selection always keeps the first 4 tokens")
     p.add_argument("--methods", default="full,window,select,fit")
+    p.add_argument("--no-fit-bias", action="store_true", help="fit values only (no log-mass bias), as served")
     args = p.parse_args()
     import transformers
     from transformers import AttentionInterface
@@ -133,7 +136,7 @@ def main() -> int:
                                                               attn_implementation="kv_compaction_proto").eval()
     texts = contexts(load_tokenizer(path), args.contexts, args.prompt + args.continuation)
     STATE.update(prompt=args.prompt, budget=args.prompt // args.ratio, recent=args.recent, obs=args.obs,
-                 keep_sinks=args.keep_sinks)
+                 keep_sinks=args.keep_sinks, fit_bias=not args.no_fit_bias)
     print(f"{path.name}: {len(texts)} contexts, prompt {args.prompt}, continuation {args.continuation}, "
           f"ratio {args.ratio} ({STATE['budget']} entries per layer and KV head, {args.recent} exact)")
     full = None

@@ -25,7 +25,8 @@ token replaced by the true one before it is computed), scoring every continuatio
 logits the engine sampled from: the continuation perplexity of decoding on the compacted cache,
 through the served path (capture, selection, gather, the offset layout, the decode kernels).
 KV bytes kept = the blocks the request holds when its prefill ends (what a P/D handoff moves).
-TTFT: one prompt alone, prefix cache emptied, max_tokens 1 (the compaction included), best of two.
+TTFT: one prompt alone, prefix cache emptied, max_tokens 1 (the compaction included), best of
+--ttft-repeats rounds that interleave the settings. --compaction-methods select,fit adds fitted values.
 """
 from __future__ import annotations
 
@@ -120,14 +121,17 @@ def forced_continuation(engine, ids: list[int], prompt: int, spec) -> tuple[floa
     return nll, len(rows), held
 
 
-def ttft(engine, prompt: list[int], spec, repeats: int = 2) -> float:
+def ttfts(engine, prompt: list[int], specs: dict, repeats: int) -> dict[str, float]:
+    """Best TTFT per spec (prefix cache emptied, max_tokens 1: the compaction included), the specs
+    interleaved in each round so that a busy machine's swings fall on all of them."""
     from cluster.types import SamplingParams
-    best = float("inf")
+    best = dict.fromkeys(specs, float("inf"))
     for _ in range(repeats):
-        engine.pool.reset_prefix_cache()
-        t0 = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=1, kv_compaction=spec))
-        best = min(best, time.perf_counter() - t0)
+        for name, spec in specs.items():
+            engine.pool.reset_prefix_cache()
+            t0 = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1, kv_compaction=spec))
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -135,25 +139,24 @@ def compaction_figures(engine, args) -> dict:
     from cluster.types import KVCompaction
     contexts = held_out(engine.tokenizer, args.contexts, args.tokens + args.continuation)
     per_block = engine.layout.bytes_per_block()
-    out, full = {}, None
-    for ratio in [None, *args.compaction_ratios]:
-        spec = None if ratio is None else KVCompaction(ratio=ratio, recent=args.recent, observe=args.observe)
-        nll = count = 0.0
-        held = []
-        for ids in contexts:
-            a, b, h = forced_continuation(engine, ids, args.tokens, spec)
-            nll, count, held = nll + a, count + b, held + [h]
-        name = "full" if ratio is None else f"select x{ratio:g}"
-        r = {"ppl": math.exp(nll / count), "scored": int(count), "kv_blocks_held": max(held),
-             "kv_bytes_held": max(held) * per_block, "ttft_s": round(ttft(engine, contexts[0][:args.tokens], spec), 3)}
-        full = full or r
-        r["ppl_vs_full"] = r["ppl"] / full["ppl"] - 1
-        r["bytes_vs_full"] = r["kv_bytes_held"] / full["kv_bytes_held"]
-        r["ttft_vs_full"] = r["ttft_s"] / full["ttft_s"]
+    specs = {"full": None, **{f"{m} x{r:g}": KVCompaction(ratio=r, method=m, recent=args.recent, observe=args.observe)
+                              for m in args.compaction_methods for r in args.compaction_ratios}}
+    times = ttfts(engine, contexts[0][:args.tokens], specs, args.ttft_repeats)
+    out = {}
+    for name, spec in specs.items():
+        r = {"ttft_s": round(times[name], 3), "ttft_vs_full": times[name] / times["full"]}
+        if not args.skip_quality:
+            nll, count, held = 0.0, 0, 0
+            for ids in contexts:
+                a, b, h = forced_continuation(engine, ids, args.tokens, spec)
+                nll, count, held = nll + a, count + b, max(held, h)
+            r.update(ppl=math.exp(nll / count), scored=count, kv_blocks_held=held, kv_bytes_held=held * per_block)
+            r["ppl_vs_full"] = r["ppl"] / out.get("full", r)["ppl"] - 1
+            r["bytes_vs_full"] = r["kv_bytes_held"] / out.get("full", r)["kv_bytes_held"]
+            print(f"{name:>10}: continuation perplexity {r['ppl']:.3f} ({100 * r['ppl_vs_full']:+.1f}%), KV held/moved "
+                  f"{held} blocks = {r['kv_bytes_held'] / 2**20:.2f} MiB ({r['bytes_vs_full']:.0%})")
+        print(f"{name:>10}: TTFT {r['ttft_s']:.2f} s ({r['ttft_vs_full']:.2f}x)", flush=True)
         out[name] = r
-        print(f"{name:>10}: continuation perplexity {r['ppl']:.3f} ({100 * r['ppl_vs_full']:+.1f}%), KV held/moved "
-              f"{r['kv_blocks_held']} blocks = {r['kv_bytes_held'] / 2**20:.2f} MiB ({r['bytes_vs_full']:.0%}), "
-              f"TTFT {r['ttft_s']:.2f} s ({r['ttft_vs_full']:.2f}x)", flush=True)
     return out
 
 
@@ -173,6 +176,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--compaction-ratios", type=lambda t: [float(r) for r in t.split(",")], default=None,
                    help="measure KV compaction (select) at these ratios instead of the window")
+    p.add_argument("--compaction-methods", type=lambda t: t.split(","), default=["select"])
+    p.add_argument("--ttft-repeats", type=int, default=3)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--recent", type=int, default=128)
     p.add_argument("--observe", type=int, default=32)
@@ -192,7 +197,8 @@ def main() -> int:
         cache = CacheConfig()
     engine = LLMEngine(EngineConfig(model=model, num_threads=args.threads, cache=cache))
     if args.compaction_ratios:
-        result = {"model": model.name, "block_size": engine.layout.block_size, "tokens": args.tokens,
+        result = {"model": model.name, "dtype": str(engine.layout.dtype), "block_size": engine.layout.block_size,
+                  "tokens": args.tokens,
                   "continuation": args.continuation, "contexts": args.contexts,
                   "compaction": compaction_figures(engine, args)}
         return _done(result, args, busy0, own0, wall0)

@@ -239,8 +239,9 @@ class CacheConfig:
               "always), the rest chosen by --kv-compaction-method (a request's kv_compaction overrides it)",
         metavar="RATIO", default_text="off (the full prompt's KV)")
     kv_compaction_method: str = setting("select", "how --kv-compaction-ratio chooses the kept entries: select "
-                                                  "(SnapKV: by the attention of the prompt's last 32 queries)",
-                                        choices=("select",))
+                                                  "(SnapKV: by the attention of the prompt's last 32 queries) or fit "
+                                                  "(select's keys, values fitted to the last 128 queries' outputs)",
+                                        choices=("select", "fit"))
 
     def __post_init__(self) -> None:
         require(self.kv_window is None or self.kv_window >= 0, "kv_window", f"must be >= 0, got {self.kv_window}")

@@ -46,7 +46,7 @@ class StructuredOutput:
                f"a {self.kind.value} constraint needs its spec")
 
 
-COMPACTION_METHODS = ("select", "off")   # KV compaction of long prompts ("off": not this request)
+COMPACTION_METHODS = ("select", "fit", "off")   # KV compaction of long prompts ("off": not this request)
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,9 @@ class KVCompaction:
     """KV compaction of a long prompt (docs/kv_compress.md): after its prefill, each layer and KV
     head keeps `prompt / ratio` entries, the last `recent` prompt tokens exact, the rest chosen by
     `method` ("select": SnapKV, the attention of the prompt's last `observe` queries, pooled over
-    `pool` keys; the first `sinks` tokens always kept; "off" turns a server's default off). Ratio 1
-    keeps every entry (exact)."""
+    `pool` keys; the first `sinks` tokens always kept; "fit": select's keys with values fitted by
+    ridge least squares so that the prompt's last `recent` queries' attention outputs over them
+    match the older part's; "off" turns a server's default off). Ratio 1 keeps every entry."""
     ratio: float = 4.0
     method: str = "select"
     recent: int = 128
@@ -73,6 +74,11 @@ class KVCompaction:
             _check(isinstance(value, int) and not isinstance(value, bool) and low <= value <= 1 << 20,
                    f"kv_compaction.{name} must be an integer >= {low}, got {value!r}")
         _check(self.pool % 2 == 1, f"kv_compaction.pool must be odd (a centred window), got {self.pool!r}")
+
+    @property
+    def observed(self) -> int:
+        """The prompt's last queries the method reads (selection's, and fitting's samples)."""
+        return max(self.observe, self.recent) if self.method == "fit" else self.observe
 
     def kept(self, num_prompt: int) -> int:
         """Entries kept per layer and KV head of a prompt of `num_prompt` tokens."""

@@ -77,7 +77,7 @@ class Compactor:
         if spec is None or seq.compacted:
             return None
         prompt = seq.num_prompt_tokens
-        lo, hi = max(start, prompt - spec.observe), min(start + n, prompt)
+        lo, hi = max(start, prompt - spec.observed), min(start + n, prompt)
         return (lo - start, hi - start) if lo < hi else None
 
     def after_pass(self, plan: StepPlan) -> None:

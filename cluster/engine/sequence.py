@@ -77,7 +77,7 @@ class Sequence:
         spec = self.kv_compaction
         if spec is None or self.compacted:
             return self.num_tokens - 1
-        return max(0, min(self.num_tokens - 1, self.num_prompt_tokens - spec.observe))
+        return max(0, min(self.num_tokens - 1, self.num_prompt_tokens - spec.observed))
 
     @property
     def reindexed(self) -> bool:

@@ -3,6 +3,11 @@ layer and KV head keeps `KVCompaction.kept(prompt)` entries: the last `recent` p
 exact, the rest chosen among the older ones. Method "select" (SnapKV): the attention of the
 prompt's last `observe` queries over the older keys, summed over those queries and the KV group's
 heads, averaged over `pool` neighbouring keys, picks them; the first `sinks` tokens are always kept.
+Method "fit" (attention matching, values only): select's keys, and values fitted by ridge least
+squares so that the attention outputs of the prompt's last `recent` queries (every head of the
+group) over the chosen keys match their outputs over the whole older part. The prototype
+(bench/kv_compaction_proto.py) also fits one log-mass bias per KV head; the decode kernels read
+no per-key bias, so that part is not served.
 
 Layout (the decode kernels need no change): attention over cached keys does not depend on their
 order once they carry their RoPE rotation, so a compacted prompt occupies new blocks in which
@@ -20,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cluster.kv.kv_quant import cache_kind, dequantize_rows
+from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
 from cluster.types import KVCompaction
 
 
@@ -47,10 +52,39 @@ def select(spec: KVCompaction, q_obs: torch.Tensor, k_old: torch.Tensor, scale: 
     return votes.topk(m, dim=-1).indices.sort(-1).values
 
 
-def prompt_keys(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One layer's keys at `slots` ([n] flat slots) as [n, Hkv, D] floats (dequantized if need be)."""
-    rows = k_cache.reshape(-1, *k_cache.shape[-2:]).index_select(0, slots)
-    return dequantize_rows(rows, torch.float32) if cache_kind(k_cache).quantized else rows.float()
+def rows_at(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One layer's keys (or values) at `slots` ([n] flat slots) as [n, Hkv, D] floats (dequantized if need be)."""
+    rows = cache.reshape(-1, *cache.shape[-2:]).index_select(0, slots)
+    return dequantize_rows(rows, torch.float32) if cache_kind(cache).quantized else rows.float()
+
+
+def fit_values(q_fit: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, chosen: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """Attention matching's values for the chosen keys: ridge least squares (1e-2 of the mean
+    diagonal, towards the chosen tokens' own values) so that softmax(q k_chosen) v matches
+    softmax(q k_old) v_old for the sample queries. q_fit [n, Hq, D]; k_old, v_old [old, Hkv, D];
+    chosen [Hkv, m] -> [Hkv, m, D]."""
+    hkv, dim = k_old.shape[1], k_old.shape[2]
+    qs = q_fit.float().permute(1, 0, 2).reshape(hkv, -1, dim)                  # [Hkv, g * n, D]
+    k_heads, v_heads = k_old.transpose(0, 1), v_old.transpose(0, 1)            # [Hkv, old, D]
+    index = chosen[..., None].expand(-1, -1, dim)
+    k_sel, v_sel = k_heads.gather(1, index), v_heads.gather(1, index)
+    target = (qs @ k_heads.transpose(1, 2) * scale).softmax(-1) @ v_heads
+    a = (qs @ k_sel.transpose(1, 2) * scale).softmax(-1)                      # [Hkv, g * n, m]
+    ata = a.transpose(1, 2) @ a
+    lam = 1e-2 * ata.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
+    eye = torch.eye(ata.shape[-1], device=ata.device)[None]
+    # Symmetric positive definite: Cholesky (LU's pivoting, torch.linalg.solve, fails inside an
+    # engine's process here: oneMKL reports a bad parameter to ?LASWP once the engine is built).
+    return torch.cholesky_solve(a.transpose(1, 2) @ target + lam * v_sel, torch.linalg.cholesky(ata + lam * eye))
+
+
+def _write_values(v_cache: torch.Tensor, dst: torch.Tensor, values: torch.Tensor) -> None:
+    """Fitted values [Hkv, m, D] into the first m slots of `dst` (quantized as they go in, if need be)."""
+    flat = v_cache.view(-1, *v_cache.shape[-2:])
+    rows = values.transpose(0, 1)
+    kind = cache_kind(v_cache)
+    flat[dst[:values.shape[1]]] = quantize_rows(rows, kind) if kind.quantized else rows.to(v_cache.dtype)
 
 
 def gather_layer(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -65,15 +99,19 @@ def compact(arena: torch.Tensor, spec: KVCompaction, queries: list[torch.Tensor]
             num_prompt: int, num_computed: int, dst: torch.Tensor, scale: float) -> None:
     """Write a sequence's compacted KV into the slots `dst` of every layer of `arena` ([layers, 2,
     blocks, bs, Hkv, D']). `slots`: the flat slots of its cache indices 0..num_computed-1 (its
-    prompt, and whatever it computed past it); `queries[l]`: layer l's observation queries.
+    prompt, and whatever it computed past it); `queries[l]`: layer l's last `spec.observed` prompt queries.
     Per layer and KV head: the chosen older entries, then every token from the recent part on."""
     old, m = split(spec, num_prompt)
     tail = slots[old:num_computed]
     hkv = arena.shape[-2]
-    for layer, q_obs in enumerate(queries):
+    for layer, q_seen in enumerate(queries):
         k_cache, v_cache = arena[layer, 0], arena[layer, 1]
-        chosen = select(spec, q_obs, prompt_keys(k_cache, slots[:old]), scale, m) if m else \
+        k_old = rows_at(k_cache, slots[:old]) if m else None
+        chosen = select(spec, q_seen[-spec.observe:], k_old, scale, m) if m else \
             torch.empty((hkv, 0), dtype=torch.long, device=slots.device)
         src = torch.cat([slots[:old][chosen], tail.expand(hkv, -1)], dim=1)    # [Hkv, kept + computed past]
         gather_layer(k_cache, src, dst)
         gather_layer(v_cache, src, dst)
+        if spec.method == "fit" and 0 < m < old:
+            v_fit = fit_values(q_seen[-(num_prompt - old):], k_old, rows_at(v_cache, slots[:old]), chosen, scale)
+            _write_values(v_cache, dst, v_fit)

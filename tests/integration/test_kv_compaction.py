@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def _prompt() -> list[int]:
 def _prototype_tokens(model_dir, prompt: list[int], generated: list[int], spec: KVCompaction) -> list[int]:
     """The prototype's greedy continuation, teacher-forced on `generated`: one pass of prompt +
     continuation in which the continuation attends each layer's compacted prompt (its own
-    selection from the prefill's queries and keys)."""
+    selection, and fit, from the prefill's queries and keys; values only, as served)."""
     import transformers
     from transformers import AttentionInterface
 
@@ -47,8 +48,8 @@ def _prototype_tokens(model_dir, prompt: list[int], generated: list[int], spec: 
     AttentionInterface.register("kv_compaction_proto", proto.attention)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                               attn_implementation="kv_compaction_proto").eval()
-    proto.STATE.update(method="select", prompt=len(prompt), budget=spec.kept(len(prompt)), recent=spec.recent,
-                       obs=spec.observe, pool=spec.pool, sinks=spec.sinks, keep_sinks=spec.sinks > 0)
+    proto.STATE.update(method=spec.method, prompt=len(prompt), budget=spec.kept(len(prompt)), recent=spec.recent,
+                       obs=spec.observe, pool=spec.pool, sinks=spec.sinks, keep_sinks=spec.sinks > 0, fit_bias=False)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
     return logits.argmax(-1).tolist()
@@ -62,6 +63,9 @@ def test_compacted_tokens_equal_the_prototype_and_ratio_one_equals_none(tiny_mod
     assert list(outs[1].token_ids) == tokens and outs[1].num_cached_tokens > 0
     assert engine.compactor.num_compacted == 2
     assert _prototype_tokens(path, prompt, tokens, SPEC) == tokens
+    fit = replace(SPEC, method="fit", recent=8)     # values fitted to the last 8 queries' outputs
+    fitted = list(engine.generate([prompt], replace(SAMPLING, kv_compaction=fit))[0].token_ids)
+    assert _prototype_tokens(path, prompt, fitted, fit) == fitted
     full = list(engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids)
     assert full != tokens     # compaction does change what this model attends
     one = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, kv_compaction=KVCompaction(ratio=1, recent=4, observe=6))
