@@ -12,7 +12,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, SchedulerConfig, WorkerConfig
+from cluster.config import (
+    CacheConfig,
+    DataPlaneConfig,
+    EngineConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 from cluster.engine.compaction import Compactor
 from cluster.engine.engine import LLMEngine
 from cluster.token_stream import TokenReceiver
