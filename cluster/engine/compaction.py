@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -56,6 +57,7 @@ class Compactor:
         self.scale = scale
         self.num_compacted = 0       # prompts compacted
         self.num_skipped = 0         # prompts left exact (no free block for the compact copy)
+        self.seconds = 0.0           # spent compacting (selection, fit, gathers): part of the TTFT
 
     @staticmethod
     def refusal(sampling: SamplingParams, unsupported: str | None, windowed: bool, forks: int) -> str | None:
@@ -87,7 +89,9 @@ class Compactor:
             end = chunk.start + chunk.num_tokens
             if seq.kv_compaction is not None and not seq.compacted and chunk.start < seq.num_prompt_tokens <= end \
                     and not seq.is_finished:
+                t0 = time.perf_counter()
                 self._compact(seq, end)
+                self.seconds += time.perf_counter() - t0
 
     def _compact(self, seq: Sequence, computed: int) -> None:
         spec, bs = seq.kv_compaction, self.block_size
