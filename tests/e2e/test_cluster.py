@@ -13,7 +13,7 @@ from cluster.launch.app import ClusterConfig
 from cluster.config import DataPlaneConfig
 from router.router import RouterConfig
 from cluster.config import CacheConfig, EngineConfig
-from cluster.types import SamplingParams
+from cluster.types import KVCompaction, SamplingParams
 from cluster_harness import ClusterThread
 from tiny_models import long_context_copy
 from proto.splitserve.v1 import inference_pb2 as pb
@@ -378,3 +378,27 @@ def test_windowed_request_through_the_handoff_equals_one_engine(cluster, referen
     stats = cluster.wait_idle()
     assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
     assert next(s for s in stats if s.role == "decode").handoff.done == handed + 1
+
+
+def test_compacted_request_through_the_handoff_equals_one_engine(cluster, reference, single_engine, tiny_model_dir):
+    """KV compaction per request (docs/kv_compress.md) through the served P/D cluster (gRPC, NIXL):
+    the prefill worker compacts its 30-token prompt to 7 entries, the handoff moves their 2 blocks
+    (not the prompt's 8) and the decode worker's tokens equal one engine compacting the same
+    request; a bad kv_compaction is INVALID_ARGUMENT naming the field."""
+    client = Client(cluster.target)
+    prompt = _prompts(4, seed=4343)[3]
+    assert len(prompt) == 30
+    spec = KVCompaction(ratio=4, recent=4, observe=6, sinks=1)
+    per_block = single_engine(_engine_config(tiny_model_dir("llama"))).layout.bytes_per_block()
+    before = next(s for s in cluster.wait_idle() if s.role == "decode").handoff
+    out = client.generate(prompt, max_tokens=20, ignore_eos=True,
+                          kv_compaction=pb.KVCompaction(ratio=4, recent=4, observe=6, sinks=1))
+    assert list(out.token_ids) == reference([prompt], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                     kv_compaction=spec))[0]
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt, max_tokens=4, kv_compaction=pb.KVCompaction(ratio=0.5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_compaction.ratio" in err.value.details()
+    stats = cluster.wait_idle()
+    assert all(s.blocks_used == 0 and s.leases == 0 for s in stats), stats
+    after = next(s for s in stats if s.role == "decode").handoff
+    assert (after.done - before.done, after.bytes - before.bytes) == (1, 2 * per_block)
