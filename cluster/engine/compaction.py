@@ -25,7 +25,6 @@ import torch
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
 from cluster.kv import compaction
-from cluster.kv.block_pool import NoFreeBlocks
 from cluster.kv.hashing import hash_prefix_blocks
 from cluster.types import KVCompaction, SamplingParams
 
@@ -56,7 +55,7 @@ class Compactor:
         self.block_size = block_size
         self.scale = scale
         self.num_compacted = 0       # prompts compacted
-        self.num_skipped = 0         # prompts left exact (no free block for the compact copy)
+        self.num_skipped = 0         # prompts left exact (no room for the compact copy)
         self.seconds = 0.0           # spent compacting (selection, fit, gathers): part of the TTFT
 
     @staticmethod
@@ -95,25 +94,25 @@ class Compactor:
 
     def _compact(self, seq: Sequence, computed: int) -> None:
         spec, bs = seq.kv_compaction, self.block_size
-        layers = self.arena.shape[0]
         new_len = spec.kept(seq.num_prompt_tokens) + computed - seq.num_prompt_tokens
-        try:
-            if not seq.captured:    # nothing observed (cannot happen: `Sequence.max_prefix_tokens`)
-                raise NoFreeBlocks("no observation queries")
-            blocks = self.pool.allocate(-(-new_len // bs))
-        except NoFreeBlocks as exc:
-            log.warning("%s: its prompt stays exact (%s)", seq.request_id, exc)
+        need = -(-new_len // bs)
+        # The compact rows are copied out first, so the sequence's own blocks count as room (those
+        # no other sequence shares): under pressure the compaction frees blocks, it never needs more.
+        room = self.pool.num_free + sum(self.pool.ref_counts[b] == 1 for b in seq.block_ids)
+        if not seq.captured or need > room:    # (no queries cannot happen: `Sequence.max_prefix_tokens`)
+            log.warning("%s: its prompt stays exact (%d blocks to compact into, room for %d)", seq.request_id,
+                        need, room)
             self.num_skipped += 1
-            seq.captured = []
-            seq.kv_compaction = None
+            seq.captured, seq.kv_compaction = [], None
             return
+        layers = self.arena.shape[0]
         queries = [torch.cat([c[layer] for c in seq.captured]) for layer in range(layers)]
-        self._publish_exact(seq, computed)
         slots = _slots(seq.block_ids, computed, bs, self.arena.device)
-        dst = _slots(blocks, new_len, bs, self.arena.device)
-        compaction.compact(self.arena, spec, queries, slots, seq.num_prompt_tokens, computed, dst, self.scale)
+        rows = compaction.compact(self.arena, spec, queries, slots, seq.num_prompt_tokens, computed, self.scale)
+        self._publish_exact(seq, computed)
         self.pool.free(reversed(seq.block_ids))
-        seq.block_ids = blocks
+        seq.block_ids = self.pool.allocate(need)
+        compaction.write(self.arena, rows, _slots(seq.block_ids, new_len, bs, self.arena.device))
         seq.compaction_offset = computed - new_len
         seq.compacted = True
         seq.captured = []

@@ -79,39 +79,49 @@ def fit_values(q_fit: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, ch
     return torch.cholesky_solve(a.transpose(1, 2) @ target + lam * v_sel, torch.linalg.cholesky(ata + lam * eye))
 
 
-def _write_values(v_cache: torch.Tensor, dst: torch.Tensor, values: torch.Tensor) -> None:
-    """Fitted values [Hkv, m, D] into the first m slots of `dst` (quantized as they go in, if need be)."""
-    flat = v_cache.view(-1, *v_cache.shape[-2:])
+def _fitted_rows(v_cache: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Fitted values [Hkv, m, D] as the cache's rows [m, Hkv, D'] (quantized, if it is)."""
     rows = values.transpose(0, 1)
     kind = cache_kind(v_cache)
-    flat[dst[:values.shape[1]]] = quantize_rows(rows, kind) if kind.quantized else rows.to(v_cache.dtype)
+    return quantize_rows(rows.contiguous(), kind) if kind.quantized else rows.to(v_cache.dtype)
 
 
-def gather_layer(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def gather_layer(cache: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """One layer's K (or V) cache [blocks, bs, Hkv, D']: the row of KV head h at flat slot
-    src[h, i] to flat slot dst[i], for every head at once (one gather, one scatter)."""
+    src[h, i], for every head at once (one gather; a copy) -> [n, Hkv, D']."""
     flat = cache.view(-1, *cache.shape[-2:])
     heads = torch.arange(src.shape[0], device=src.device)[:, None]
-    flat[dst] = flat[src, heads].transpose(0, 1)    # advanced indexing copies: dst may not alias src
+    return flat[src, heads].transpose(0, 1)
 
 
 def compact(arena: torch.Tensor, spec: KVCompaction, queries: list[torch.Tensor], slots: torch.Tensor,
-            num_prompt: int, num_computed: int, dst: torch.Tensor, scale: float) -> None:
-    """Write a sequence's compacted KV into the slots `dst` of every layer of `arena` ([layers, 2,
-    blocks, bs, Hkv, D']). `slots`: the flat slots of its cache indices 0..num_computed-1 (its
-    prompt, and whatever it computed past it); `queries[l]`: layer l's last `spec.observed` prompt queries.
-    Per layer and KV head: the chosen older entries, then every token from the recent part on."""
+            num_prompt: int, num_computed: int, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A sequence's compacted KV, per layer of `arena` ([layers, 2, blocks, bs, Hkv, D']): (K rows,
+    V rows), each [kept + computed past the prompt, Hkv, D'], copies (the caller may free the source
+    blocks before it `write`s them). `slots`: the flat slots of its cache indices 0..num_computed-1
+    (its prompt, and whatever it computed past it); `queries[l]`: layer l's last `spec.observed`
+    prompt queries. Per layer and KV head: the chosen older entries, then every token from the
+    recent part on."""
     old, m = split(spec, num_prompt)
     tail = slots[old:num_computed]
     hkv = arena.shape[-2]
+    out = []
     for layer, q_seen in enumerate(queries):
         k_cache, v_cache = arena[layer, 0], arena[layer, 1]
         k_old = rows_at(k_cache, slots[:old]) if m else None
         chosen = select(spec, q_seen[-spec.observe:], k_old, scale, m) if m else \
             torch.empty((hkv, 0), dtype=torch.long, device=slots.device)
         src = torch.cat([slots[:old][chosen], tail.expand(hkv, -1)], dim=1)    # [Hkv, kept + computed past]
-        gather_layer(k_cache, src, dst)
-        gather_layer(v_cache, src, dst)
+        k_rows, v_rows = gather_layer(k_cache, src), gather_layer(v_cache, src)
         if spec.method == "fit" and 0 < m < old:
             v_fit = fit_values(q_seen[-(num_prompt - old):], k_old, rows_at(v_cache, slots[:old]), chosen, scale)
-            _write_values(v_cache, dst, v_fit)
+            v_rows[:m] = _fitted_rows(v_cache, v_fit)
+        out.append((k_rows, v_rows))
+    return out
+
+
+def write(arena: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], dst: torch.Tensor) -> None:
+    """`compact`'s rows into the flat slots `dst` of every layer."""
+    for layer, (k_rows, v_rows) in enumerate(rows):
+        for cache, r in ((arena[layer, 0], k_rows), (arena[layer, 1], v_rows)):
+            cache.view(-1, *cache.shape[-2:])[dst] = r

@@ -86,6 +86,18 @@ def test_compacted_tokens_equal_the_prototype_and_ratio_one_equals_none(tiny_mod
     server.pool.check_idle()
 
 
+def test_compaction_needs_no_more_room_than_it_gives_back(tiny_model_dir):
+    """A pool of 11 blocks: the 40-token prompt takes 10, and its compaction into 3 still runs
+    (the kept rows are copied out before its blocks are freed), with the same tokens."""
+    path = tiny_model_dir("llama")
+    small = LLMEngine(EngineConfig(model=path, dtype="float32", cache=CacheConfig(block_size=BS, num_blocks=11),
+                                   scheduler=SchedulerConfig(max_num_batched_tokens=7)))
+    out = small.generate([_prompt()], SAMPLING)[0]
+    assert (small.compactor.num_compacted, small.compactor.num_skipped) == (1, 0)
+    assert list(out.token_ids) == list(_engine(path).generate([_prompt()], SAMPLING)[0].token_ids)
+    small.pool.check_idle()
+
+
 def test_compaction_refused_where_unsupported(tiny_model_dir):
     engine = _engine(tiny_model_dir("llama"))
     with pytest.raises(ValueError, match="kv_compaction is not supported with kv_window"):
