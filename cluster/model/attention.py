@@ -36,9 +36,7 @@ class PrefillSpan:
     # `dropped` tokens freed past the sinks; each query sees its own window (a mask).
     kv_window: KVWindow | None = None
     dropped: int = 0
-    # KV compaction (cluster/engine/compaction.py): each layer's queries of rows [lo, hi) of the
-    # chunk (post-RoPE, fp32) are appended to `capture[0]`, in layer order.
-    capture: tuple[list, int, int] | None = None
+    capture: tuple[list, int, int] | None = None   # (list, lo, hi): each layer appends q[lo:hi] (compaction)
 
 
 @dataclass(frozen=True)
