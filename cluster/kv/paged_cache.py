@@ -81,7 +81,7 @@ def plan_memory(model_cfg: ModelConfig, layout: KVLayout, cache: CacheConfig, sc
     Both come out of the same budget, so the pool is sized for everything the engine allocates."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = (4 * model_cfg.hidden_size + model_cfg.q_size + 2 * model_cfg.kv_size
-                 + 3 * max(map(model_cfg.layer_intermediate_size, range(model_cfg.num_layers)))) * itemsize
+                 + 3 * model_cfg.intermediate_size) * itemsize
     logits = sched.max_num_seqs * model_cfg.vocab_size * 4 * 3   # fp32 logits + sampler copies
     activation = sched.max_num_batched_tokens * per_token + logits
     per_block = layout.bytes_per_block() + companion_per_block
