@@ -11,8 +11,15 @@ import json
 
 import pytest
 import torch
+from integration.test_model_families import _fused_plan, family_prompts
 
-from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, SchedulerConfig, WorkerConfig
+from cluster.config import (
+    CacheConfig,
+    DataPlaneConfig,
+    EngineConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 from cluster.engine.engine import LLMEngine
 from cluster.model.gemma4_config import kv_source_layers
 from cluster.model.model_config import parse_model_config
@@ -20,7 +27,6 @@ from cluster.token_stream import TokenReceiver
 from cluster.types import SamplingParams
 from cluster.worker_messages import DecodeCall, PrefillCall
 from decode.worker import DecodeWorker
-from integration.test_model_families import _fused_plan, family_prompts
 from kernels import cpu_ops
 from prefill.worker import PrefillWorker
 
@@ -87,6 +93,19 @@ def test_fused_kernels(tiny_model_dir, reference):
     owning layers and the C decode attention (reading the source's cache) for the sharing ones."""
     engine = _engine(tiny_model_dir("gemma4"), kernel_plan=_fused_plan())
     _check(engine, "gemma4", family_prompts(lengths=(13, 30)), reference)
+
+
+def test_ngram_verifications(tiny_model_dir, reference):
+    """Speculative n-gram drafts verified through the sharing layers (verification spans over the
+    source's cache, nothing stored by the sharing layers) still give transformers' greedy tokens."""
+    from cluster.config import SpeculativeConfig
+    from decode.spec.speculator import make_speculator
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("gemma4"), dtype="float32", kernels="torch",
+                                    cache=CacheConfig(block_size=4, num_blocks=128),
+                                    speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+                       speculator_factory=make_speculator)
+    _check(engine, "gemma4", [[5, 6, 7, 8] * 4 + [5, 6]], reference)
+    assert engine.speculator.stats()["ngram"]["drafted"] > 0
 
 
 def test_which_layer_reads_which(tiny_model_dir):
