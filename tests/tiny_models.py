@@ -105,9 +105,9 @@ def _family_config(kind: str, common: dict):
 
 # Gemma 4 text: 6 layers, sliding (window 8, base 1000) and full (proportional RoPE, half the dims
 # rotated, base 50000); "gemma4": the last 3 layers share K/V (layers 3 and 5 read layer 1's,
-# layer 4 reads layer 2's) with double-wide MLPs; "gemma4_unshared": the same shape, no sharing.
-# Per-layer input embeddings off (hidden_size_per_layer_input 0: refused), full layers' head_dim as
-# the sliding layers' (global_head_dim 16: one KV row width).
+# layer 4 reads layer 2's) with double-wide MLPs, and per-layer inputs of 8 per layer;
+# "gemma4_unshared": the same shape, no sharing, no per-layer inputs. Full layers' head_dim as the
+# sliding layers' (global_head_dim 16: one KV row width; other sizes are refused).
 GEMMA4_KINDS = ("gemma4", "gemma4_unshared")
 
 
@@ -120,7 +120,8 @@ def _gemma4_config(kind: str, common: dict):
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                             "rope_theta": 50000.0}},
-        hidden_size_per_layer_input=0, num_kv_shared_layers=3 if shared else 0, use_double_wide_mlp=shared,
+        hidden_size_per_layer_input=8 if shared else 0, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=3 if shared else 0, use_double_wide_mlp=shared,
         final_logit_softcapping=3.0, tie_word_embeddings=True)
     return cfg, transformers.Gemma4ForCausalLM
 

@@ -3,12 +3,11 @@
 Beyond Gemma 3 (sandwich norms, GeGLU, scaled embeddings, sliding and full layers with their own
 RoPE) a Gemma 4 text layer has: plain-weight norms (no 1 + w), a scale-free RMSNorm over each value
 head, a softmax scale of 1, a learned scalar on each layer's output, proportional RoPE on the full
-layers, and **KV sharing**: the last `num_kv_shared_layers` layers compute no K/V and attend the
+layers, per-layer input embeddings (`hidden_size_per_layer_input`: per_layer_inputs.py), and **KV sharing**: the last `num_kv_shared_layers` layers compute no K/V and attend the
 K/V of the last earlier layer of their type (transformers' `kv_sharing_modes`), with MLPs twice as
 wide there where `use_double_wide_mlp` says so.
 
-Refused by name, at load: per-layer input embeddings (`hidden_size_per_layer_input` > 0: the E2B /
-E4B checkpoints), a full-attention head size or KV head count other than the sliding layers'
+Refused by name, at load: a full-attention head size or KV head count other than the sliding layers'
 (`global_head_dim`, `num_global_key_value_heads`, `per_layer_config`: one KV row width per arena),
 keys reused as values (`attention_k_eq_v`), the mixture-of-experts block (`enable_moe_block`), and
 every layer shared. Below model_config (imports nothing of it): one direction only."""
@@ -23,9 +22,12 @@ def gemma4_fields(raw: dict, layer_types: tuple[str, ...]) -> dict:
     a ValueError naming the first feature the model code lacks."""
     _refuse_unsupported(raw, layer_types)
     sources = kv_source_layers(layer_types, int(raw.get("num_kv_shared_layers") or 0))
+    per_layer = int(raw.get("hidden_size_per_layer_input") or 0)
     return {"norm_offset": 0.0, "sandwich_norm": True, "embed_scale": raw["hidden_size"] ** 0.5,
             "query_pre_attn_scalar": 1.0, "v_norm": True, "layer_scalar": True, "kv_source_layer": sources,
-            "double_wide_shared_mlp": bool(raw.get("use_double_wide_mlp")) and bool(sources)}
+            "double_wide_shared_mlp": bool(raw.get("use_double_wide_mlp")) and bool(sources),
+            "per_layer_input_size": per_layer,
+            "per_layer_vocab_size": int(raw.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0}
 
 
 def kv_source_layers(layer_types: tuple[str, ...], num_shared: int) -> tuple[int, ...]:
@@ -49,9 +51,6 @@ def kv_source_layers(layer_types: tuple[str, ...], num_shared: int) -> tuple[int
 
 
 def _refuse_unsupported(raw: dict, layer_types: tuple[str, ...]) -> None:
-    if raw.get("hidden_size_per_layer_input"):
-        raise ValueError(f"per-layer input embeddings (hidden_size_per_layer_input="
-                         f"{raw['hidden_size_per_layer_input']}) are not supported")
     if raw.get("attention_k_eq_v"):
         raise ValueError("keys reused as values (attention_k_eq_v) are not supported")
     if raw.get("enable_moe_block"):

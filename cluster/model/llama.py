@@ -4,7 +4,7 @@ and the mixtures of experts among them (Qwen2-MoE, Qwen3-MoE, Mixtral: their spa
 The families differ by ModelConfig's feature fields, each a branch here: per-head q/k norms on
 the fused qkv output before RoPE (Qwen3, Gemma 3); Gemma's sandwich norms, GeGLU, scaled
 embeddings, per-layer-type RoPE tables and final-logit soft-capping; Gemma 4's value norms,
-layer scalars and cross-layer KV sharing (a layer that shares attends its source layer's cache
+layer scalars, per-layer inputs (per_layer_inputs.py) and cross-layer KV sharing (a layer that shares attends its source layer's cache
 with the K/V rows the source computed in the same pass, and stores nothing: `ForwardPass.kv_rows`).
 Gemma's (1 + w) norms are folded into the weights when they load (`loader.py`), and its softmax
 scale is the attention backend's (`ModelConfig.attention_scale`).
@@ -27,6 +27,7 @@ from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import ModelConfig, RopeConfig
 from cluster.model.moe import SparseMoeBlock
 from cluster.model.ops import ForwardPass
+from cluster.model.per_layer_inputs import LayerInputGate, PerLayerInputs
 
 
 class RMSNorm(nn.Module):
@@ -169,6 +170,8 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.per_layer_input = LayerInputGate(index, cfg.hidden_size, cfg.per_layer_input_size, cfg.rms_norm_eps) \
+            if cfg.per_layer_input_size else None
         if cfg.layer_scalar:   # Gemma 4: the layer's output (the whole residual stream) times a learned scalar
             self.layer_scalar = nn.Parameter(torch.empty(1))
 
@@ -184,6 +187,8 @@ class DecoderLayer(nn.Module):
         n3, n4 = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
         h = fp.add_norm(fp.norm(attn, n2.weight, n2.eps), x, n3.weight, n3.eps)
         x.add_(fp.norm(self.mlp.forward(h, fp), n4.weight, n4.eps))
+        if self.per_layer_input is not None:
+            self.per_layer_input.forward(x, fp)
         if hasattr(self, "layer_scalar"):
             x.mul_(self.layer_scalar)
         return x
@@ -201,6 +206,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i), i)
                                     for i, w in enumerate(cfg.layer_windows))
         self.kv_layers = cfg.kv_arena_layers()   # each layer's K/V in the arena (its source's, where it shares)
+        self.per_layer_inputs = PerLayerInputs(cfg.num_layers, cfg.per_layer_input_size, cfg.per_layer_vocab_size,
+                                               cfg.hidden_size, cfg.rms_norm_eps) if cfg.per_layer_input_size else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -235,6 +242,8 @@ class CausalLM(nn.Module):
         `hidden_layers` side by side, [T, len * H])."""
         x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
+        if self.per_layer_inputs is not None:
+            fp.layer_inputs = self.per_layer_inputs.forward(input_ids, x, fp)
         fused = fused_layer.prepare(self, x, fp, kv_cache) if fp.fused_block else None
         last = len(self.layers) - 1
         kept = []

@@ -128,6 +128,9 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str,
         out[our_prefix + name] = take(hf_prefix + name)
     if cfg.layer_scalar:
         out[our_prefix + "layer_scalar"] = take(hf_prefix + "layer_scalar")
+    if cfg.per_layer_input_size:
+        for name in ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight"):
+            out[f"{our_prefix}per_layer_input.{name}"] = take(hf_prefix + name)
     return out
 
 
@@ -147,6 +150,10 @@ def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tenso
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
+    if cfg.per_layer_input_size:
+        for name in ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                     "per_layer_projection_norm.weight"):
+            out[f"per_layer_inputs.{name}"] = take(f"model.{name}")
     for i in range(cfg.num_layers):
         if cfg.mla is not None:
             out.update(deepseek_layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))

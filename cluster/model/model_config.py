@@ -94,6 +94,8 @@ class ModelConfig:
     # none (the arena holds `num_kv_layers`). Empty: every layer its own.
     kv_source_layer: tuple[int, ...] = ()
     double_wide_shared_mlp: bool = False       # the KV-shared layers' MLPs twice as wide (use_double_wide_mlp)
+    per_layer_input_size: int = 0              # Gemma 4's per-layer inputs (hidden_size_per_layer_input; 0: none)
+    per_layer_vocab_size: int = 0              # their embedding's rows (vocab_size_per_layer_input)
     moe: MoEConfig | None = None               # the experts of a mixture-of-experts model (moe_config.py)
     mla: MLAConfig | None = None               # DeepSeek's latent attention, experts and MTP (mla_config.py)
 
@@ -139,7 +141,9 @@ class ModelConfig:
         mlps = sum(3 * h * self.layer_intermediate_size(n) for n in range(self.num_layers)) if self.moe is None \
             else self.moe.mlp_parameters(h, i)
         lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer - shared_kv + mlps + h + lm_head
+        p = self.per_layer_input_size   # per-layer inputs: their embedding, projection and norm; each layer's gate
+        ple = p and self.num_layers * p * (self.per_layer_vocab_size + h) + p + self.num_layers * (2 * h * p + h)
+        return v * h + self.num_layers * per_layer - shared_kv + mlps + h + lm_head + ple
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

@@ -62,6 +62,7 @@ class ForwardPass:
         # Cross-layer KV sharing: {source layer: its (k, v) rows of this pass}, read by the layers
         # that attend its cache (cluster/model/llama.py).
         self.kv_rows: dict[int, tuple] = {}
+        self.layer_inputs: torch.Tensor | None = None   # Gemma 4's per-layer inputs [T, L, P] (per_layer_inputs.py)
         self.cos = self.sin = self.local_cos = self.local_sin = None
         if self.rope_path is RopePath.TORCH:
             self.cos, self.sin = rotary.lookup(positions, dtype)
