@@ -4,8 +4,9 @@ and the mixtures of experts among them (Qwen2-MoE, Qwen3-MoE, Mixtral: their spa
 The families differ by ModelConfig's feature fields, each a branch here: per-head q/k norms on
 the fused qkv output before RoPE (Qwen3, Gemma 3); Gemma's sandwich norms, GeGLU, scaled
 embeddings, per-layer-type RoPE tables and final-logit soft-capping; Gemma 4's value norms,
-layer scalars, per-layer inputs (per_layer_inputs.py) and cross-layer KV sharing (a layer that shares attends its source layer's cache
-with the K/V rows the source computed in the same pass, and stores nothing: `ForwardPass.kv_rows`).
+layer scalars, per-layer inputs (per_layer_inputs.py) and cross-layer KV sharing (a layer that
+shares attends its source layer's cache with the K/V rows the source computed in the same pass,
+and stores nothing: `ForwardPass.kv_rows`).
 Gemma's (1 + w) norms are folded into the weights when they load (`loader.py`), and its softmax
 scale is the attention backend's (`ModelConfig.attention_scale`).
 

@@ -3,8 +3,8 @@
 Families: Llama, Qwen2, Mistral, Qwen3 (per-head q/k RMSNorm), Gemma 3 text (norms with (1 + w),
 GeGLU, scaled embeddings, sandwich norms, sliding and global layers with their own RoPE, logit
 soft-capping, `query_pre_attn_scalar`), Gemma 4 text (gemma4_config.py: cross-layer KV sharing,
-value norms, layer scalars, proportional RoPE), Phi-3 (fused qkv and gate/up in the checkpoint) and the
-mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (their experts: moe_config.py). What a
+value norms, layer scalars, proportional RoPE, per-layer inputs), Phi-3 (fused qkv and gate/up in
+the checkpoint) and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (their experts: moe_config.py). What a
 checkpoint needs beyond that is refused here, with an error that names the feature."""
 from __future__ import annotations
 
@@ -137,13 +137,15 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         norms = 2 * h + (2 * h if self.sandwich_norm else 0) + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + norms
-        shared_kv = (self.num_layers - self.num_kv_layers) * h * 2 * self.kv_size   # their k, v projections: none
+        shared = self.num_layers - self.num_kv_layers   # no k, v projections nor k norm
+        shared_kv = shared * (h * 2 * self.kv_size + (self.head_dim if self.qk_norm else 0))
         mlps = sum(3 * h * self.layer_intermediate_size(n) for n in range(self.num_layers)) if self.moe is None \
             else self.moe.mlp_parameters(h, i)
         lm_head = 0 if self.tie_word_embeddings else v * h
         p = self.per_layer_input_size   # per-layer inputs: their embedding, projection and norm; each layer's gate
         ple = p and self.num_layers * p * (self.per_layer_vocab_size + h) + p + self.num_layers * (2 * h * p + h)
-        return v * h + self.num_layers * per_layer - shared_kv + mlps + h + lm_head + ple
+        scalars = self.num_layers if self.layer_scalar else 0
+        return v * h + self.num_layers * per_layer - shared_kv + mlps + h + lm_head + ple + scalars
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
