@@ -123,6 +123,14 @@ def test_which_layer_reads_which(tiny_model_dir):
     assert ours == tuple(stores[hf.layer_types[i]] if m == "reuse" else i for i, m in enumerate(modes))
 
 
+def test_tensor_parallelism_refuses_sharing(tiny_model_dir):
+    """Refused before any weight is sliced (a sharing layer's query-only projection is not)."""
+    from cluster.parallel.sharding import shard_model
+    cfg = parse_model_config(json.loads((tiny_model_dir("gemma4") / "config.json").read_text()), model_id="g")
+    with pytest.raises(ValueError, match=r"cross-layer KV sharing \(num_kv_shared_layers\) .* tensor parallelism"):
+        shard_model(None, cfg, None)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"per_layer_config": {"5": {"head_dim": 32}}}, r"per-layer attention sizes \(layer 5: head_dim 32"),
     ({"per_layer_config": None}, r"layer 1: head_dim 512.*global_head_dim"),   # transformers' default
