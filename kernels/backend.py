@@ -186,8 +186,9 @@ class TritonAttentionBackend:
         sec.workspace = (torch.empty(need * head_block(self.head_dim), dtype=torch.float32, device=self.device),
                          torch.empty(need, dtype=torch.float32, device=self.device))
 
-    def forward(self, q, k, v, k_cache, v_cache, window, meta: TritonMeta) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, window, meta: TritonMeta, store: bool = True) -> torch.Tensor:
+        if store:   # False: a layer attending another layer's cache (cross-layer KV sharing)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens = q.shape[0]
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)
         for s in meta.sections:

@@ -94,6 +94,8 @@ def _family_config(kind: str, common: dict):
             query_pre_attn_scalar=24, final_logit_softcapping=3.0, rope_theta=50000.0,
             rope_local_base_freq=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
             tie_word_embeddings=True, **gemma), transformers.Gemma3ForCausalLM
+    if kind in GEMMA4_KINDS:
+        return _gemma4_config(kind, common)
     if kind == "phi3":   # fused qkv_proj and gate_up_proj in the checkpoint; sliding window 12 on every layer
         return transformers.Phi3Config(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                        pad_token_id=2, tie_word_embeddings=False,
@@ -101,9 +103,33 @@ def _family_config(kind: str, common: dict):
     raise ValueError(kind)
 
 
+# Gemma 4 text: 6 layers, sliding (window 8, base 1000) and full (proportional RoPE, half the dims
+# rotated, base 50000); "gemma4": the last 3 layers share K/V (layers 3 and 5 read layer 1's,
+# layer 4 reads layer 2's) with double-wide MLPs, and per-layer inputs of 8 per layer;
+# "gemma4_unshared": the same shape, no sharing, no per-layer inputs. Full layers' head_dim as the
+# sliding layers' (global_head_dim 16: one KV row width; other sizes are refused).
+GEMMA4_KINDS = ("gemma4", "gemma4_unshared")
+
+
+def _gemma4_config(kind: str, common: dict):
+    import transformers
+    shared = kind == "gemma4"
+    cfg = transformers.Gemma4TextConfig(
+        **dict(common, num_hidden_layers=6, pad_token_id=2), num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                            "rope_theta": 50000.0}},
+        hidden_size_per_layer_input=8 if shared else 0, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=3 if shared else 0, use_double_wide_mlp=shared,
+        final_logit_softcapping=3.0, tie_word_embeddings=True)
+    return cfg, transformers.Gemma4ForCausalLM
+
+
 def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """kind: llama (GQA 4/2, untied), qwen2 (q/k/v bias, tied, MQA), mistral (sliding window 8, GQA),
     qwen3 (q/k norms, head_dim 32, tied), gemma3 (see _family_config), phi3 (fused projections, window 12),
+    gemma4 and gemma4_unshared (Gemma 4 text with and without cross-layer KV sharing: GEMMA4_KINDS)
     and the mixtures of experts of tiny_moe_models.py."""
     import transformers
     out_dir = Path(out_dir)
@@ -113,7 +139,7 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
                   initializer_range=0.2)
     if kind in MOE_KINDS:
         cfg, cls = moe_family_config(kind, common)
-    elif kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS):
+    elif kind in ("qwen3", "gemma3", "phi3", *MLA_KINDS, *GEMMA4_KINDS):
         cfg, cls = _family_config(kind, common)
     elif kind == "llama":
         cfg = transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -141,6 +167,11 @@ def make_model(out_dir: Path, kind: str, seed: int = 0, dtype: torch.dtype = tor
         for name, b in model.named_buffers():   # V3's routing correction: a buffer, zero at init
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
+        for name, b in model.named_buffers():   # Gemma 4's layer scalars: ones at init
+            if name.endswith("layer_scalar"):
+                b.copy_(1.0 + torch.randn_like(b) * 0.2)
+        if kind in GEMMA4_KINDS:   # as Gemma 3's below: the scaled embeddings would drown the layers out
+            model.model.embed_tokens.weight.mul_(0.125)
         if kind == "gemma3":   # the embeddings, scaled by sqrt(64) = 8, would drown the layers out (the
             # tied head would repeat the last token whatever the layers compute): smaller embeddings, and
             # a final norm of about 8 for logits large enough that the soft-cap bends them

@@ -80,7 +80,7 @@ def load_models(config: EngineConfig, device: torch.device, group: RankGroup | N
     # Quantized weights compute other KV: the layout hash tells a P/D peer with other weights apart.
     model_id = mc.model_id + (f"+w:{quant.scheme.value}" if quant is not None else "")
     model_id += "+a:int8" if config.quantized_activations == "int8" else ""
-    layout = _layout(mc, model_id, mc.num_layers, config, dtype)
+    layout = _layout(mc, model_id, mc.num_kv_layers, config, dtype)   # layers sharing K/V hold none
     shards = ()
     if group is not None:
         shards = tuple(rank_shard(full, r, group.world) for r in range(group.world))
@@ -106,7 +106,7 @@ def load_speculation(config: EngineConfig, models: Models, speculator: Speculato
     if footprint.extra_kv_layers or footprint.model_id_suffix:
         mc = models.config
         models.layout = _layout(mc, models.layout.model_id + footprint.model_id_suffix,
-                                mc.num_layers + footprint.extra_kv_layers, config, models.dtype, models.layout)
+                                mc.num_kv_layers + footprint.extra_kv_layers, config, models.dtype, models.layout)
     return footprint
 
 

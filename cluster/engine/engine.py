@@ -257,7 +257,10 @@ class LLMEngine:
         compact = resolve_compaction(sampling, cc.kv_compaction_ratio, cc.kv_compaction_method)
         num_forks = fields.pop("num_forks", 0)
         if compact is not None:
-            why = Compactor.refusal(sampling, self._unsupported_kv_layout(), window is not None, num_forks)
+            sharing = self.model_config.num_kv_layers != self.model_config.num_layers
+            why = Compactor.refusal(sampling, self._unsupported_kv_layout() or (
+                "cross-layer KV sharing (a shared layer's queries would have to choose its source's entries)"
+                if sharing else None), window is not None, num_forks)
             if why is not None:
                 raise ValueError(f"kv_compaction is not supported with {why}")
             sampling = compacting_sampling(sampling, compact)

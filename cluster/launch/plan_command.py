@@ -39,7 +39,7 @@ def memory_plan(mc: ModelConfig, costs: DeviceProfile, model_id: str) -> MemoryP
         cache, device = CacheConfig(memory_budget_bytes=int(costs.memory["device_bytes"])), torch.device("cuda")
     dtype_name = str(dtype).removeprefix("torch.")
     layout = (latent_layout(mc, model_id, mc.num_layers, cache, dtype_name) if mc.mla is not None else
-              KVLayout(model_id=model_id, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+              KVLayout(model_id=model_id, num_layers=mc.num_kv_layers, num_kv_heads=mc.num_kv_heads,
                        head_dim=mc.head_dim, block_size=cache.block_size, dtype=dtype_name))
     weights = mc.num_parameters() * torch.empty((), dtype=dtype).element_size()
     return plan_memory(mc, layout, cache, sched, dtype, weights, mc.max_position_embeddings, device)

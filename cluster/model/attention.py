@@ -59,9 +59,11 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
-                meta: Any) -> torch.Tensor:
+                meta: Any, store: bool = True) -> torch.Tensor:
         """Store k/v at the batch's slots, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D];
-        caches: [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]."""
+        caches: [num_blocks, block_size, Hkv, D]. Returns [T, Hq * D]. `store` False: k/v are
+        in the caches already (a layer attending another layer's K/V: cross-layer KV sharing);
+        None in a pure decode pass, whose attention reads the caches alone."""
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor,
@@ -278,11 +280,12 @@ class TorchAttentionBackend:
                                  kv_mask=None if span.kv_window is None else span.kv_window.span_mask(
                                      span.query_len, span.context_len, span.dropped, self.device))
 
-    def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, window, meta: _TorchMeta, store: bool = True) -> torch.Tensor:
         num_tokens = q.shape[0]
         k_flat = k_cache.view(-1, self.num_kv_heads, k_cache.shape[-1])   # D, or D + 2 for quantized rows
         v_flat = v_cache.view(-1, self.num_kv_heads, v_cache.shape[-1])
-        self._store(k, v, k_cache, v_cache, k_flat, v_flat, meta.slot_mapping)
+        if store:
+            self._store(k, v, k_cache, v_cache, k_flat, v_flat, meta.slot_mapping)
         if meta.decode is not None and not meta.prefills and meta.verify is None:   # pure decode: no scratch copy
             return self._decode(q, k_cache, v_cache, window, meta.decode).view(num_tokens, -1)
         out = torch.empty((num_tokens, self.num_heads, self.head_dim), dtype=q.dtype, device=q.device)

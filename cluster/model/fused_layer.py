@@ -38,6 +38,8 @@ def layer_args(layer, rotary, local_rotary) -> cpu_ops.SsLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
     if not hasattr(mlp, "gate_up_proj"):   # a mixture of experts (moe.py) runs layer by layer
         return None
+    if attn.kv_source is not None or attn.feeds_shared:   # cross-layer KV sharing runs layer by layer
+        return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if layer.sandwich or attn.cfg.qk_norm or mlp.geglu or not all(isinstance(m, QuantLinear) for m in linears):
         return None
@@ -71,6 +73,7 @@ class FusedLayers:
             meta.slot_mapping.data_ptr(), tables.data_ptr(), dm.lens.data_ptr(), h.data_ptr(), qkv.data_ptr(),
             attn.data_ptr(), y.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         self.layers = layers
+        self.kv_layers = model.kv_layers   # each layer's place in the arena (cross-layer KV sharing)
         base, itemsize = kv_cache.data_ptr(), kv_cache.element_size()
         self._k0, self._layer_bytes, self._kv_bytes = base, kv_cache.stride(0) * itemsize, kv_cache.stride(1) * itemsize
         self.x = x.data_ptr()
@@ -80,7 +83,7 @@ class FusedLayers:
         args = self.layers[i]
         if args is None:
             return False
-        k = self._k0 + i * self._layer_bytes
+        k = self._k0 + self.kv_layers[i] * self._layer_bytes
         cpu_ops.decode_layer(args, self.step, self.x, k, k + self._kv_bytes)
         return True
 

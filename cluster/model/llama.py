@@ -1,11 +1,14 @@
-"""One decoder-only model for Llama, Qwen2, Mistral, Qwen3, Gemma 3 (text) and Phi-3 checkpoints,
+"""One decoder-only model for Llama, Qwen2, Mistral, Qwen3, Gemma 3 and 4 (text) and Phi-3 checkpoints,
 and the mixtures of experts among them (Qwen2-MoE, Qwen3-MoE, Mixtral: their sparse MLPs in moe.py).
 
 The families differ by ModelConfig's feature fields, each a branch here: per-head q/k norms on
 the fused qkv output before RoPE (Qwen3, Gemma 3); Gemma's sandwich norms, GeGLU, scaled
-embeddings, per-layer-type RoPE tables and final-logit soft-capping. Gemma's (1 + w) norms are
-folded into the weights when they load (`loader.py`), and its softmax scale is the attention
-backend's (`ModelConfig.attention_scale`).
+embeddings, per-layer-type RoPE tables and final-logit soft-capping; Gemma 4's value norms,
+layer scalars, per-layer inputs (per_layer_inputs.py) and cross-layer KV sharing (a layer that
+shares attends its source layer's cache with the K/V rows the source computed in the same pass,
+and stores nothing: `ForwardPass.kv_rows`).
+Gemma's (1 + w) norms are folded into the weights when they load (`loader.py`), and its softmax
+scale is the attention backend's (`ModelConfig.attention_scale`).
 
 The forward pass works on a flat run of tokens (no padding) whose attention context lives in
 the paged KV cache. Projections are fused (qkv, gate+up) so a layer is a handful of large ops:
@@ -25,6 +28,7 @@ from cluster.model.kernel_plan import KernelPlan
 from cluster.model.model_config import ModelConfig, RopeConfig
 from cluster.model.moe import SparseMoeBlock
 from cluster.model.ops import ForwardPass
+from cluster.model.per_layer_inputs import LayerInputGate, PerLayerInputs
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +41,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    if rope.kind == "proportional":   # Gemma 4: the first dims rotate, the rest keep (frequency 0)
+        angles = int(rope.partial * head_dim // 2)
+        inv = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+        return torch.cat((inv, torch.zeros(head_dim // 2 - angles))) / rope.factor
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.kind == "linear":
         return inv / rope.factor
@@ -70,42 +78,77 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
+def _value_norm_(qkv: torch.Tensor, cfg: ModelConfig) -> None:
+    """Gemma 4's scale-free RMSNorm over each value head of the fused projection, in place, in
+    fp32 as transformers computes it."""
+    v = qkv[:, cfg.q_size + cfg.kv_size:].view(qkv.shape[0], cfg.num_kv_heads, cfg.head_dim)
+    vf = v.float()
+    v.copy_(vf * torch.pow(vf.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps, -0.5))
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.index = index
+        # A layer that shares another's K/V projects queries only (Gemma 4 stores no k/v weights for it).
+        self.kv_source = cfg.kv_source_layer[index] if cfg.shares_kv(index) else None
+        # Its K/V rows of a pass are kept for the layers that share them.
+        self.feeds_shared = cfg.kv_source_layer.count(index) > 1
+        kv_width = 0 if self.kv_source is not None else 2 * cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + kv_width, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            if self.kv_source is None:
+                self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, fp: ForwardPass, k_cache, v_cache, window, local: bool = False):
         cfg = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
+        if self.kv_source is not None:
+            return self._shared(qkv, fp, k_cache, v_cache, window, local)
         if cfg.qk_norm:   # in place on the fused output: RoPE, and the fused decode block, read it after
             fp.head_norm(qkv, self.q_norm.weight, self.k_norm.weight, cfg.num_heads, cfg.num_kv_heads,
                          cfg.head_dim, self.q_norm.eps)
+        if cfg.v_norm:
+            _value_norm_(qkv, cfg)
         if fp.fused_block:
+            if self.feeds_shared:   # a pure decode: the sharing layers read the cache alone
+                fp.kv_rows[self.index] = (None, None)
             rotary = fp.local_rotary if local else fp.rotary
             out = fp.backend.decode_block(qkv, fp.positions, rotary, k_cache, v_cache, window, fp.meta)
             return self.o_proj.forward(out)
         qk = fp.rope(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, local)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.feeds_shared:
+            fp.kv_rows[self.index] = (k, v)
         out = fp.backend.forward(q, k, v, k_cache, v_cache, window, fp.meta)
+        return self.o_proj.forward(out)
+
+    def _shared(self, q_proj: torch.Tensor, fp: ForwardPass, k_cache, v_cache, window, local: bool):
+        """Attend the source layer's cache (k_cache, v_cache are its) with the K/V rows it computed
+        in this pass; nothing is stored."""
+        cfg = self.cfg
+        if cfg.qk_norm:
+            fp.head_norm(q_proj, self.q_norm.weight, None, cfg.num_heads, 0, cfg.head_dim, self.q_norm.eps)
+        q = fp.rope(q_proj, cfg.num_heads, cfg.head_dim, local)
+        k, v = fp.kv_rows[self.kv_source]
+        out = fp.backend.forward(q, k, v, k_cache, v_cache, window, fp.meta, store=False)
         return self.o_proj.forward(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         # gate and up as one projection (one weight stream, one call); its output's halves feed
         # SiLU-times-up (a fused C op where the plan chooses it: torch's ops on the strided
         # halves are slow at prefill).
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.geglu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, fp: ForwardPass) -> torch.Tensor:
@@ -119,14 +162,19 @@ class DecoderLayer(nn.Module):
         self.window = window
         self.local = local   # RoPE from the local table (Gemma 3's sliding layers)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(index)   # the experts replace the MLP (moe.py)
-        self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, index) if sparse else MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, index) if sparse else \
+            MLP(cfg, cfg.layer_intermediate_size(index))
         self.sandwich = cfg.sandwich_norm
         if cfg.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.per_layer_input = LayerInputGate(index, cfg.hidden_size, cfg.per_layer_input_size, cfg.rms_norm_eps) \
+            if cfg.per_layer_input_size else None
+        if cfg.layer_scalar:   # Gemma 4: the layer's output (the whole residual stream) times a learned scalar
+            self.layer_scalar = nn.Parameter(torch.empty(1))
 
     def forward(self, x, fp: ForwardPass, k_cache, v_cache):
         """Updates x (the residual stream, [T, H]) in place and returns it. Submodules are called
@@ -140,6 +188,10 @@ class DecoderLayer(nn.Module):
         n3, n4 = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
         h = fp.add_norm(fp.norm(attn, n2.weight, n2.eps), x, n3.weight, n3.eps)
         x.add_(fp.norm(self.mlp.forward(h, fp), n4.weight, n4.eps))
+        if self.per_layer_input is not None:
+            self.per_layer_input.forward(x, fp)
+        if hasattr(self, "layer_scalar"):
+            x.mul_(self.layer_scalar)
         return x
 
 
@@ -154,6 +206,9 @@ class CausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, cfg.layer_is_local(i), i)
                                     for i, w in enumerate(cfg.layer_windows))
+        self.kv_layers = cfg.kv_arena_layers()   # each layer's K/V in the arena (its source's, where it shares)
+        self.per_layer_inputs = PerLayerInputs(cfg.num_layers, cfg.per_layer_input_size, cfg.per_layer_vocab_size,
+                                               cfg.hidden_size, cfg.rms_norm_eps) if cfg.per_layer_input_size else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -182,18 +237,21 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend: AttentionBackend, meta, logits_indices: torch.Tensor,
                 return_hidden: bool = False, hidden_layers: tuple[int, ...] = ()):
-        """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, Hkv, D].
+        """input_ids, positions: [T]; kv_cache: [KV layers, 2, blocks, block_size, Hkv, D].
         Returns fp32 logits for the rows in `logits_indices` (and, with `return_hidden`, the hidden
         states of every row: the last layer's output before the norm, or the outputs of
         `hidden_layers` side by side, [T, len * H])."""
         x = self.embed(input_ids)
         fp = self.new_pass(positions, x.dtype, backend, meta)
+        if self.per_layer_inputs is not None:
+            fp.layer_inputs = self.per_layer_inputs.forward(input_ids, x, fp)
         fused = fused_layer.prepare(self, x, fp, kv_cache) if fp.fused_block else None
         last = len(self.layers) - 1
         kept = []
         for i, layer in enumerate(self.layers):
             if fused is None or not fused.run(i):
-                layer.forward(x, fp, kv_cache[i, 0], kv_cache[i, 1])
+                kv = self.kv_layers[i]
+                layer.forward(x, fp, kv_cache[kv, 0], kv_cache[kv, 1])
             if i in hidden_layers:   # the layers update x in place: keep a copy (the last needs none)
                 kept.append(x if i == last else x.clone())
         logits = self.logits(x.index_select(0, logits_indices), fp)

@@ -108,7 +108,8 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str,
     `layer`: its index, where the model's sparse layers (MoE) differ from its dense ones."""
     a, m = hf_prefix + "self_attn.", hf_prefix + "mlp."
     stored_fused = cfg.architecture in _FUSED_CHECKPOINTS
-    qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+    shares_kv = layer is not None and cfg.shares_kv(layer)   # no k/v projections: queries only
+    qkv, gate_up = ("q_proj",) if shares_kv else ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
     out = {our_prefix + "self_attn.qkv_proj.weight": _fused(take, a, "qkv_proj", qkv, stored_fused)}
     if cfg.qkv_bias:
         out[our_prefix + "self_attn.qkv_proj.bias"] = _fused(take, a, "qkv_proj", qkv, stored_fused, "bias")
@@ -123,17 +124,22 @@ def layer_state_dict(cfg: ModelConfig, take, hf_prefix: str, our_prefix: str,
     if cfg.mlp_bias:
         out[f"{our_prefix}mlp.gate_up_proj.bias"] = _fused(take, m, "gate_up_proj", gate_up, stored_fused, "bias")
         out[f"{our_prefix}mlp.down_proj.bias"] = take(m + "down_proj.bias")
-    for name in _layer_norms(cfg):
+    for name in _layer_norms(cfg, shares_kv):
         out[our_prefix + name] = take(hf_prefix + name)
+    if cfg.layer_scalar:
+        out[our_prefix + "layer_scalar"] = take(hf_prefix + "layer_scalar")
+    if cfg.per_layer_input_size:
+        for name in ("per_layer_input_gate.weight", "per_layer_projection.weight", "post_per_layer_input_norm.weight"):
+            out[f"{our_prefix}per_layer_input.{name}"] = take(hf_prefix + name)
     return out
 
 
-def _layer_norms(cfg: ModelConfig) -> list[str]:
+def _layer_norms(cfg: ModelConfig, shares_kv: bool = False) -> list[str]:
     names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     if cfg.sandwich_norm:
         names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     if cfg.qk_norm:
-        names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        names += ["self_attn.q_norm.weight"] + ([] if shares_kv else ["self_attn.k_norm.weight"])
     return names
 
 
@@ -144,6 +150,10 @@ def _our_state_dict(cfg: ModelConfig, hf: LazyCheckpoint | dict[str, torch.Tenso
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
+    if cfg.per_layer_input_size:
+        for name in ("embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                     "per_layer_projection_norm.weight"):
+            out[f"per_layer_inputs.{name}"] = take(f"model.{name}")
     for i in range(cfg.num_layers):
         if cfg.mla is not None:
             out.update(deepseek_layer_state_dict(cfg, take, f"model.layers.{i}.", f"layers.{i}.", i))

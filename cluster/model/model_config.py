@@ -2,8 +2,9 @@
 
 Families: Llama, Qwen2, Mistral, Qwen3 (per-head q/k RMSNorm), Gemma 3 text (norms with (1 + w),
 GeGLU, scaled embeddings, sandwich norms, sliding and global layers with their own RoPE, logit
-soft-capping, `query_pre_attn_scalar`), Phi-3 (fused qkv and gate/up in the checkpoint) and the
-mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (their experts: moe_config.py). What a
+soft-capping, `query_pre_attn_scalar`), Gemma 4 text (gemma4_config.py: cross-layer KV sharing,
+value norms, layer scalars, proportional RoPE, per-layer inputs), Phi-3 (fused qkv and gate/up in
+the checkpoint) and the mixtures of experts Qwen2-MoE, Qwen3-MoE and Mixtral (their experts: moe_config.py). What a
 checkpoint needs beyond that is refused here, with an error that names the feature."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.model.gemma4_config import GEMMA4, gemma4_fields
 from cluster.model.mla_config import MLA_ARCHITECTURES, MLAConfig, mla_fields
 from cluster.model.moe_config import (
     MOE_ARCHITECTURES,
@@ -22,18 +24,24 @@ from cluster.model.moe_config import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
-                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", *MOE_ARCHITECTURES,
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM", GEMMA4, "Phi3ForCausalLM", *MOE_ARCHITECTURES,
                            *MLA_ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the gated MLP's: SwiGLU, GeGLU (tanh approximation)
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "proportional")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _GEMMA3 = "Gemma3ForCausalLM"
+_GEMMAS = (_GEMMA3, GEMMA4)
 # Architectures named in a checkpoint that we know and refuse, with the reason.
 _REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, "
                                       "vision tower) are not supported; the text model Gemma3ForCausalLM is",
+    "Gemma4ForConditionalGeneration": "Gemma 4 multimodal checkpoints (Gemma4ForConditionalGeneration, vision "
+                                      "and audio towers) are not supported; the text model Gemma4ForCausalLM is",
+    **{arch: f"Gemma 3n ({arch}: AltUp, LAuReL, activation sparsity and per-layer inputs) is not supported; "
+             "its cross-layer KV sharing is, on Gemma4ForCausalLM"
+       for arch in ("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration")},
     **REFUSED_MOE_ARCHITECTURES,
 }
 
@@ -46,6 +54,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial: float = 1.0            # proportional: the fraction of each head's dims rotated (the rest kept)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,15 @@ class ModelConfig:
     final_logit_softcap: float | None = None   # logits = cap * tanh(logits / cap)
     local_rope: RopeConfig | None = None       # RoPE of the layers in `local_layers` (Gemma 3's sliding layers)
     local_layers: tuple[bool, ...] = ()        # per layer: True where local_rope applies (empty: none)
+    v_norm: bool = False                       # a scale-free RMSNorm over each value head (Gemma 4)
+    layer_scalar: bool = False                 # each layer's output times a scalar of the checkpoint (Gemma 4)
+    # Cross-layer KV sharing (Gemma 4's num_kv_shared_layers): per layer, the layer whose K/V it
+    # attends, itself where it computes its own; a layer reading another's computes and stores
+    # none (the arena holds `num_kv_layers`). Empty: every layer its own.
+    kv_source_layer: tuple[int, ...] = ()
+    double_wide_shared_mlp: bool = False       # the KV-shared layers' MLPs twice as wide (use_double_wide_mlp)
+    per_layer_input_size: int = 0              # Gemma 4's per-layer inputs (hidden_size_per_layer_input; 0: none)
+    per_layer_vocab_size: int = 0              # their embedding's rows (vocab_size_per_layer_input)
     moe: MoEConfig | None = None               # the experts of a mixture-of-experts model (moe_config.py)
     mla: MLAConfig | None = None               # DeepSeek's latent attention, experts and MTP (mla_config.py)
 
@@ -97,13 +115,37 @@ class ModelConfig:
     def layer_is_local(self, i: int) -> bool:
         return bool(self.local_layers) and self.local_layers[i]
 
+    def shares_kv(self, i: int) -> bool:
+        """Layer i attends another layer's K/V and computes none."""
+        return bool(self.kv_source_layer) and self.kv_source_layer[i] != i
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that own K/V: the KV arena's layer count."""
+        return sum(not self.shares_kv(i) for i in range(self.num_layers))
+
+    def kv_arena_layers(self) -> tuple[int, ...]:
+        """Per layer, the arena layer holding the K/V it attends (its source's place among the owners)."""
+        owners = [i for i in range(self.num_layers) if not self.shares_kv(i)]
+        return tuple(owners.index(self.kv_source_layer[i] if self.kv_source_layer else i)
+                     for i in range(self.num_layers))
+
+    def layer_intermediate_size(self, i: int) -> int:
+        return self.intermediate_size * (2 if self.double_wide_shared_mlp and self.shares_kv(i) else 1)
+
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         norms = 2 * h + (2 * h if self.sandwich_norm else 0) + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + norms
-        mlps = self.num_layers * 3 * h * i if self.moe is None else self.moe.mlp_parameters(h, i)
+        shared = self.num_layers - self.num_kv_layers   # no k, v projections nor k norm
+        shared_kv = shared * (h * 2 * self.kv_size + (self.head_dim if self.qk_norm else 0))
+        mlps = sum(3 * h * self.layer_intermediate_size(n) for n in range(self.num_layers)) if self.moe is None \
+            else self.moe.mlp_parameters(h, i)
         lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + mlps + h + lm_head
+        p = self.per_layer_input_size   # per-layer inputs: their embedding, projection and norm; each layer's gate
+        ple = p and self.num_layers * p * (self.per_layer_vocab_size + h) + p + self.num_layers * (2 * h * p + h)
+        scalars = self.num_layers if self.layer_scalar else 0
+        return v * h + self.num_layers * per_layer - shared_kv + mlps + h + lm_head + ple + scalars
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
@@ -142,7 +184,7 @@ def parse_model_config(raw: dict, model_id: str) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == _GEMMA3)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in _GEMMAS)),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -183,13 +225,14 @@ def _refuse_unsupported(raw: dict, arch: str) -> None:
         raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
     if raw.get("use_bidirectional_attention"):
         raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
-    partial = _rope_sources(raw)[0].get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
+    full = _rope_sources(raw)[0]
+    partial = full.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0 and full.get("rope_type") != "proportional":
         raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
 
 
 def _activation(raw: dict, arch: str) -> str:
-    if arch == _GEMMA3:   # Gemma writes hidden_activation
+    if arch in _GEMMAS:   # Gemma writes hidden_activation
         return raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
     return raw.get("hidden_act", "silu")
 
@@ -198,16 +241,18 @@ def _family_fields(raw: dict, arch: str, n_layers: int) -> dict:
     """The ModelConfig fields beyond Llama's: per-head norms, Gemma's norms, scales and RoPE."""
     rope, local_rope = _parse_ropes(raw, arch)
     fields = dict(rope=rope, hidden_act=_activation(raw, arch),
-                  qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", _GEMMA3))
+                  qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMAS))
     cap = raw.get("final_logit_softcapping")
     if cap is not None:
         fields["final_logit_softcap"] = float(cap)
+    if arch == GEMMA4:
+        fields.update(gemma4_fields(raw, _layer_types(raw, arch, n_layers)))
     if arch == _GEMMA3:
         fields.update(norm_offset=1.0, sandwich_norm=True, embed_scale=raw["hidden_size"] ** 0.5,
                       query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)))
-        if local_rope != rope:
-            fields.update(local_rope=local_rope,
-                          local_layers=tuple(t == "sliding_attention" for t in _layer_types(raw, arch, n_layers)))
+    if arch in _GEMMAS and local_rope != rope:
+        fields.update(local_rope=local_rope,
+                      local_layers=tuple(t == "sliding_attention" for t in _layer_types(raw, arch, n_layers)))
     return fields
 
 
@@ -222,7 +267,7 @@ def _rope_sources(raw: dict) -> tuple[dict, dict | None]:
 
 def _parse_ropes(raw: dict, arch: str) -> tuple[RopeConfig, RopeConfig | None]:
     full, local = _rope_sources(raw)
-    gemma = arch == _GEMMA3
+    gemma = arch in _GEMMAS
     rope = _rope(full, float(raw.get("rope_theta", 1_000_000.0 if gemma else 10000.0)))
     if not gemma:
         return rope, None
@@ -243,6 +288,7 @@ def _rope(params: dict, default_theta: float) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        partial=float(params.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0,
     )
 
 
@@ -252,7 +298,7 @@ def _layer_types(raw: dict, arch: str, n_layers: int) -> tuple[str, ...] | None:
         if len(layer_types) != n_layers:
             raise ValueError(f"layer_types names {len(layer_types)} layers, num_hidden_layers is {n_layers}")
         return tuple(layer_types)
-    if arch == _GEMMA3:   # older configs: every `sliding_window_pattern`-th layer is global
+    if arch in _GEMMAS:   # older configs: every `sliding_window_pattern`-th layer is global
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers))
     return None

@@ -59,6 +59,10 @@ class ForwardPass:
         # RoPE, K/V store and attention of a layer as one C call: pure decode on the fused paths.
         ready = getattr(backend, "fused_block_ready", None)
         self.fused_block = self.rope_path is RopePath.FUSED_C and ready is not None and ready(meta)
+        # Cross-layer KV sharing: {source layer: its (k, v) rows of this pass}, read by the layers
+        # that attend its cache (cluster/model/llama.py).
+        self.kv_rows: dict[int, tuple] = {}
+        self.layer_inputs: torch.Tensor | None = None   # Gemma 4's per-layer inputs [T, L, P] (per_layer_inputs.py)
         self.cos = self.sin = self.local_cos = self.local_sin = None
         if self.rope_path is RopePath.TORCH:
             self.cos, self.sin = rotary.lookup(positions, dtype)
@@ -94,7 +98,7 @@ class ForwardPass:
         cos, sin = (self.local_cos, self.local_sin) if local else (self.cos, self.sin)
         return apply_rope(qkv[:, : heads * head_dim].view(t, heads, head_dim), cos, sin)
 
-    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+    def head_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None, heads: int,
                   kv_heads: int, head_dim: int, eps: float) -> None:
         """RMSNorm over each query and key head of the fused projection [T, *], in place, before
         RoPE (Qwen3, Gemma 3). Torch ops whatever the plan: the heads are strided rows; the
@@ -102,9 +106,10 @@ class ForwardPass:
         t = qkv.shape[0]
         norm = _torch_norm_fused if self.norm_path is NormPath.TORCH_FUSED else _torch_norm_ops
         q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
-        k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
         q.copy_(norm(q, q_weight, eps))
-        k.copy_(norm(k, k_weight, eps))
+        if k_weight is not None:   # None: queries only (a layer sharing another's K/V)
+            k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+            k.copy_(norm(k, k_weight, eps))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [T, 2I] projection."""

@@ -159,6 +159,8 @@ def shard_model(model: nn.Module, mc: ModelConfig, group: RankGroup, expert_para
                 redundant_experts: int = 0) -> ModelConfig:
     """Keeps this rank's share of `model`'s weights (the rest freed) and returns its local config.
     A sparse layer's experts are sliced, or with `expert_parallel` placed whole (moe_sharding.py)."""
+    if mc.num_kv_layers != mc.num_layers:   # a sharing layer's query-only projection is not sliced
+        raise ValueError("cross-layer KV sharing (num_kv_shared_layers) is not supported with tensor parallelism")
     s = rank_shard(mc, group.rank, group.world)
     local = local_config(mc, s)
     for layer in model.layers:

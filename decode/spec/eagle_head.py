@@ -99,7 +99,8 @@ def load_eagle_head(head_dir: Path, target_cfg: ModelConfig, target: CausalLM, d
     layer_cfg = replace(target_cfg, architecture="LlamaForCausalLM", num_layers=1,
                         intermediate_size=int(raw["intermediate_size"]), qkv_bias=False, o_bias=False,
                         mlp_bias=False, layer_windows=(None,), hidden_act="silu", qk_norm=False, norm_offset=0.0,
-                        sandwich_norm=False, local_rope=None, local_layers=())
+                        sandwich_norm=False, local_rope=None, local_layers=(), v_norm=False, layer_scalar=False,
+                        kv_source_layer=(), double_wide_shared_mlp=False, per_layer_input_size=0)
     checkpoint = LazyCheckpoint(Path(head_dir))
     take = TensorTaker(_Overlay(checkpoint, overrides) if overrides else checkpoint)
     state = {"fc.weight": take("fc.weight"), **layer_state_dict(layer_cfg, take, "model.layers.0.", "layer.")}

@@ -16,7 +16,7 @@ from cluster.types import KVLayout
 
 
 def draft_layout(draft_config: ModelConfig, block_size: int, dtype: str) -> KVLayout:
-    return KVLayout(model_id=draft_config.model_id, num_layers=draft_config.num_layers,
+    return KVLayout(model_id=draft_config.model_id, num_layers=draft_config.num_kv_layers,
                     num_kv_heads=draft_config.num_kv_heads, head_dim=draft_config.head_dim, block_size=block_size,
                     dtype=dtype)
 
