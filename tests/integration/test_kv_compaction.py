@@ -110,6 +110,9 @@ def test_compaction_refused_where_unsupported(tiny_model_dir):
     mistral = _engine(tiny_model_dir("mistral"))
     with pytest.raises(ValueError, match="kv_compaction is not supported with a model with sliding-window layers"):
         mistral.add_request(_prompt(), SAMPLING)
+    gemma4 = _engine(tiny_model_dir("gemma4"))    # cross-layer KV sharing (and sliding layers)
+    with pytest.raises(ValueError, match="kv_compaction is not supported with"):
+        gemma4.add_request(_prompt(), SAMPLING)
 
 
 @pytest.fixture
