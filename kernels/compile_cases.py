@@ -54,6 +54,7 @@ class Span:
     tree: tuple[int, ...] = ()
     kv_window: object | None = None   # a windowed chunk's KVWindow (the torch backend's masks; never set here)
     dropped: int = 0
+    capture: object | None = None     # a compacting chunk's query capture (the torch backend's; never set here)
 
 
 @dataclass(frozen=True)
