@@ -15,6 +15,7 @@ from cluster.engine import draft_tree
 from cluster.engine.compaction import Compactor
 from cluster.engine.scheduler import StepPlan
 from cluster.engine.sequence import Sequence
+from cluster.kv.compaction import QueryCapture
 from cluster.model.attention import AttentionBackend, AttentionBatch, PrefillSpan
 from cluster.model.llama import CausalLM
 from cluster.parallel.expert_balancer import ExpertBalancer
@@ -57,7 +58,7 @@ class BatchLayout:
         self.verifies: list[PrefillSpan] = []
 
     def add(self, tokens, start: int, blocks, kind: str = "decode", tree: tuple[int, ...] = (),
-            seq: Sequence | None = None, capture: tuple[list, int, int] | None = None) -> int:
+            seq: Sequence | None = None, capture: QueryCapture | None = None) -> int:
         """Tokens at positions start.. with their KV in `blocks`; kind is decode (one token),
         verify or prefill. A verification's `tree` (the drafts' parents) puts each draft at the
         position of its depth, its KV still at the next slot. A windowed `seq` (cluster/kv/window.py)
@@ -171,13 +172,13 @@ class ModelRunner:
         return ForwardOutput(logits[:num_sampled] if spans else logits, sampled, prompt_logits)
 
     @staticmethod
-    def _capture(seq: Sequence, start: int, n: int) -> tuple[list, int, int] | None:
+    def _capture(seq: Sequence, start: int, n: int) -> QueryCapture | None:
         """Where a compacting prompt's chunk puts its observed queries (a list on the sequence)."""
         rows = Compactor.capture_rows(seq, start, n)
         if rows is None:
             return None
         seq.captured.append([])
-        return (seq.captured[-1], *rows)
+        return QueryCapture(seq.captured[-1], *rows)
 
     def run_spans(self, spans: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """A forward pass outside the scheduler (a draft model's own steps): each span is

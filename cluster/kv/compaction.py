@@ -22,11 +22,25 @@ captures the queries and swaps the blocks): pure tensor functions.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
 from cluster.types import KVCompaction
+
+
+@dataclass(frozen=True)
+class QueryCapture:
+    """Where one prefill chunk's observed queries go: each layer appends its queries of the
+    chunk's rows lo..hi-1 to `rows`, the sequence's own list (filled during the pass)."""
+    rows: list
+    lo: int
+    hi: int
+
+    def keep(self, q: torch.Tensor) -> None:
+        self.rows.append(q[self.lo:self.hi].float().clone())
 
 
 def split(spec: KVCompaction, num_prompt: int) -> tuple[int, int]:

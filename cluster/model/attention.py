@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.kv.kv_quant import cache_kind, dequantize_rows, quantize_rows
+from cluster.kv.compaction import QueryCapture
 from cluster.kv.window import KVWindow
 from cluster.model.kernel_plan import AttentionPath, KernelPlan
 from kernels import cpu_ops
@@ -36,7 +37,7 @@ class PrefillSpan:
     # `dropped` tokens freed past the sinks; each query sees its own window (a mask).
     kv_window: KVWindow | None = None
     dropped: int = 0
-    capture: tuple[list, int, int] | None = None   # (list, lo, hi): each layer appends q[lo:hi] (compaction)
+    capture: QueryCapture | None = None   # a compacting prompt's observed queries (each layer keeps its own)
 
 
 @dataclass(frozen=True)
@@ -369,7 +370,7 @@ class TorchAttentionBackend:
     def _prefill(self, q, k, v, k_flat, v_flat, window, pm: _TorchPrefillMeta) -> torch.Tensor:
         s = pm.span
         if s.capture is not None:   # a compacting prompt's observation queries (cluster/engine/compaction.py)
-            s.capture[0].append(q[s.capture[1]:s.capture[2]].float().clone())
+            s.capture.keep(q)
         gather = pm.gather
         if gather is None and cache_kind(k_flat).quantized:
             # A quantized cache: the chunk attends its own keys as stored, as every later token will
