@@ -5,7 +5,8 @@ holds (at least one), and its pass takes `prefill_time(tokens)`; the prompt's fi
 with it. A decode worker steps its whole batch at once (`decode_step(batch, mean context)`), takes
 waiting sequences into the batch at a step's start while the batch limit and its KV allow, and a
 sequence leaves when its last token is out. A colocated worker mixes both in one step: the batch's
-decode tokens plus a chunk of the oldest prompt, the longer of the two costs. Blocks a worker has
+decode tokens plus chunks of the queued prompts, oldest first, while the step's token budget
+lasts (as the engine's scheduler admits them), the longer of the two costs. Blocks a worker has
 prefilled stay cached (LRU, its KV's size), so a prompt sharing them computes only the rest.
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ class SimWorker:
         self.context_sum = 0
         self.busy = False
         self.batch: list[SimRequest] = []
-        self.chunk = 0
+        self.chunk = 0                                  # prompt tokens the step computes
+        self.chunks: list[tuple[SimRequest, int]] = []  # a colocated step's (prompt, tokens)
         self.cache: OrderedDict[bytes, None] = OrderedDict()
         self.cache_blocks = max(1, costs.kv_tokens_per_worker // BLOCK_TOKENS)
         self.measured_busy_s = 0.0
@@ -107,7 +109,8 @@ class SimWorker:
         if self.role == "prefill":
             return self._start_prefill()
         self._admit()
-        chunk = self._plan_chunk() if self.role == "both" else 0
+        self.chunks = self._plan_chunks() if self.role == "both" else []
+        chunk = sum(n for _, n in self.chunks)
         b = len(self.running)
         if not b and not chunk:
             return None
@@ -132,12 +135,18 @@ class SimWorker:
         self.busy = True
         return self.costs.prefill_time(tokens)
 
-    def _plan_chunk(self) -> int:
-        if not self.queue or len(self.running) >= self.costs.max_num_seqs:
-            return 0
-        req = self.queue[0]
+    def _plan_chunks(self) -> list[tuple[SimRequest, int]]:
+        """The queued prompts' chunks of a colocated step, oldest first, within the token budget
+        the decodes leave and the batch limit."""
         room = self.costs.max_num_batched_tokens - len(self.running)
-        return max(1, min(room, req.compute_tokens - req.prefilled))
+        chunks: list[tuple[SimRequest, int]] = []
+        for req in self.queue:
+            if room <= 0 or len(self.running) + len(chunks) >= self.costs.max_num_seqs:
+                break
+            n = max(1, min(room, req.compute_tokens - req.prefilled))
+            chunks.append((req, n))
+            room -= n
+        return chunks
 
     def finish_step(self, now: float, duration: float) -> tuple[list[SimRequest], list[SimRequest]]:
         """Account the step that just ended: (prompts whose first token came out, sequences done)."""
@@ -151,22 +160,25 @@ class SimWorker:
                 req.remaining = req.trace.output_tokens - 1
                 self._remember(req)
             return out, []
-        first = self._finish_chunk(now) if self.chunk else []
+        first = self._finish_chunks(now) if self.chunks else []
         done = self._advance_batch(now)
         return first, done
 
-    def _finish_chunk(self, now: float) -> list[SimRequest]:
-        req = self.queue[0]
-        req.prefilled += self.chunk
-        self.measured_prefill_tokens += self.chunk
-        if req.prefilled < req.compute_tokens:
-            return []
-        self.queue.popleft()
-        req.first_token_s = now
-        req.remaining = req.trace.output_tokens - 1
-        self._remember(req)
-        self._join(req)
-        return [req]
+    def _finish_chunks(self, now: float) -> list[SimRequest]:
+        first = []
+        for req, n in self.chunks:
+            req.prefilled += n
+            self.measured_prefill_tokens += n
+            if req.prefilled < req.compute_tokens:
+                continue
+            self.queue.remove(req)
+            req.first_token_s = now
+            req.remaining = req.trace.output_tokens - 1
+            self._remember(req)
+            self._join(req)
+            first.append(req)
+        self.chunks = []
+        return first
 
     def _advance_batch(self, now: float) -> list[SimRequest]:
         if not self.running:

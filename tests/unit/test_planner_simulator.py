@@ -10,7 +10,7 @@ from cluster.launch.cli import load, main
 from cluster.planner.costs import DeviceProfile
 from cluster.planner.rule import FixedRule, RuleConfig, SlaRule
 from cluster.planner.simulator import SimConfig, Simulator
-from cluster.planner.traces import Shape, agent, bursty, poisson
+from cluster.planner.traces import Shape, TraceRequest, agent, bursty, poisson
 from router.policy import WorkerView, make_policy
 
 FLAT = DeviceProfile(prefill_tokens=(1, 1000), prefill_seconds=(0.1, 0.1), decode_batch_sizes=(1, 64),
@@ -124,3 +124,16 @@ def test_a_colocated_worker_finishes_every_request_once(output_tokens):
     sim, result = run(COSTS, SimConfig(0, 2, ttft_slo_s=10, itl_slo_s=1, colocated=True), trace)
     assert result.completed == sim.completed == len(trace)
     assert min(r.first_token_s - r.arrival_s for r in sim.requests) >= COSTS.prefill_time(32) * 0.99
+
+
+def test_a_colocated_step_prefills_every_queued_prompt_the_budget_holds():
+    """As the engine's scheduler admits waiting prompts while its token budget lasts: four 128-token
+    prompts arriving together in one 2,048-token step come out together, after one pass of 512."""
+    trace = [TraceRequest(0.0, 128, 4) for _ in range(4)]
+    sim, result = run(COSTS, SimConfig(0, 1, ttft_slo_s=10, itl_slo_s=1, colocated=True), trace)
+    assert result.completed == 4
+    firsts = sorted(r.first_token_s for r in sim.requests)
+    # the first arrival starts a pass alone (the worker is idle); the other three share the next,
+    # beside the first one's decode token (385 tokens in that step)
+    assert firsts[0] == pytest.approx(COSTS.prefill_time(128))
+    assert firsts[1] == firsts[2] == firsts[3] == pytest.approx(COSTS.prefill_time(128) + COSTS.prefill_time(385))
