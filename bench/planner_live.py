@@ -25,7 +25,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -172,10 +171,12 @@ def main() -> None:
     print(f"bursty trace: {len(trace)} requests over {args.duration:.0f} s, mean {args.rate}/s "
           f"(0.1x-1.9x, period {args.period:.0f} s); load average before: {os.getloadavg()[0]:.1f}")
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
-            results[name] = run_config(name, args, trace, Path(tmp))
-            print_result(name, results[name])
+    logs = args.out.parent / (args.out.stem + "_logs")   # the servers' logs: the planner's decisions
+    logs.mkdir(parents=True, exist_ok=True)
+    for name in args.configs.split(","):
+        results[name] = run_config(name, args, trace, logs)
+        print_result(name, results[name])
+    print(f"server logs: {logs}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
