@@ -3,6 +3,7 @@
     python bench/simulator_fidelity.py [--profile cluster/planner/cpu-default.json]
         [--modes pd,colocated] [--levels 1,2,4] [--requests 8] [--prompt-tokens 128] [--max-tokens 32]
         [--out bench/results/simulator_fidelity.json] [--reuse]
+    python bench/simulator_fidelity.py --arrivals poisson [--rates 1,2.5,4] [--duration 60] ...
 
 For each mode (`pd`: `splitserve serve --prefill 1 --decode 1`; `colocated`), bench/servers.py
 starts the cluster (bf16, no quantization, one torch thread per worker: the settings the default
@@ -18,10 +19,19 @@ queueing and batching out of sample. Prints one row per mode, level and metric, 
 (predicted / measured - 1); the goal is p50 within 15%, p99 within 30%. The machine's load
 average is printed beside: figures from a busy machine are noisy. --reuse predicts again from the
 measurements --out already holds, without starting a cluster.
+
+--arrivals poisson: open-loop loads instead of closed-loop streams, as the planner meets them:
+at each rate (requests/s) a Poisson trace of --duration seconds (seeded; the same arrival times
+given to the simulator), each request sent at its arrival time whatever the cluster's state
+(bench/planner_live.py's driver), fixed prompt and completion lengths. Closed-loop streams that
+start together run in lock-step, so their TTFTs split into two modes (a prompt alone in a pass,
+or packed with the others) and a p50 over a few requests falls in either; independent arrivals
+have no such artefact. The lowest rate is the calibration level.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -34,13 +44,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.append(str(REPO / "bench"))
 
+from planner_live import drive
 from servers import start_splitserve
 
 from cluster.config import default_model_dir
 from cluster.planner.costs import load_profile
 from cluster.planner.sim_metrics import percentile
 from cluster.planner.simulator import SimConfig, Simulator
-from cluster.planner.traces import TraceRequest
+from cluster.planner.traces import Shape, TraceRequest, poisson
 from router.policy import WorkerView, make_policy
 
 DEFAULT_PROFILE = REPO / "cluster" / "planner" / "cpu-default.json"
@@ -69,6 +80,29 @@ def measure(mode: str, args, tmp: Path) -> dict[int, list[dict]]:
     return {lv["concurrency"]: lv["results"] for lv in levels}
 
 
+def poisson_trace(rate: float, args) -> list[TraceRequest]:
+    return poisson(rate, args.duration, Shape(args.prompt_tokens, args.max_tokens, spread=0.0), seed=7)
+
+
+def measure_open(mode: str, args, tmp: Path) -> dict[float, list[dict]]:
+    """Per rate: the records of a real cluster of `mode` under that rate's Poisson trace."""
+    server = start_splitserve(mode, default_model_dir(), tmp / f"{mode}.log", threads=1)
+    try:
+        asyncio.run(drive(server.target, [TraceRequest(0.0, args.prompt_tokens, args.max_tokens)] * 2,
+                          random.Random(5)))    # warm-up
+        out = {}
+        for rate in args.rates:
+            records = asyncio.run(drive(server.target, poisson_trace(rate, args), random.Random(1)))
+            failed = [r for r in records if "error" in r]
+            if failed:
+                raise RuntimeError(f"{len(failed)} request(s) failed at {rate}/s, first: {failed[0]['error']}")
+            out[rate] = [{"ttft": r["ttft"], "itl": [r["itl"]]} for r in records]
+            print(f"  {mode}: {rate}/s done, {len(records)} requests", flush=True)
+    finally:
+        server.stop()
+    return out
+
+
 def measured_figures(records: list[dict]) -> dict[str, float]:
     ttft = [r["ttft"] for r in records]
     itl = [sum(r["itl"]) / len(r["itl"]) for r in records if r["itl"]]
@@ -80,11 +114,15 @@ def figures(ttft: list[float], itl: list[float]) -> dict[str, float]:
             "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
 
 
-def predict(mode: str, concurrency: int, args, costs) -> dict[str, float]:
-    trace = [TraceRequest(0.0, args.prompt_tokens, args.max_tokens) for _ in range(args.requests)]
+def predict(mode: str, level: float, args, costs) -> dict[str, float]:
+    """The simulator's figures for one level: `level` streams (closed loop) or requests/s (poisson)."""
+    if args.arrivals == "poisson":
+        trace, streams = poisson_trace(level, args), None
+    else:
+        trace, streams = [TraceRequest(0.0, args.prompt_tokens, args.max_tokens)] * args.requests, int(level)
     colocated = mode == "colocated"
     cfg = SimConfig(0 if colocated else 1, 1, ttft_slo_s=1e9, itl_slo_s=1e9, colocated=colocated,
-                    closed_loop=concurrency)
+                    closed_loop=streams)
     sim = Simulator(costs, cfg, make_policy("prefix_aware"), WorkerView)
     sim.run(trace)
     done = [r for r in sim.requests if r.done_s is not None]
@@ -93,8 +131,8 @@ def predict(mode: str, concurrency: int, args, costs) -> dict[str, float]:
 
 
 def calibrated(mode: str, records: list[dict], args, costs):
-    """`costs` scaled so that one stream's predicted TTFT and ITL p50 match `records` (1 stream)."""
-    measured, predicted = measured_figures(records), predict(mode, 1, args, costs)
+    """`costs` scaled so that the lowest level's predicted TTFT and ITL p50 match `records`."""
+    measured, predicted = measured_figures(records), predict(mode, args.levels[0], args, costs)
     return costs.scaled(measured["ttft_p50"] / predicted["ttft_p50"], measured["itl_p50"] / predicted["itl_p50"])
 
 
@@ -103,7 +141,8 @@ def error(predicted: float, measured: float) -> float | None:
 
 
 def compare(mode: str, measured: dict, args, costs) -> list[dict]:
-    fitted = calibrated(mode, measured[1], args, costs) if 1 in measured else costs
+    first = args.levels[0]
+    fitted = calibrated(mode, measured[first], args, costs) if first in measured else costs
     rows = []
     for c in args.levels:
         m, p, f = measured_figures(measured[c]), predict(mode, c, args, costs), predict(mode, c, args, fitted)
@@ -119,7 +158,7 @@ def print_rows(rows: list[dict]) -> None:
     for r in rows:
         def pct(x):
             return "n/a" if x is None else f"{x:+.0%}"
-        print(f"{r['mode']:<10} {r['streams']:>7} {r['metric']:<9} {r['measured_s'] * 1e3:>7.0f}ms "
+        print(f"{r['mode']:<10} {r['streams']:>7g} {r['metric']:<9} {r['measured_s'] * 1e3:>7.0f}ms "
               f"{r['profile_s'] * 1e3:>7.0f}ms {pct(r['profile_error']):>6} {r['calibrated_s'] * 1e3:>8.0f}ms "
               f"{pct(r['calibrated_error']):>6}")
 
@@ -134,19 +173,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "simulator_fidelity.json")
     ap.add_argument("--reuse", action="store_true", help="predict from the measurements --out holds")
+    ap.add_argument("--arrivals", choices=("closed", "poisson"), default="closed")
+    ap.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[1.0, 2.5, 4.0])
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of each rate's Poisson trace")
     args = ap.parse_args()
+    if args.arrivals == "poisson":
+        args.levels = args.rates
     costs = load_profile(args.profile)
     measured = {}
     if args.reuse:
-        measured = {mode: {int(c): recs for c, recs in levels.items()}
+        key = float if args.arrivals == "poisson" else int
+        measured = {mode: {key(c): recs for c, recs in levels.items()}
                     for mode, levels in json.loads(args.out.read_text())["measured"].items()}
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for mode in args.modes.split(","):
                 load_before = os.getloadavg()[0]
-                measured[mode] = measure(mode, args, Path(tmp))
+                run = measure_open if args.arrivals == "poisson" else measure
+                measured[mode] = run(mode, args, Path(tmp))
+                busy = " (CPU busy with other work: busy-machine figures)" if load_before > 1.0 else ""
                 print(f"{mode}: load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-                      f"{os.cpu_count()} cores (CPU busy with other work: busy-machine figures)", flush=True)
+                      f"{os.cpu_count()} cores{busy}", flush=True)
     rows = [row for mode in measured for row in compare(mode, measured[mode], args, costs)]
     print_rows(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
