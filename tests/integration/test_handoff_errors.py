@@ -5,41 +5,27 @@ its forks: every sample continues from the first token its handle carries."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import replace
 
 import pytest
+from loopback_pair import connect, loopback_pair
 
-from cluster.config import CacheConfig, DataPlaneConfig, EngineConfig, WorkerConfig
 from cluster.errors import RequestError, WorkerBusy
 from cluster.token_stream import TokenReceiver
 from cluster.types import Fork, KVHandle, SamplingParams
 from cluster.worker_messages import DecodeCall, GenerateCall, PrefillCall
-from decode.worker import DecodeWorker
-from prefill.worker import PrefillWorker
-
-_names = itertools.count()
 
 
 @pytest.fixture
 def pair(tiny_model_dir):
-    cfg = WorkerConfig(engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
-                                           cache=CacheConfig(block_size=4, num_blocks=64)),
-                       data_plane=DataPlaneConfig(transport="loopback"))
-    n = next(_names)
-    prefill, decode = PrefillWorker(f"p{n}", cfg), DecodeWorker(f"d{n}", cfg)
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+    with loopback_pair(tiny_model_dir("llama"), block_size=4) as workers:
+        yield workers
 
 
 async def _connect(prefill, decode) -> TokenReceiver:
-    await decode.add_peer(prefill.metadata())
-    await prefill.add_peer(decode.metadata())
+    receiver = await connect(prefill, decode)
     assert await decode.add_peer(prefill.metadata())          # the same metadata again: a no-op
-    receiver = TokenReceiver("f")
-    await receiver.start()
     return receiver
 
 

@@ -6,33 +6,25 @@ blocks only and the decode worker continues as one engine; refusals by name; poo
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
+from loopback_pair import connect, loopback_pair
 
 from cluster.config import (
     CacheConfig,
-    DataPlaneConfig,
     EngineConfig,
     SchedulerConfig,
-    WorkerConfig,
 )
 from cluster.engine.compaction import Compactor
 from cluster.engine.engine import LLMEngine
-from cluster.token_stream import TokenReceiver
 from cluster.types import Fork, KVCompaction, KVHandle, SamplingParams
 from cluster.worker_messages import DecodeCall, GenerateCall, PrefillCall
-from decode.worker import DecodeWorker
-from prefill.worker import PrefillWorker
 
 BS, MAX_TOKENS = 4, 12
 SPEC = KVCompaction(ratio=4, recent=4, observe=6, sinks=1, pool=3)   # 40 tokens -> 10 entries, 4 exact
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, kv_compaction=SPEC)
-_names = itertools.count()
-
-
 def _engine(model_dir, **cache) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=model_dir, dtype="float32", cache=CacheConfig(block_size=BS, num_blocks=64, **cache),
@@ -117,14 +109,8 @@ def test_compaction_refused_where_unsupported(tiny_model_dir):
 
 @pytest.fixture
 def pair(tiny_model_dir):
-    cfg = WorkerConfig(engine=EngineConfig(model=tiny_model_dir("llama"), dtype="float32", num_threads=1,
-                                           cache=CacheConfig(block_size=BS, num_blocks=64)),
-                       data_plane=DataPlaneConfig(transport="loopback"))
-    n = next(_names)
-    prefill, decode = PrefillWorker(f"cp{n}", cfg), DecodeWorker(f"cd{n}", cfg)
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+    with loopback_pair(tiny_model_dir("llama"), block_size=BS) as workers:
+        yield workers
 
 
 async def _tokens(receiver, rid: str, start) -> list[int]:
@@ -150,10 +136,7 @@ def test_the_handoff_moves_the_compacted_blocks_only(pair):
     prompt = _prompt()
 
     async def go():
-        await decode.add_peer(prefill.metadata())
-        await prefill.add_peer(decode.metadata())
-        receiver = TokenReceiver("f")
-        await receiver.start()
+        receiver = await connect(prefill, decode)
         try:
             result = await prefill.prefill(PrefillCall("c1", prompt, SAMPLING))
             handle = KVHandle.decode(result.handle)

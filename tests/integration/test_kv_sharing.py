@@ -11,49 +11,30 @@ import asyncio
 import json
 
 import pytest
-import torch
 from integration.test_model_families import _fused_plan, family_prompts
+from loopback_pair import connect, loopback_pair
 
 from cluster.config import (
     CacheConfig,
-    DataPlaneConfig,
     EngineConfig,
     SchedulerConfig,
-    WorkerConfig,
 )
 from cluster.engine.engine import LLMEngine
 from cluster.model.gemma4_config import kv_source_layers
 from cluster.model.model_config import parse_model_config
-from cluster.token_stream import TokenReceiver
 from cluster.types import SamplingParams
 from cluster.worker_messages import DecodeCall, PrefillCall
-from decode.worker import DecodeWorker
 from kernels import cpu_ops
-from prefill.worker import PrefillWorker
 
 MAX_TOKENS = 12
 # 2 KV heads x 16 dims x 4 bytes, K and V, 4-token blocks: 1,024 bytes a layer.
 LAYER_BYTES = 2 * 4 * 2 * 16 * 4
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """(greedy tokens, log-probabilities) from transformers' generate."""
-    import transformers
-    models, cache = {}, {}
-
-    def ref(kind: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-        if (kind, tuple(prompt)) not in cache:
-            if kind not in models:
-                models[kind] = transformers.AutoModelForCausalLM.from_pretrained(
-                    tiny_model_dir(kind), dtype=torch.float32).eval()
-            out = models[kind].generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                        output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            cache[kind, tuple(prompt)] = tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                                                  for step, t in zip(out.logits, tokens)]
-        return cache[kind, tuple(prompt)]
-    return ref
+@pytest.fixture
+def reference(hf_reference):
+    """conftest's session reference (transformers' greedy tokens and log-probabilities) at MAX_TOKENS."""
+    return lambda kind, prompt: hf_reference(kind, prompt, MAX_TOKENS)
 
 
 def _check(engine: LLMEngine, kind: str, prompts, reference) -> list:
@@ -153,18 +134,11 @@ def test_unsupported_features_are_refused_by_name(changes, named, tiny_model_dir
 def test_handoff_moves_only_the_owning_layers(tiny_model_dir, reference):
     """Prefill worker to decode worker (loopback transport): the decode worker continues the
     prompt as transformers does, and the handoff moved 10 blocks of 3 layers, not 6."""
-    cfg = WorkerConfig(engine=EngineConfig(model=tiny_model_dir("gemma4"), dtype="float32", num_threads=1,
-                                           cache=CacheConfig(block_size=4, num_blocks=64)),
-                       data_plane=DataPlaneConfig(transport="loopback"))
-    prefill, decode = PrefillWorker("p-share", cfg), DecodeWorker("d-share", cfg)
     prompt = family_prompts(lengths=(40,))[0]
     sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
-    async def go() -> list[int]:
-        await decode.add_peer(prefill.metadata())
-        await prefill.add_peer(decode.metadata())
-        receiver = TokenReceiver("f")
-        await receiver.start()
+    async def go(prefill, decode) -> list[int]:
+        receiver = await connect(prefill, decode)
         try:
             result = await prefill.prefill(PrefillCall("r", prompt, sampling))
             key, queue = receiver.open("r")
@@ -179,11 +153,8 @@ def test_handoff_moves_only_the_owning_layers(tiny_model_dir, reference):
             return tokens
         finally:
             await receiver.stop()
-    try:
-        tokens = asyncio.run(go())
+    with loopback_pair(tiny_model_dir("gemma4"), block_size=4) as (prefill, decode):
+        tokens = asyncio.run(go(prefill, decode))
         stats = decode.stats().handoff
-        assert stats.done == 1 and stats.bytes == 10 * 3 * LAYER_BYTES, stats
-        assert tokens == reference("gemma4", prompt)[0]
-    finally:
-        prefill.close()
-        decode.close()
+    assert stats.done == 1 and stats.bytes == 10 * 3 * LAYER_BYTES, stats
+    assert tokens == reference("gemma4", prompt)[0]
